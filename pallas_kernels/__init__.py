@@ -1,0 +1,6 @@
+"""Pallas (Triton lowering) kernels for ragged MSA decode, their pure-JAX references and ragged metadata."""
+
+from pallas_kernels import platform as platform  # noqa: F401  (installs the Triton deprecation filter)
+from pallas_kernels.metadata import query_lens, token_positions, token_to_request
+
+__all__ = ["query_lens", "token_positions", "token_to_request"]

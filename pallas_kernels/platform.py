@@ -1,0 +1,78 @@
+"""Backend selection shared by every kernel: interpret mode, the Triton deprecation filter, deviceless lowering.
+
+JAX has deprecated the Triton lowering of Pallas, but on ROCm it is still the only Pallas path. Kernels in this
+package therefore sit behind a small dispatch layer: ``resolve_interpret`` decides between compiled Triton
+kernels (CUDA or ROCm) and Pallas interpret mode (CPU), and the public entry points fall back to the pure-JAX
+``*_reference`` when asked to (``implementation="reference"``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+
+import jax
+
+# Exactly the warning JAX emits when a pallas_call is lowered through Triton; nothing broader is silenced.
+TRITON_DEPRECATION_MESSAGE = r"The Pallas Triton backend is deprecated"
+
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def filter_triton_deprecation() -> None:
+    """Silence only JAX's deprecation warning for the Pallas Triton backend."""
+    warnings.filterwarnings("ignore", message=TRITON_DEPRECATION_MESSAGE, category=DeprecationWarning)
+
+
+filter_triton_deprecation()
+
+
+def on_gpu() -> bool:
+    """True when JAX's default backend is a GPU (CUDA or ROCm)."""
+    return jax.default_backend() in _GPU_PLATFORMS
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    """``None`` means: interpret mode on CPU, compiled Triton kernels on a GPU."""
+    if interpret is None:
+        return not on_gpu()
+    return bool(interpret)
+
+
+def gpu_platform_name() -> str | None:
+    """``"cuda"`` or ``"rocm"`` for the default device, ``None`` off GPU."""
+    if not on_gpu():
+        return None
+    return jax.devices()[0].client.platform if hasattr(jax.devices()[0], "client") else jax.default_backend()
+
+
+# Abstract GPUs used by the deviceless lowering check: one NVIDIA Hopper and one AMD CDNA3 part.
+ABSTRACT_GPUS = {"cuda": "NVIDIA H200", "rocm": "gfx942"}
+
+
+@contextlib.contextmanager
+def abstract_gpu(platform: str) -> Iterator[None]:
+    """Pretend the default device is a GPU of ``platform`` (``"cuda"`` or ``"rocm"``) while lowering.
+
+    Used with ``jax.jit(f).trace(*args).lower(lowering_platforms=(platform,))`` to prove a kernel lowers
+    to Triton for CUDA and ROCm on a machine without a GPU.
+    """
+    from jax._src.mesh import AbstractDevice  # no public constructor yet in jax 0.11
+
+    if platform not in ABSTRACT_GPUS:
+        raise ValueError(f"platform must be one of {sorted(ABSTRACT_GPUS)}, got {platform!r}")
+    device = AbstractDevice(device_kind=ABSTRACT_GPUS[platform], num_cores=None, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        yield
+
+
+def lower_for_gpu(fn, *args, platform: str, **kwargs) -> str:
+    """Lower ``fn(*args, **kwargs)`` for ``platform`` without a GPU and return the StableHLO text.
+
+    ``args`` may be ``jax.ShapeDtypeStruct``s. The text contains the serialized Triton kernel call.
+    """
+    with abstract_gpu(platform):
+        lowered = jax.jit(lambda *a: fn(*a, **kwargs)).trace(*args).lower(lowering_platforms=(platform,))
+    return lowered.as_text()

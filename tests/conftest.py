@@ -1,0 +1,10 @@
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+import pallas_kernels.platform  # noqa: E402,F401  (installs the Triton deprecation filter)
