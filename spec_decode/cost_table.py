@@ -1,0 +1,247 @@
+"""Profiled step costs for the budget planner (SPEC section 7).
+
+A :class:`CostTable` holds seconds per call of the engine's compiled steps at the shape buckets it compiles:
+
+* the verify step, keyed by the total number of verify tokens (anchors plus verified drafts) it was compiled for;
+* the draft step, keyed by the number of request rows.
+
+Lookups behave like the engine: a step with ``n`` tokens runs the smallest compiled bucket ``>= n`` and pays its
+time (a step function inside the buckets). Times are made non-decreasing with a running max, because a larger
+bucket can never be cheaper to run than padding up to it; beyond the largest bucket the cost is extrapolated
+linearly. A missing table, or one whose verify costs are all equal, is *flat*: it carries no trade-off, and the
+planner then verifies everything.
+
+The table is saved as ``cost_table.json`` next to the model (:func:`save_cost_table`, :func:`load_cost_table`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+
+__all__ = [
+    "COST_TABLE_FILENAME",
+    "CostTable",
+    "load_cost_table",
+    "profile_cost_table",
+    "save_cost_table",
+    "time_callable",
+]
+
+COST_TABLE_FILENAME = "cost_table.json"
+_FORMAT_VERSION = 1
+
+
+def _normalise(name: str, buckets: Sequence[int], seconds: Sequence[float]) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """Sort by bucket, validate, and apply the running max."""
+    if len(buckets) != len(seconds):
+        raise ValueError(f"{name}: {len(buckets)} buckets but {len(seconds)} timings")
+    pairs = []
+    for b, s in zip(buckets, seconds):
+        if isinstance(b, bool) or int(b) != b or int(b) < 1:
+            raise ValueError(f"{name}: buckets must be positive integers, got {b!r}")
+        s = float(s)
+        if not math.isfinite(s) or s < 0:
+            raise ValueError(f"{name}: timings must be finite and >= 0, got {s!r} for bucket {b}")
+        pairs.append((int(b), s))
+    pairs.sort()
+    for (b0, _), (b1, _) in zip(pairs, pairs[1:]):
+        if b0 == b1:
+            raise ValueError(f"{name}: duplicate bucket {b0}")
+    out_b, out_s, running = [], [], 0.0
+    for b, s in pairs:
+        running = max(running, s)
+        out_b.append(b)
+        out_s.append(running)
+    return tuple(out_b), tuple(out_s)
+
+
+def _lookup(buckets: tuple[int, ...], seconds: tuple[float, ...], n: int) -> float:
+    """Step function inside the buckets, linear extrapolation above the largest one."""
+    if not buckets:
+        return 0.0
+    n = max(int(n), 0)
+    for b, s in zip(buckets, seconds):
+        if n <= b:
+            return s
+    b_hi, s_hi = buckets[-1], seconds[-1]
+    if len(buckets) == 1:
+        return s_hi * n / b_hi  # proportional: the only slope one point gives
+    b_lo, s_lo = buckets[-2], seconds[-2]
+    slope = (s_hi - s_lo) / (b_hi - b_lo)  # >= 0 after the running max
+    return s_hi + slope * (n - b_hi)
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Seconds per verify step (by total verify tokens) and per draft step (by request rows).
+
+    Construction sorts the buckets and forces the timings non-decreasing (running max); the raw measurements
+    are kept in ``metadata`` by the profiler if wanted.
+    """
+
+    verify_buckets: tuple[int, ...] = ()
+    verify_seconds: tuple[float, ...] = ()
+    draft_buckets: tuple[int, ...] = ()
+    draft_seconds: tuple[float, ...] = ()
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        vb, vs = _normalise("verify", self.verify_buckets, self.verify_seconds)
+        db, ds = _normalise("draft", self.draft_buckets, self.draft_seconds)
+        object.__setattr__(self, "verify_buckets", vb)
+        object.__setattr__(self, "verify_seconds", vs)
+        object.__setattr__(self, "draft_buckets", db)
+        object.__setattr__(self, "draft_seconds", ds)
+        object.__setattr__(self, "metadata", dict(self.metadata))
+
+    @classmethod
+    def from_measurements(
+        cls,
+        verify: Mapping[int, float],
+        draft: Mapping[int, float] | None = None,
+        *,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> "CostTable":
+        """Build from ``{bucket: seconds}`` mappings."""
+        draft = draft or {}
+        return cls(
+            tuple(verify), tuple(verify.values()), tuple(draft), tuple(draft.values()), metadata or {}
+        )
+
+    def verify_cost(self, num_tokens: int) -> float:
+        """Seconds of a verify step over ``num_tokens`` packed tokens."""
+        return _lookup(self.verify_buckets, self.verify_seconds, num_tokens)
+
+    def draft_cost(self, num_requests: int) -> float:
+        """Seconds of a draft step over ``num_requests`` request rows (0 when no draft timings exist)."""
+        return _lookup(self.draft_buckets, self.draft_seconds, num_requests)
+
+    @property
+    def is_flat(self) -> bool:
+        """True when the verify costs carry no trade-off (no timings, or all equal): verify everything."""
+        return len(set(self.verify_seconds)) < 2
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format_version": _FORMAT_VERSION,
+            "verify": {str(b): s for b, s in zip(self.verify_buckets, self.verify_seconds)},
+            "draft": {str(b): s for b, s in zip(self.draft_buckets, self.draft_seconds)},
+            "metadata": dict(self.metadata),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "CostTable":
+        if not isinstance(data, Mapping) or "verify" not in data:
+            raise ValueError("cost table data must be a mapping with a 'verify' entry")
+        version = data.get("format_version", _FORMAT_VERSION)
+        if version != _FORMAT_VERSION:
+            raise ValueError(f"unsupported cost table format_version {version!r} (expected {_FORMAT_VERSION})")
+        verify = {int(k): float(v) for k, v in data["verify"].items()}
+        draft = {int(k): float(v) for k, v in data.get("draft", {}).items()}
+        return cls.from_measurements(verify, draft, metadata=data.get("metadata", {}))
+
+    def save(self, path: str | os.PathLike) -> str:
+        """See :func:`save_cost_table`."""
+        return save_cost_table(self, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "CostTable | None":
+        """See :func:`load_cost_table`."""
+        return load_cost_table(path)
+
+
+def _table_path(path: str | os.PathLike) -> str:
+    path = os.fspath(path)
+    return os.path.join(path, COST_TABLE_FILENAME) if os.path.isdir(path) else path
+
+
+def save_cost_table(table: CostTable, path: str | os.PathLike) -> str:
+    """Write ``table`` as JSON; ``path`` is a model directory (gets ``cost_table.json``) or a file path."""
+    target = _table_path(path)
+    tmp = f"{target}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(table.to_dict(), f, indent=2, sort_keys=True)
+    os.replace(tmp, target)  # atomic: a concurrent reader never sees half a file
+    return target
+
+
+def load_cost_table(path: str | os.PathLike | None) -> CostTable | None:
+    """Read a table from a model directory or a JSON file; ``None`` when there is none (verify everything)."""
+    if path is None:
+        return None
+    target = _table_path(path)
+    if not os.path.exists(target):
+        return None
+    with open(target) as f:
+        return CostTable.from_dict(json.load(f))
+
+
+def time_callable(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1) -> float:
+    """Median wall seconds of ``fn()`` over ``repeats`` timed calls after ``warmup`` calls (all synchronised)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def profile_cost_table(
+    verify_fns: Mapping[int, Callable[[], Any]],
+    draft_fns: Mapping[int, Callable[[], Any]],
+    *,
+    repeats: int = 5,
+    warmup: int = 1,
+    metadata: Mapping[str, Any] | None = None,
+) -> CostTable:
+    """Time the engine's compiled steps per shape bucket and build a monotone :class:`CostTable`.
+
+    Args:
+      verify_fns: ``{total_verify_tokens_bucket: fn}``; each ``fn()`` runs one verify step at that bucket
+        (closing over its inputs) and returns its outputs (they are synchronised with
+        ``jax.block_until_ready``).
+      draft_fns: ``{num_request_rows_bucket: fn}``, the same for the draft step (may be empty).
+      repeats: timed replays per bucket; the median is kept.
+      warmup: untimed calls per bucket first (compilation, autotuning, allocator warm-up).
+      metadata: extra fields stored with the table; the device, the jax version and the raw medians are added.
+
+    Raises:
+      ValueError: no verify buckets, a bucket that is not a positive integer, or a value that is not callable.
+    """
+    if not verify_fns:
+        raise ValueError("verify_fns must hold at least one bucket")
+    for name, fns in (("verify_fns", verify_fns), ("draft_fns", draft_fns)):
+        for b, fn in fns.items():
+            if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1:
+                raise ValueError(f"{name}: buckets must be positive integers, got {b!r}")
+            if not callable(fn):
+                raise ValueError(f"{name}[{b}] is not callable")
+    verify = {int(b): time_callable(fn, repeats=repeats, warmup=warmup) for b, fn in sorted(verify_fns.items())}
+    draft = {int(b): time_callable(fn, repeats=repeats, warmup=warmup) for b, fn in sorted(draft_fns.items())}
+    dev = jax.devices()[0]
+    meta = {
+        "device": f"{dev.platform}:{getattr(dev, 'device_kind', '?')}",
+        "jax": jax.__version__,
+        "repeats": repeats,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "raw_verify_median_s": {str(b): s for b, s in verify.items()},
+        "raw_draft_median_s": {str(b): s for b, s in draft.items()},
+    }
+    meta.update(metadata or {})
+    return CostTable.from_measurements(verify, draft, metadata=meta)

@@ -1,0 +1,114 @@
+"""Cost tables: monotone step function, linear extrapolation, JSON round trip, and the profiler on real jits."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from spec_decode.cost_table import (
+    COST_TABLE_FILENAME,
+    CostTable,
+    load_cost_table,
+    profile_cost_table,
+    save_cost_table,
+    time_callable,
+)
+
+
+def test_running_max_and_step_function():
+    t = CostTable.from_measurements({32: 3.0, 8: 1.0, 16: 0.5, 64: 4.0}, {4: 0.2, 1: 0.1})
+    assert t.verify_buckets == (8, 16, 32, 64)
+    assert t.verify_seconds == (1.0, 1.0, 3.0, 4.0)  # the 16-token dip is lifted to 1.0
+    # A step pays for the smallest bucket >= n.
+    assert t.verify_cost(0) == 1.0
+    assert t.verify_cost(1) == 1.0
+    assert t.verify_cost(8) == 1.0
+    assert t.verify_cost(9) == 1.0
+    assert t.verify_cost(17) == 3.0
+    assert t.verify_cost(32) == 3.0
+    assert t.verify_cost(33) == 4.0
+    assert t.draft_cost(1) == 0.1 and t.draft_cost(2) == 0.2 and t.draft_cost(4) == 0.2
+
+
+def test_linear_extrapolation_above_largest_bucket():
+    t = CostTable.from_measurements({8: 1.0, 16: 2.0}, {2: 1.0})
+    assert t.verify_cost(24) == pytest.approx(3.0)
+    assert t.verify_cost(160) == pytest.approx(20.0)
+    assert t.draft_cost(6) == pytest.approx(3.0)  # one bucket: proportional
+    costs = [t.verify_cost(n) for n in range(0, 100)]
+    assert all(b >= a for a, b in zip(costs, costs[1:]))
+
+
+def test_flatness():
+    assert CostTable().is_flat
+    assert CostTable.from_measurements({8: 1.0}).is_flat
+    assert CostTable.from_measurements({8: 1.0, 16: 1.0, 32: 1.0}).is_flat
+    # A dip lifted by the running max to a constant is flat as well.
+    assert CostTable.from_measurements({8: 1.0, 16: 0.7}).is_flat
+    assert not CostTable.from_measurements({8: 1.0, 16: 1.1}).is_flat
+    assert CostTable().verify_cost(5) == 0.0 and CostTable().draft_cost(5) == 0.0
+
+
+def test_json_round_trip_next_to_model(tmp_path):
+    t = CostTable.from_measurements({8: 1.0, 16: 1.5}, {1: 0.25, 4: 0.5}, metadata={"device": "x"})
+    written = save_cost_table(t, tmp_path)  # a directory: the file goes next to the model
+    assert written == str(tmp_path / COST_TABLE_FILENAME)
+    data = json.loads((tmp_path / COST_TABLE_FILENAME).read_text())
+    assert data["verify"] == {"8": 1.0, "16": 1.5}
+    loaded = load_cost_table(tmp_path)
+    assert loaded == t
+    assert CostTable.load(tmp_path / COST_TABLE_FILENAME) == t
+    # Missing => None (the planner then verifies everything).
+    assert load_cost_table(tmp_path / "nope") is None
+    assert load_cost_table(None) is None
+
+
+def test_bad_input_raises(tmp_path):
+    with pytest.raises(ValueError, match="verify"):
+        CostTable(verify_buckets=(8, 16), verify_seconds=(1.0,))
+    with pytest.raises(ValueError, match="positive"):
+        CostTable.from_measurements({0: 1.0})
+    with pytest.raises(ValueError, match="finite"):
+        CostTable.from_measurements({8: float("nan")})
+    with pytest.raises(ValueError, match="duplicate"):
+        CostTable(verify_buckets=(8, 8), verify_seconds=(1.0, 2.0))
+    with pytest.raises(ValueError, match="format_version"):
+        CostTable.from_dict({"format_version": 99, "verify": {}})
+    with pytest.raises(ValueError, match="verify_fns"):
+        profile_cost_table({}, {})
+    with pytest.raises(ValueError, match="callable"):
+        profile_cost_table({8: 3}, {})
+    with pytest.raises(ValueError, match="repeats"):
+        time_callable(lambda: 0, repeats=0)
+
+
+def _matmul_step(n: int):
+    """A real jitted step whose work grows like n^3 (a stand-in for the engine's compiled steps)."""
+    x = jax.random.normal(jax.random.key(n), (n, n), jnp.float32)
+    f = jax.jit(lambda a: jnp.tanh(a @ a) @ a)
+    return lambda: f(x)
+
+
+def test_profiler_times_real_jitted_functions(tmp_path):
+    verify_sizes = {8: 16, 16: 64, 32: 256, 64: 640}  # bucket -> matrix size
+    draft_sizes = {1: 16, 4: 384}
+    table = profile_cost_table(
+        {b: _matmul_step(n) for b, n in verify_sizes.items()},
+        {b: _matmul_step(n) for b, n in draft_sizes.items()},
+        repeats=5,
+    )
+    assert table.verify_buckets == (8, 16, 32, 64)
+    assert all(s > 0 for s in table.verify_seconds)
+    assert all(b >= a for a, b in zip(table.verify_seconds, table.verify_seconds[1:]))
+    # 640^3 versus 16^3 multiply-adds: the largest bucket is clearly slower than the smallest.
+    assert table.verify_seconds[-1] > 5 * table.verify_seconds[0]
+    assert table.draft_cost(4) > table.draft_cost(1)
+    assert not table.is_flat
+    raw = table.metadata["raw_verify_median_s"]
+    assert set(raw) == {"8", "16", "32", "64"}
+    assert table.metadata["device"].startswith("cpu")
+    save_cost_table(table, tmp_path)
+    assert load_cost_table(tmp_path) == table
