@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import numpy as np
 
 __all__ = [
     "COST_TABLE_FILENAME",
@@ -65,20 +66,21 @@ def _normalise(name: str, buckets: Sequence[int], seconds: Sequence[float]) -> t
     return tuple(out_b), tuple(out_s)
 
 
-def _lookup(buckets: tuple[int, ...], seconds: tuple[float, ...], n: int) -> float:
-    """Step function inside the buckets, linear extrapolation above the largest one."""
+def _lookup(buckets: tuple[int, ...], seconds: tuple[float, ...], n) -> np.ndarray:
+    """Step function inside the buckets, linear extrapolation above the largest one (vectorised over n)."""
+    n = np.maximum(np.asarray(n, np.int64), 0)
     if not buckets:
-        return 0.0
-    n = max(int(n), 0)
-    for b, s in zip(buckets, seconds):
-        if n <= b:
-            return s
-    b_hi, s_hi = buckets[-1], seconds[-1]
-    if len(buckets) == 1:
-        return s_hi * n / b_hi  # proportional: the only slope one point gives
-    b_lo, s_lo = buckets[-2], seconds[-2]
-    slope = (s_hi - s_lo) / (b_hi - b_lo)  # >= 0 after the running max
-    return s_hi + slope * (n - b_hi)
+        return np.zeros(n.shape, np.float64)
+    b = np.asarray(buckets, np.int64)
+    s = np.asarray(seconds, np.float64)
+    idx = np.searchsorted(b, n, side="left")  # the smallest bucket >= n
+    inside = s[np.minimum(idx, len(b) - 1)]
+    if len(b) == 1:
+        slope = s[-1] / b[-1]  # proportional: the only slope one point gives
+    else:
+        slope = (s[-1] - s[-2]) / (b[-1] - b[-2])  # >= 0 after the running max
+    above = s[-1] + slope * (n - b[-1])
+    return np.where(idx < len(b), inside, above)
 
 
 @dataclass(frozen=True)
@@ -120,10 +122,18 @@ class CostTable:
 
     def verify_cost(self, num_tokens: int) -> float:
         """Seconds of a verify step over ``num_tokens`` packed tokens."""
-        return _lookup(self.verify_buckets, self.verify_seconds, num_tokens)
+        return float(_lookup(self.verify_buckets, self.verify_seconds, num_tokens))
 
     def draft_cost(self, num_requests: int) -> float:
         """Seconds of a draft step over ``num_requests`` request rows (0 when no draft timings exist)."""
+        return float(_lookup(self.draft_buckets, self.draft_seconds, num_requests))
+
+    def verify_costs(self, num_tokens) -> np.ndarray:
+        """Vectorised :meth:`verify_cost`: ``float64`` array shaped like ``num_tokens``."""
+        return _lookup(self.verify_buckets, self.verify_seconds, num_tokens)
+
+    def draft_costs(self, num_requests) -> np.ndarray:
+        """Vectorised :meth:`draft_cost`."""
         return _lookup(self.draft_buckets, self.draft_seconds, num_requests)
 
     @property

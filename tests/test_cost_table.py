@@ -112,3 +112,13 @@ def test_profiler_times_real_jitted_functions(tmp_path):
     assert table.metadata["device"].startswith("cpu")
     save_cost_table(table, tmp_path)
     assert load_cost_table(tmp_path) == table
+
+
+def test_vectorised_lookup_matches_scalar():
+    import numpy as np
+
+    t = CostTable.from_measurements({8: 1.0, 16: 1.3, 48: 2.5}, {4: 0.2, 16: 0.5})
+    ns = np.arange(0, 120)
+    np.testing.assert_allclose(t.verify_costs(ns), [t.verify_cost(int(n)) for n in ns])
+    np.testing.assert_allclose(t.draft_costs(ns), [t.draft_cost(int(n)) for n in ns])
+    assert t.verify_cost(49) == pytest.approx(2.5 + 1.2 / 32)

@@ -1,0 +1,125 @@
+"""Host-side verification budget (SPEC section 7): how many drafts the next verify step checks in total.
+
+The planner maximises expected emitted tokens per second of step time:
+
+```
+scores   = sort_desc(a_stale[r, j] for j < scheduled_drafts[r])        # survival of an EARLIER step
+maxB     = min(sum(scheduled_drafts), max_total_logit_rows - R)         # verify-logits memory cap
+value(b) = (num_sampling_rows + sum(scores[:b])) / (draft_cost[R] + verify_cost[T + b])
+B        = argmax_{0 <= b <= maxB} value(b), the smallest b on ties
+```
+
+The verify cost is a staircase (compiled shape buckets), so ``value`` can fall at a bucket edge and rise again
+later: the search is global over every ``b``, never a first-descent stop. The confidences come from an earlier
+step, so the budget never depends on the drafts being verified (which keeps the allocation lossless, and lets
+the host plan while the device drafts). A missing or flat cost table means "verify everything": ``B = maxB``.
+
+Everything is plain numpy; every tensor-parallel rank computes the same integer from the same inputs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from spec_decode.cost_table import CostTable
+
+__all__ = ["budget_values", "choose_budget"]
+
+_TIE_RTOL = 1e-9  # values this close (relative) to the best count as ties
+
+
+def _validated(stale_confidences, scheduled_drafts) -> tuple[np.ndarray, np.ndarray]:
+    conf = np.asarray(stale_confidences, np.float64)
+    if conf.ndim != 2:
+        raise ValueError(f"stale_confidences must be f32[R, K], got shape {conf.shape}")
+    sched = np.asarray(scheduled_drafts)
+    if sched.shape != (conf.shape[0],):
+        raise ValueError(
+            f"scheduled_drafts must be int[R] with R={conf.shape[0]} (from stale_confidences {conf.shape}), "
+            f"got shape {sched.shape}"
+        )
+    if sched.size and not np.issubdtype(sched.dtype, np.integer):
+        raise ValueError(f"scheduled_drafts must be integers, got dtype {sched.dtype}")
+    sched = sched.astype(np.int64)
+    if np.any(sched < 0) or np.any(sched > conf.shape[1]):
+        raise ValueError(f"scheduled_drafts must lie in [0, K={conf.shape[1]}], got {sched.tolist()}")
+    return conf, sched
+
+
+def _sorted_scores(conf: np.ndarray, sched: np.ndarray) -> np.ndarray:
+    conf = np.where(np.isnan(conf), 0.0, np.clip(conf, 0.0, 1.0))
+    a = np.cumprod(conf, axis=1)
+    valid = np.arange(conf.shape[1])[None, :] < sched[:, None]
+    return -np.sort(-a[valid])
+
+
+def budget_values(
+    stale_confidences,
+    scheduled_drafts,
+    *,
+    num_sampling_rows: int,
+    num_non_draft_tokens: int,
+    cost_table: CostTable,
+    max_total_logit_rows: int,
+) -> np.ndarray:
+    """``float64[maxB + 1]``: ``value(b)`` for every candidate budget (see the module docstring)."""
+    conf, sched = _validated(stale_confidences, scheduled_drafts)
+    max_b = _max_budget(sched, max_total_logit_rows)
+    scores = _sorted_scores(conf, sched)[:max_b]
+    gain = num_sampling_rows + np.concatenate([[0.0], np.cumsum(scores)])  # [maxB + 1]
+    r = conf.shape[0]
+    draft = cost_table.draft_cost(r)
+    cost = draft + cost_table.verify_costs(num_non_draft_tokens + np.arange(max_b + 1))
+    return gain / np.maximum(cost, 1e-12)
+
+
+def _max_budget(sched: np.ndarray, max_total_logit_rows: int) -> int:
+    return max(0, min(int(sched.sum()), int(max_total_logit_rows) - sched.shape[0]))
+
+
+def choose_budget(
+    stale_confidences,
+    scheduled_drafts,
+    *,
+    num_sampling_rows: int,
+    num_non_draft_tokens: int,
+    cost_table: CostTable | None,
+    max_total_logit_rows: int,
+) -> int:
+    """The total number of drafts to verify in the next step.
+
+    Args:
+      stale_confidences: ``f32[R, K]`` per-position acceptance confidences from an earlier step (1.0 for
+        requests with no history); survival is their cumulative product along ``K``.
+      scheduled_drafts: ``int[R]`` in ``[0, K]``: drafts each request will produce.
+      num_sampling_rows: rows that emit a token regardless of the drafts (one per running request).
+      num_non_draft_tokens: ``T``, packed verify tokens that are not drafts (anchors, prefill chunks).
+      cost_table: profiled :class:`CostTable`, or ``None``; a missing or flat table verifies everything.
+      max_total_logit_rows: the verify-logits memory bound: at most this many rows of vocabulary logits, of
+        which ``R`` are taken by the anchors.
+
+    Returns:
+      ``B`` in ``[0, min(sum(scheduled_drafts), max_total_logit_rows - R)]``: the global argmax of the value
+      curve, the smallest on ties (values within a relative ``1e-9`` of the best count as ties).
+    """
+    conf, sched = _validated(stale_confidences, scheduled_drafts)
+    if num_sampling_rows < 0:
+        raise ValueError(f"num_sampling_rows must be >= 0, got {num_sampling_rows}")
+    if num_non_draft_tokens < 0:
+        raise ValueError(f"num_non_draft_tokens must be >= 0, got {num_non_draft_tokens}")
+    if max_total_logit_rows < 0:
+        raise ValueError(f"max_total_logit_rows must be >= 0, got {max_total_logit_rows}")
+    max_b = _max_budget(sched, max_total_logit_rows)
+    if cost_table is None or cost_table.is_flat:
+        return max_b
+    values = budget_values(
+        conf,
+        sched,
+        num_sampling_rows=num_sampling_rows,
+        num_non_draft_tokens=num_non_draft_tokens,
+        cost_table=cost_table,
+        max_total_logit_rows=max_total_logit_rows,
+    )
+    # The smallest b within float rounding of the maximum: a draft of negligible survival never buys a larger B.
+    best = values.max()
+    return int(np.flatnonzero(values >= best - _TIE_RTOL * abs(best))[0])

@@ -1,0 +1,121 @@
+"""Host-side budget planner: the global argmax over a staircase cost curve (SPEC section 7)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from spec_decode.budget import budget_values, choose_budget
+from spec_decode.cost_table import CostTable
+
+# Verify costs jump at the 8 -> 16 token edge a little and at 16 -> 32 a lot; the draft step costs 0.2.
+STAIRCASE = CostTable.from_measurements({8: 1.0, 16: 1.3, 32: 2.5}, {4: 0.2})
+
+
+def _kw(**over):
+    kw = dict(num_sampling_rows=4, num_non_draft_tokens=4, cost_table=STAIRCASE, max_total_logit_rows=1000)
+    kw.update(over)
+    return kw
+
+
+def test_staircase_global_argmax_beats_first_descent():
+    conf = np.full((4, 7), 0.8)  # survivals 0.8, 0.64, 0.512, ... in each of 4 rows
+    sched = np.full(4, 7)
+    # Hand values: b = 4 fills the 8-token bucket: (4 + 4 * 0.8) / (0.2 + 1.0) = 6.0. b = 5 pays the 16-token
+    # bucket and drops to (4 + 3.2 + 0.64) / 1.5 = 5.227: a first-descent search would stop at 4.
+    # b = 12 fills that bucket: (4 + 3.2 + 2.56 + 2.048) / 1.5 = 7.872, the global best.
+    values = budget_values(conf, sched, **_kw())
+    assert values[4] == pytest.approx(6.0)
+    assert values[5] == pytest.approx((4 + 3.2 + 0.64) / 1.5)
+    assert values[12] == pytest.approx(7.872)
+    first_descent = next(b for b in range(len(values) - 1) if values[b + 1] < values[b])
+    assert first_descent == 4
+    b = choose_budget(conf, sched, **_kw())
+    assert b == 12
+    assert values[b] > values[first_descent]
+
+
+def test_smallest_budget_on_ties():
+    # Drafts beyond position 1 have survival 0: they add nothing, and inside one bucket they cost nothing,
+    # so every b from 8 up to the bucket edge ties; the smallest wins.
+    conf = np.array([[1.0, 1.0, 0.0, 0.0]] * 4)
+    sched = np.full(4, 4)
+    values = budget_values(conf, sched, **_kw(cost_table=CostTable.from_measurements({16: 1.0, 32: 9.0})))
+    assert values[8] == values[9] == values[12]
+    assert choose_budget(conf, sched, **_kw(cost_table=CostTable.from_measurements({16: 1.0, 32: 9.0}))) == 8
+
+
+def test_flat_or_missing_table_verifies_everything():
+    conf = np.full((3, 5), 0.1)
+    sched = np.array([5, 2, 0])
+    assert choose_budget(conf, sched, **_kw(cost_table=None)) == 7
+    assert choose_budget(conf, sched, **_kw(cost_table=CostTable())) == 7
+    assert choose_budget(conf, sched, **_kw(cost_table=CostTable.from_measurements({8: 1.0, 64: 1.0}))) == 7
+
+
+def test_logits_memory_cap():
+    conf = np.ones((4, 7))
+    sched = np.full(4, 7)
+    # At most 10 logit rows: 4 go to the anchors, so at most 6 drafts, whatever the table says.
+    assert choose_budget(conf, sched, **_kw(cost_table=None, max_total_logit_rows=10)) == 6
+    assert choose_budget(conf, sched, **_kw(max_total_logit_rows=10)) <= 6
+    assert len(budget_values(conf, sched, **_kw(max_total_logit_rows=10))) == 7
+    assert choose_budget(conf, sched, **_kw(cost_table=None, max_total_logit_rows=3)) == 0
+
+
+def test_only_scheduled_drafts_count():
+    # Request 1 schedules no drafts: its (high) confidences must not enter the scores.
+    conf = np.array([[0.5, 0.5], [1.0, 1.0]])
+    values = budget_values(conf, np.array([2, 0]), **_kw(num_sampling_rows=2, num_non_draft_tokens=2))
+    assert len(values) == 3
+    d, v = STAIRCASE.draft_cost(2), STAIRCASE.verify_cost(4)
+    np.testing.assert_allclose(values, [(2 + 0) / (d + v), (2 + 0.5) / (d + v), (2 + 0.75) / (d + v)])
+
+
+def _brute_force(conf, sched, table, n_rows, t, max_rows):
+    a = np.cumprod(conf, axis=1)
+    scores = sorted((a[r, j] for r in range(len(sched)) for j in range(sched[r])), reverse=True)
+    max_b = max(0, min(int(sum(sched)), max_rows - len(sched)))
+    values = [
+        (n_rows + sum(scores[:b])) / (table.draft_cost(len(sched)) + table.verify_cost(t + b))
+        for b in range(max_b + 1)
+    ]
+    best = max(values)
+    return next(b for b, v in enumerate(values) if v >= best - 1e-9 * best)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    r=st.integers(1, 6),
+    k=st.integers(1, 6),
+    costs=st.lists(st.floats(0.05, 5.0), min_size=2, max_size=5),
+)
+def test_matches_brute_force(data, r, k, costs):
+    conf = np.array(data.draw(st.lists(st.floats(0.0, 1.0), min_size=r * k, max_size=r * k))).reshape(r, k)
+    sched = np.array(data.draw(st.lists(st.integers(0, k), min_size=r, max_size=r)))
+    buckets = [4 * 2**i for i in range(len(costs))]
+    table = CostTable.from_measurements(dict(zip(buckets, costs)), {8: 0.1})
+    max_rows = data.draw(st.integers(0, r * (k + 1) + 2))
+    if table.is_flat:
+        return
+    b = choose_budget(
+        conf, sched, num_sampling_rows=r, num_non_draft_tokens=r, cost_table=table, max_total_logit_rows=max_rows
+    )
+    assert b == _brute_force(conf, sched, table, r, r, max_rows)
+    assert 0 <= b <= min(int(sched.sum()), max(0, max_rows - r))
+
+
+def test_bad_input_raises():
+    with pytest.raises(ValueError, match="stale_confidences"):
+        choose_budget(np.ones(4), np.ones(4, int), **_kw())
+    with pytest.raises(ValueError, match="scheduled_drafts"):
+        choose_budget(np.ones((4, 2)), np.ones(3, int), **_kw())
+    with pytest.raises(ValueError, match="scheduled_drafts"):
+        choose_budget(np.ones((4, 2)), np.full(4, 3), **_kw())
+    with pytest.raises(ValueError, match="scheduled_drafts"):
+        choose_budget(np.ones((4, 2)), np.ones(4, np.float32), **_kw())
+    with pytest.raises(ValueError, match="num_non_draft_tokens"):
+        choose_budget(np.ones((4, 2)), np.ones(4, int), **_kw(num_non_draft_tokens=-1))
