@@ -1,0 +1,156 @@
+"""Building blocks of MiniMax-M3: Gemma RMSNorm, partial NeoX RoPE, swigluoai, dense MLP and the MoE block.
+
+Parameters are stored in JAX layout: a linear map's ``kernel`` is ``[in, out]`` (torch stores ``[out, in]``);
+the routed experts are stacked ``gate_up [E, d, 2I]`` and ``down [E, I, d]``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from minimax_jax.config import MiniMaxM3Config
+
+
+def _normal(stddev: float):
+    return nnx.initializers.normal(stddev)
+
+
+class Linear(nnx.Module):
+    """``y = x @ kernel`` with a ``[in, out]`` kernel, no bias; fp32 accumulation."""
+
+    def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs, stddev: float = 0.02):
+        self.in_features, self.out_features = in_features, out_features
+        self.kernel = nnx.Param(_normal(stddev)(rngs.params(), (in_features, out_features), dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        k = self.kernel[...]
+        y = jnp.dot(x.astype(k.dtype), k, preferred_element_type=jnp.float32)
+        return y.astype(k.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """Gemma-style RMSNorm: ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` in fp32, weights initialised to 0."""
+
+    def __init__(self, dim: int, *, eps: float, dtype, rngs: nnx.Rngs | None = None):
+        del rngs
+        self.eps = eps
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------- RoPE
+def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """``cos, sin`` of shape ``positions.shape + (rotary_dim // 2,)`` in fp32."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(freqs), jnp.sin(freqs)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """NeoX split-half rotation of ``x[..., :rotary_dim]``; the remaining dims pass through.
+
+    ``x``: ``[..., S, H, D]``; ``cos``/``sin``: ``[..., S, rotary_dim // 2]`` (broadcast over heads).
+    """
+    half = cos.shape[-1]
+    rot = 2 * half
+    c, s = cos[..., None, :], sin[..., None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., :half], xf[..., half:rot]
+    out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, xf[..., rot:]], axis=-1)
+    return out.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------- MLPs
+def swigluoai(gate_up: jax.Array, *, alpha: float, limit: float, beta: float) -> jax.Array:
+    """``g = min(g, limit); u = clip(u, -limit, limit); g * sigmoid(alpha * g) * (u + beta)``.
+
+    Gate and up are the two concatenated halves of the last axis (not interleaved).
+    """
+    g, u = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
+    g = jnp.minimum(g, limit)
+    u = jnp.clip(u, -limit, limit)
+    return (g * jax.nn.sigmoid(alpha * g) * (u + beta)).astype(gate_up.dtype)
+
+
+class DenseMLP(nnx.Module):
+    """swigluoai MLP: ``down(act(gate_up(x)))`` with a fused ``[d, 2I]`` gate/up kernel."""
+
+    def __init__(self, cfg: MiniMaxM3Config, intermediate_size: int, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * intermediate_size, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(intermediate_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.cfg
+        h = swigluoai(self.gate_up_proj(x), alpha=c.swiglu_alpha, limit=c.swiglu_limit, beta=c.swiglu_beta)
+        return self.down_proj(h)
+
+
+class Router(nnx.Module):
+    """Sigmoid router with a selection-only correction bias."""
+
+    def __init__(self, cfg: MiniMaxM3Config, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.kernel = nnx.Param(_normal(0.02)(rngs.params(), (cfg.hidden_size, cfg.num_local_experts), dtype))
+        self.e_score_correction_bias = nnx.Param(jnp.zeros((cfg.num_local_experts,), jnp.float32))
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``x [N, d]`` -> ``(weights f32[N, k], experts int32[N, k])``; weights sum to routed_scaling_factor."""
+        k = self.kernel[...]
+        logits = jnp.dot(x.astype(k.dtype), k, preferred_element_type=jnp.float32)
+        probs = jax.nn.sigmoid(logits)
+        _, experts = jax.lax.top_k(probs + self.e_score_correction_bias[...].astype(jnp.float32),
+                                   self.cfg.num_experts_per_tok)
+        weights = jnp.take_along_axis(probs, experts, axis=-1)
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return weights * self.cfg.routed_scaling_factor, experts.astype(jnp.int32)
+
+
+class MoE(nnx.Module):
+    """Routed experts (grouped matmuls over expert-sorted tokens) plus one always-on shared expert."""
+
+    def __init__(self, cfg: MiniMaxM3Config, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        e, d, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+        self.gate = Router(cfg, dtype=dtype, rngs=rngs)
+        self.experts_gate_up = nnx.Param(_normal(0.02)(rngs.params(), (e, d, 2 * i), dtype))
+        self.experts_down = nnx.Param(_normal(0.02)(rngs.params(), (e, i, d), dtype))
+        self.shared_experts = (
+            DenseMLP(cfg, cfg.shared_intermediate_size, dtype=dtype, rngs=rngs)
+            if cfg.shared_intermediate_size > 0 else None
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        out = self.routed(x2)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x2).astype(jnp.float32)
+        return out.astype(x.dtype).reshape(shape)
+
+    def routed(self, x: jax.Array) -> jax.Array:
+        """Weighted sum of the selected experts, fp32 ``[N, d]``."""
+        c = self.cfg
+        n, k = x.shape[0], c.num_experts_per_tok
+        weights, experts = self.gate(x)
+        flat_expert = experts.reshape(-1)
+        order = jnp.argsort(flat_expert, stable=True)
+        token = order // k
+        group_sizes = jnp.bincount(flat_expert, length=c.num_local_experts).astype(jnp.int32)
+        wgu, wd = self.experts_gate_up[...], self.experts_down[...]
+        xs = x[token].astype(wgu.dtype)
+        h = jax.lax.ragged_dot(xs, wgu, group_sizes, preferred_element_type=jnp.float32).astype(wgu.dtype)
+        h = swigluoai(h, alpha=c.swiglu_alpha, limit=c.swiglu_limit, beta=c.swiglu_beta)
+        y = jax.lax.ragged_dot(h, wd, group_sizes, preferred_element_type=jnp.float32)
+        y = y.astype(wd.dtype).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+        return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(y)

@@ -1,0 +1,105 @@
+"""The MiniMax-M3 causal language model in Flax NNX.
+
+``MiniMaxM3ForCausalLM(cfg, rngs=...)(input_ids)`` is the plain causal forward: positions ``0..S-1``, no cache,
+float32 logits. It is deliberately simple and exact; it is the oracle for the paged decode path and the Pallas
+kernels. A layer is ``h = x + o_proj(attn(norm1(x)))``; ``out = h + mlp(norm2(h))``; then the final norm and an
+untied ``lm_head``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from minimax_jax.attention import Attention
+from minimax_jax.config import MiniMaxM3Config
+from minimax_jax.layers import DenseMLP, MoE, RMSNorm, rope_cos_sin
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: MiniMaxM3Config, layer_idx: int, *, dtype, rngs: nnx.Rngs):
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(cfg, layer_idx, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        if cfg.is_moe_layer(layer_idx):
+            self.mlp = MoE(cfg, dtype=dtype, rngs=rngs)
+        else:
+            self.mlp = DenseMLP(cfg, cfg.dense_intermediate_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, positions, cos, sin):
+        h = x + self.self_attn(self.input_layernorm(x), positions, cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MiniMaxM3ForCausalLM(nnx.Module):
+    """MiniMax-M3 text model with its LM head."""
+
+    def __init__(self, cfg: MiniMaxM3Config, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed_tokens = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (cfg.vocab_size, cfg.hidden_size),
+                                                                    dtype))
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (cfg.hidden_size, cfg.vocab_size),
+                                                               dtype))
+
+    # ------------------------------------------------------------------ pieces shared with the decode path
+    def embed(self, input_ids: jax.Array) -> jax.Array:
+        return jnp.take(self.embed_tokens[...], input_ids, axis=0)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Final norm and LM head: ``[..., d]`` residual stream -> float32 logits ``[..., V]``."""
+        h = self.norm(hidden)
+        w = self.lm_head[...]
+        return jnp.dot(h.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+    def rope(self, positions: jax.Array):
+        return rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta)
+
+    # ------------------------------------------------------------------ plain forward
+    def __call__(self, input_ids: jax.Array) -> jax.Array:
+        """``int32[B, S]`` -> float32 logits ``[B, S, V]`` (positions 0..S-1, no cache)."""
+        return self.logits(self.hidden_states(input_ids)[0])
+
+    def hidden_states(self, input_ids: jax.Array, capture_layers: Sequence[int] = ()) -> tuple[jax.Array, list]:
+        """Residual stream after the last layer (before the final norm), and the outputs of ``capture_layers``."""
+        input_ids = check_input_ids(input_ids, self.cfg.vocab_size)
+        b, s = input_ids.shape
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        cos, sin = self.rope(positions)
+        x = self.embed(input_ids)
+        captured = {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, cos, sin)
+            if i in capture_layers:
+                captured[i] = x
+        return x, [captured[i] for i in capture_layers]
+
+
+def check_input_ids(input_ids, vocab_size: int, *, ndim: int = 2, name: str = "input_ids") -> jax.Array:
+    """Validate token ids: integer dtype, rank ``ndim``, values in ``[0, vocab_size)`` when concrete."""
+    arr = input_ids if isinstance(input_ids, jax.Array) else jnp.asarray(input_ids)
+    if not jnp.issubdtype(arr.dtype, jnp.integer):
+        raise ValueError(f"{name} must hold integer token ids, got dtype {arr.dtype}")
+    if arr.ndim != ndim:
+        raise ValueError(f"{name} must have rank {ndim}, got shape {arr.shape}")
+    if not isinstance(arr, jax.core.Tracer) and arr.size:
+        lo, hi = int(jnp.min(arr)), int(jnp.max(arr))
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {vocab_size})")
+    return arr.astype(jnp.int32)
+
+
+def init_model(cfg: MiniMaxM3Config, *, dtype=jnp.bfloat16, seed: int = 0) -> MiniMaxM3ForCausalLM:
+    return MiniMaxM3ForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+
+
+def abstract_model(cfg: MiniMaxM3Config, *, dtype=jnp.bfloat16) -> MiniMaxM3ForCausalLM:
+    """The model with ``jax.ShapeDtypeStruct`` leaves: nothing is allocated (works for the 428B preset)."""
+    return nnx.eval_shape(lambda: MiniMaxM3ForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
