@@ -1,0 +1,221 @@
+"""Online acceptance estimator for drafters without a confidence head (SPEC section 7).
+
+Model: ``p_k = sigmoid(w * f + b_k)``, the probability that draft ``k`` is accepted given drafts ``< k`` were,
+with one slope ``w`` shared by all positions and one intercept ``b_k`` per position. The feature is
+``f = logit(max q)`` of the temperature-scaled draft distribution, clamped to ``+-40``.
+
+Labels come from each verification and are censored: for a request with ``a`` accepted of ``v`` verified
+drafts, positions ``k < a`` are 1, position ``a`` is 0 when ``a < v`` (the first rejection), and everything
+after is unobserved (never verified, or verified after a rejection, which says nothing about the conditional).
+
+Fitting is a Newton step on the logistic log-likelihood at the current parameters. Because the parameters stay
+fixed between refits, the gradient ``g = sum (y - p) x`` and the Hessian ``H = sum p (1 - p) x x^T`` at those
+parameters can be accumulated step by step (``x = (f, onehot_k)``, so per-position sums suffice). Every
+``refit_every`` steps (100) one damped Newton step ``theta += n / (n + 50) * (H + ridge I)^-1 g`` is taken
+(``n`` = labels seen since the last refit, ``ridge = 1e-3``) and the statistics are cleared. The ridge is a
+Levenberg term, so a position with no labels keeps its intercept. ``H`` is an arrowhead matrix (slope row plus
+a diagonal), solved exactly in ``O(K)`` through its Schur complement; each component of the step is clipped to
+``+-max_step`` as a safeguard against a confidently wrong model (saturated ``p`` makes ``H`` vanish).
+
+Everything is a pure, jit-able ``state -> state`` function; the refit runs under ``lax.cond``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "EstimatorState",
+    "FEATURE_CLAMP",
+    "censored_labels",
+    "confidence_feature",
+    "confidence_feature_from_logits",
+    "init_estimator",
+    "predict",
+    "update",
+]
+
+FEATURE_CLAMP = 40.0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class EstimatorState:
+    """Parameters, Newton sufficient statistics (at the current parameters) and the step counter.
+
+    All fields are arrays; ``K`` is the number of draft positions.
+    """
+
+    slope: jax.Array  # f32[]      shared w
+    intercepts: jax.Array  # f32[K]     b_k
+    hess_bb: jax.Array  # f32[K]     sum p(1-p)          per position
+    hess_wb: jax.Array  # f32[K]     sum p(1-p) f        per position
+    hess_ww: jax.Array  # f32[K]     sum p(1-p) f^2      per position
+    grad_b: jax.Array  # f32[K]     sum (y - p)         per position
+    grad_w: jax.Array  # f32[K]     sum (y - p) f       per position
+    counts: jax.Array  # f32[K]     labels observed     per position since the last refit
+    step: jax.Array  # int32[]    updates so far
+    num_refits: jax.Array  # int32[]    refits so far
+
+    @property
+    def num_positions(self) -> int:
+        return self.intercepts.shape[0]
+
+
+def init_estimator(num_positions: int, *, slope: float = 0.5, intercept: float = -0.2) -> EstimatorState:
+    """A fresh estimator for ``num_positions`` (= K) draft positions, with the SPEC's initial parameters."""
+    if num_positions < 1:
+        raise ValueError(f"num_positions must be >= 1, got {num_positions}")
+    z = jnp.zeros((num_positions,), jnp.float32)
+    return EstimatorState(
+        slope=jnp.float32(slope),
+        intercepts=jnp.full((num_positions,), intercept, jnp.float32),
+        hess_bb=z,
+        hess_wb=z,
+        hess_ww=z,
+        grad_b=z,
+        grad_w=z,
+        counts=z,
+        step=jnp.int32(0),
+        num_refits=jnp.int32(0),
+    )
+
+
+def _clean_features(features: jax.Array) -> jax.Array:
+    f = jnp.asarray(features, jnp.float32)
+    return jnp.clip(jnp.where(jnp.isnan(f), 0.0, f), -FEATURE_CLAMP, FEATURE_CLAMP)
+
+
+def confidence_feature(draft_probs: jax.Array) -> jax.Array:
+    """``f = logit(max_v q[..., v])`` of (already temperature-scaled) draft probabilities, clamped to +-40.
+
+    ``draft_probs``: ``f32[..., V]`` -> ``f32[...]``.
+    """
+    q = jnp.max(jnp.asarray(draft_probs, jnp.float32), axis=-1)
+    f = jnp.log(q) - jnp.log1p(-q)
+    return _clean_features(f)
+
+
+def confidence_feature_from_logits(draft_logits: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """``logit(max softmax(draft_logits / T))`` computed stably as ``m - logsumexp(others)``, clamped to +-40.
+
+    ``draft_logits``: ``f32[..., V]`` -> ``f32[...]``. ``temperature <= 0`` (greedy) uses ``T = 1``: the
+    greedy draft distribution is one-hot and would carry no information.
+    """
+    t = float(temperature) if temperature > 0 else 1.0
+    z = jnp.asarray(draft_logits, jnp.float32) / t
+    m = jnp.max(z, axis=-1, keepdims=True)
+    top = jnp.argmax(z, axis=-1)[..., None]
+    is_top = jnp.arange(z.shape[-1]) == top  # exactly one entry, also when the max is tied
+    others = jnp.where(is_top, -jnp.inf, z - m)
+    f = -jax.nn.logsumexp(others, axis=-1)  # = m - log(sum of the others), in shifted units
+    return _clean_features(f)
+
+
+def predict(state: EstimatorState, features: jax.Array) -> jax.Array:
+    """``f32[R, K]`` acceptance probabilities ``sigmoid(w * f + b_k)`` for features ``f32[R, K]``."""
+    f = _clean_features(features)
+    if f.ndim != 2 or f.shape[1] != state.num_positions:
+        raise ValueError(f"features must be f32[R, K={state.num_positions}], got shape {f.shape}")
+    return jax.nn.sigmoid(state.slope * f + state.intercepts[None, :])
+
+
+def _refit(state: EstimatorState, ridge: float, damping: float, max_step: float) -> EstimatorState:
+    # Newton system (H + ridge I) d = g with H = [[a, c^T], [c, diag(h)]] over (w, b_1..b_K).
+    h = state.hess_bb + ridge  # [K]
+    c = state.hess_wb  # [K]
+    a = jnp.sum(state.hess_ww) + ridge
+    gw = jnp.sum(state.grad_w)
+    gb = state.grad_b  # [K]
+    schur = jnp.maximum(a - jnp.sum(c * c / h), ridge * 1e-3)  # > 0 for a PSD H; guard rounding
+    dw = (gw - jnp.sum(c * gb / h)) / schur
+    db = (gb - c * dw) / h
+    n = jnp.sum(state.counts)
+    eta = n / (n + damping)
+    dw = jnp.clip(eta * dw, -max_step, max_step)
+    db = jnp.clip(eta * db, -max_step, max_step)
+    z = jnp.zeros_like(state.counts)
+    return dataclasses.replace(
+        state,
+        slope=state.slope + dw,
+        intercepts=state.intercepts + db,
+        hess_bb=z,
+        hess_wb=z,
+        hess_ww=z,
+        grad_b=z,
+        grad_w=z,
+        counts=z,
+        num_refits=state.num_refits + 1,
+    )
+
+
+def censored_labels(accepted_counts: jax.Array, verified_counts: jax.Array, num_positions: int):
+    """``(labels f32[R, K], observed bool[R, K])`` from accepted/verified counts (see the module docstring)."""
+    v = jnp.clip(jnp.asarray(verified_counts, jnp.int32), 0, num_positions)
+    a = jnp.clip(jnp.asarray(accepted_counts, jnp.int32), 0, v)
+    k = jnp.arange(num_positions, dtype=jnp.int32)[None, :]
+    labels = (k < a[:, None]).astype(jnp.float32)
+    observed = (k < a[:, None]) | ((k == a[:, None]) & (a[:, None] < v[:, None]))
+    return labels, observed
+
+
+@functools.partial(jax.jit, static_argnames=("refit_every", "ridge", "damping", "max_step"))
+def update(
+    state: EstimatorState,
+    features: jax.Array,
+    accepted_counts: jax.Array,
+    verified_counts: jax.Array,
+    *,
+    refit_every: int = 100,
+    ridge: float = 1e-3,
+    damping: float = 50.0,
+    max_step: float = 4.0,
+) -> EstimatorState:
+    """Fold one verification step into the statistics; every ``refit_every`` steps take one Newton step.
+
+    Args:
+      state: the current :class:`EstimatorState` (``K`` positions).
+      features: ``f32[R, K]`` features of this step's drafts (the ones whose acceptance is being reported).
+      accepted_counts: ``int32[R]`` drafts accepted per request (``<= verified_counts``).
+      verified_counts: ``int32[R]`` drafts verified per request (``0`` for padding rows: they add nothing).
+
+    Returns:
+      The new state (same structure and shapes; jit-able, no host synchronisation).
+    """
+    kk = state.num_positions
+    f = _clean_features(features)
+    if f.ndim != 2 or f.shape[1] != kk:
+        raise ValueError(f"features must be f32[R, K={kk}], got shape {f.shape}")
+    r = f.shape[0]
+    if jnp.shape(accepted_counts) != (r,) or jnp.shape(verified_counts) != (r,):
+        raise ValueError(
+            f"accepted_counts and verified_counts must be int32[R={r}], got shapes "
+            f"{jnp.shape(accepted_counts)} and {jnp.shape(verified_counts)}"
+        )
+    if refit_every < 1:
+        raise ValueError(f"refit_every must be >= 1, got {refit_every}")
+    y, obs = censored_labels(accepted_counts, verified_counts, kk)
+    m = obs.astype(jnp.float32)
+    p = jax.nn.sigmoid(state.slope * f + state.intercepts[None, :])
+    hw = m * p * (1.0 - p)
+    gr = m * (y - p)
+    state = dataclasses.replace(
+        state,
+        hess_bb=state.hess_bb + jnp.sum(hw, axis=0),
+        hess_wb=state.hess_wb + jnp.sum(hw * f, axis=0),
+        hess_ww=state.hess_ww + jnp.sum(hw * f * f, axis=0),
+        grad_b=state.grad_b + jnp.sum(gr, axis=0),
+        grad_w=state.grad_w + jnp.sum(gr * f, axis=0),
+        counts=state.counts + jnp.sum(m, axis=0),
+        step=state.step + 1,
+    )
+    return jax.lax.cond(
+        state.step % refit_every == 0,
+        lambda s: _refit(s, ridge, damping, max_step),
+        lambda s: s,
+        state,
+    )

@@ -1,0 +1,156 @@
+"""Online acceptance estimator: censored labels, Newton refits, recovery of known parameters."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spec_decode.estimator import (
+    EstimatorState,
+    censored_labels,
+    confidence_feature,
+    confidence_feature_from_logits,
+    init_estimator,
+    predict,
+    update,
+)
+
+
+def test_init_and_predict():
+    s = init_estimator(4)
+    assert float(s.slope) == 0.5
+    np.testing.assert_allclose(s.intercepts, [-0.2] * 4)
+    f = jnp.array([[0.0, 1.0, -2.0, 40.0], [3.0, 0.5, 0.0, -100.0]])
+    expected = 1 / (1 + np.exp(-(0.5 * np.clip(np.asarray(f), -40, 40) - 0.2)))
+    np.testing.assert_allclose(predict(s, f), expected, rtol=1e-6)
+    assert len(jax.tree_util.tree_leaves(s)) == 10  # a pytree of arrays
+
+
+def test_censored_labels():
+    y, obs = censored_labels(jnp.array([0, 2, 3, 1, 0]), jnp.array([3, 3, 3, 1, 0]), 4)
+    np.testing.assert_array_equal(
+        obs,
+        [
+            [1, 0, 0, 0],  # first draft rejected: one 0 label
+            [1, 1, 1, 0],  # two accepted, third rejected
+            [1, 1, 1, 0],  # all three verified drafts accepted; the 4th was never verified
+            [1, 0, 0, 0],  # one verified and accepted
+            [0, 0, 0, 0],  # nothing verified (a padding row)
+        ],
+    )
+    np.testing.assert_array_equal(y * obs, [[0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0], [0] * 4])
+
+
+def test_statistics_and_refit_schedule():
+    s = init_estimator(3)
+    f = jnp.array([[1.0, -1.0, 2.0], [0.5, 0.0, 0.0]])
+    acc, ver = jnp.array([1, 0]), jnp.array([3, 0])  # row 1 is padding
+    s1 = update(s, f, acc, ver, refit_every=3)
+    p = 1 / (1 + np.exp(-(0.5 * np.array([1.0, -1.0]) - 0.2)))
+    np.testing.assert_allclose(s1.counts, [1, 1, 0])
+    np.testing.assert_allclose(s1.grad_b, [1 - p[0], 0 - p[1], 0], rtol=1e-6)
+    np.testing.assert_allclose(s1.grad_w, [(1 - p[0]) * 1.0, (0 - p[1]) * -1.0, 0], rtol=1e-6)
+    np.testing.assert_allclose(s1.hess_bb, [p[0] * (1 - p[0]), p[1] * (1 - p[1]), 0], rtol=1e-6)
+    np.testing.assert_allclose(s1.hess_ww, [p[0] * (1 - p[0]), p[1] * (1 - p[1]), 0], rtol=1e-6)
+    assert int(s1.step) == 1 and int(s1.num_refits) == 0
+    s2 = update(s1, f, acc, ver, refit_every=3)
+    assert float(s2.slope) == 0.5 and int(s2.num_refits) == 0  # no refit before step 3
+    s3 = update(s2, f, acc, ver, refit_every=3)
+    assert int(s3.num_refits) == 1 and int(s3.step) == 3
+    np.testing.assert_array_equal(s3.counts, [0, 0, 0])  # statistics cleared
+    assert float(s3.slope) != 0.5
+    assert float(s3.intercepts[2]) == pytest.approx(-0.2)  # no labels at position 2: unchanged
+
+
+def _numpy_newton_mle(f, y, pos, k, iters=50):
+    theta = np.zeros(k + 1)
+    x = np.zeros((len(f), k + 1))
+    x[:, 0] = f
+    x[np.arange(len(f)), 1 + pos] = 1.0
+    for _ in range(iters):
+        p = 1 / (1 + np.exp(-x @ theta))
+        g = x.T @ (y - p)
+        h = (x * (p * (1 - p))[:, None]).T @ x
+        theta = theta + np.linalg.solve(h, g)
+    return theta
+
+
+def test_repeated_refits_on_fixed_data_reach_the_mle():
+    rng = np.random.default_rng(0)
+    r, k = 64, 3
+    f = rng.normal(0.0, 1.5, (r, k)).astype(np.float32)
+    ver = rng.integers(0, k + 1, r)
+    acc = np.array([rng.integers(0, v + 1) for v in ver])
+    y, obs = map(np.asarray, censored_labels(acc, ver, k))
+    rows, cols = np.nonzero(obs)
+    mle = _numpy_newton_mle(f[rows, cols].astype(np.float64), y[rows, cols], cols, k)
+    step = jax.jit(functools.partial(update, refit_every=1))
+    s = init_estimator(k)
+    for _ in range(25):
+        s = step(s, f, acc, ver)
+    np.testing.assert_allclose(float(s.slope), mle[0], atol=2e-3)
+    np.testing.assert_allclose(np.asarray(s.intercepts), mle[1:], atol=2e-3)
+
+
+def _simulate(true_w, true_b, *, num_steps, num_rows, seed):
+    """Simulated verifications: acceptance of draft k ~ Bernoulli(sigmoid(w f + b_k)) until the first miss."""
+    k = true_b.shape[0]
+
+    def one_step(state, key):
+        kf, ka, kv = jax.random.split(key, 3)
+        f = jax.random.normal(kf, (num_rows, k)) * 1.5 + 0.5
+        p = jax.nn.sigmoid(true_w * f + true_b[None, :])
+        ok = jax.random.uniform(ka, (num_rows, k)) < p
+        ver = jax.random.randint(kv, (num_rows,), 1, k + 1)
+        lead = jnp.cumprod(ok.astype(jnp.int32), axis=1)  # 1 while all so far accepted
+        acc = jnp.minimum(jnp.sum(lead, axis=1), ver)
+        return update(state, f, acc, ver), None
+
+    keys = jax.random.split(jax.random.key(seed), num_steps)
+    state, _ = jax.lax.scan(one_step, init_estimator(k), keys)
+    return state
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_recovers_known_parameters(seed):
+    true_w = jnp.float32(1.3)
+    true_b = jnp.array([2.0, 1.2, 0.6, 0.0, -0.5], jnp.float32)
+    state = jax.jit(functools.partial(_simulate, num_steps=1200, num_rows=256, seed=seed))(true_w, true_b)
+    assert int(state.num_refits) == 12
+    assert abs(float(state.slope) - 1.3) < 0.08
+    np.testing.assert_allclose(np.asarray(state.intercepts), np.asarray(true_b), atol=0.25)
+    # Starting from (0.5, -0.2) the fit has clearly moved to the truth, not stayed near the initialisation.
+    assert abs(float(state.slope) - 0.5) > 0.6
+
+
+def test_confidence_features():
+    probs = jnp.array([[0.7, 0.2, 0.1], [1.0, 0.0, 0.0], [0.25, 0.25, 0.5]])
+    np.testing.assert_allclose(confidence_feature(probs), [np.log(0.7 / 0.3), 40.0, 0.0], atol=1e-5)
+    logits = jnp.log(jnp.array([[0.7, 0.2, 0.1], [0.4, 0.4, 0.2]]))
+    np.testing.assert_allclose(
+        confidence_feature_from_logits(logits, 1.0), [np.log(0.7 / 0.3), np.log(0.4 / 0.6)], atol=1e-5
+    )
+    # Temperature scaling: T = 0.5 squares the probabilities before renormalising.
+    q = np.array([0.7, 0.2, 0.1]) ** 2
+    np.testing.assert_allclose(
+        confidence_feature_from_logits(logits[:1], 0.5), [np.log(q[0] / (q[1] + q[2]))], atol=1e-5
+    )
+    huge = jnp.array([[1000.0, 0.0, 0.0]])
+    np.testing.assert_allclose(confidence_feature_from_logits(huge, 1.0), [40.0])
+
+
+def test_bad_shapes_raise():
+    s = init_estimator(3)
+    with pytest.raises(ValueError, match="features"):
+        predict(s, jnp.ones((2, 4)))
+    with pytest.raises(ValueError, match="features"):
+        update(s, jnp.ones((2, 4)), jnp.ones(2, jnp.int32), jnp.ones(2, jnp.int32))
+    with pytest.raises(ValueError, match="accepted_counts"):
+        update(s, jnp.ones((2, 3)), jnp.ones(3, jnp.int32), jnp.ones(2, jnp.int32))
+    with pytest.raises(ValueError, match="num_positions"):
+        init_estimator(0)
+    assert isinstance(s, EstimatorState)
