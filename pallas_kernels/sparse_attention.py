@@ -1,0 +1,698 @@
+"""Ragged block-sparse (MSA) attention over a paged KV cache: one Pallas (Triton) kernel, its jnp reference.
+
+Contract (SPEC sections 3-5). Packed queries ``q: [T, H_q, D]``; paged caches ``k_cache, v_cache:
+[H_kv, P, page, D]``; ``block_tables: int32[R, max_blocks]`` map a request's logical block to a physical page;
+``seq_lens: int32[R]`` include this step's tokens; ``query_start_loc: int32[R + 1]`` (request ``r`` owns packed
+tokens ``[qsl[r], qsl[r + 1])``, zero-length padding rows allowed, slots at or beyond ``qsl[R]`` are padding);
+``block_indices: int32[T, H_kv, topk]`` logical block ids per (token, KV group), left-packed, ``-1`` padded.
+
+Token ``t`` of request ``r`` (absolute position ``pos``) and query head ``qh`` of KV group
+``g = qh // (H_q // H_kv)`` attend to the keys ``{j : j // page in block_indices[t, g], j <= pos}`` with softmax
+scale ``scale``; the softmax runs online in fp32 and the output has q's dtype. Padding slots and tokens without a
+visible selected key get exact zeros (never NaN). Every token keeps its own selection and causal limit.
+
+Algorithm (docs/kernels/sparse_attention.md has the bytes and FLOP model). One program owns one *request tile*
+(up to ``block_q`` consecutive tokens of one request) and one KV head; its query tile is ``block_q x group``
+rows (e.g. 8 tokens x 16 heads = 128 rows) that share every K/V load. The program flattens the tile's
+``[block_q, topk]`` selection list, drops ``-1`` slots, blocks past the tile's last position and repeats of an
+earlier entry (one vectorised ``N x N`` compare), and walks the resulting *union* of blocks, reading each
+selected page once per (request tile, KV head). Per block it applies, in registers, each row's own selection
+("did my token pick this block") and causal limit. Split-K: ``num_splits`` programs share one tile's union
+(balanced contiguous ranges) and write fp32 partial outputs with a base-2 log-sum-exp; a jnp merge combines
+them. With ``num_splits == 1`` the kernel writes the final output directly.
+
+Reads: a ``-1`` slot, a block at or past ``cdiv(pos_last + 1, page)`` of the tile, a padding tile and a
+zero-length row never touch ``block_tables`` or the caches; only physical pages named by a request's own table
+entries for its visible blocks are read. The dense variant (``ragged_paged_attention`` in
+``paged_attention.py``) reuses this kernel with ``dense=True``: it walks blocks ``0 .. cdiv(pos_last + 1, page)``
+with the causal mask only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import platform as _platform
+from pallas_kernels.metadata import token_positions, token_to_request
+
+__all__ = [
+    "AttentionLaunchConfig",
+    "ChipPolicy",
+    "CHIP_POLICIES",
+    "MASK_VALUE",
+    "attention_launch_config",
+    "ragged_sparse_attention",
+    "ragged_sparse_attention_reference",
+]
+
+# Large-but-finite: exp2(MASK_VALUE - m) underflows to 0 and MASK_VALUE - MASK_VALUE stays finite.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+_LOG2E = math.log2(math.e)
+# Entries of one tile's flattened selection list (block_q * topk, padded to a power of 2). The in-register
+# dedupe is an N x N compare, so N is capped.
+MAX_SELECTION_ENTRIES = 256
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _dot(a, b, *, contract_b: int):
+    """2-D ``a @ b`` (``contract_b=0``) or ``a @ b.T`` (``contract_b=1``) with an fp32 accumulator."""
+    return jax.lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+
+def _ragged_attention_kernel(
+    tiles_ref,  # [num_tiles, 4] int32: request row (-1: padding tile), first packed token, tokens, first pos
+    q_ref,  # [T * H_q, D]
+    k_ref,  # [P, page, D]        (this program's KV head)
+    v_ref,  # [P, page, D]        (this program's KV head)
+    tables_ref,  # [R, max_blocks] int32
+    *refs,  # sparse: sel_ref [T, topk] int32 (this KV head); then outputs:
+    #   num_splits == 1: o_ref [T * H_q, D] (q dtype)
+    #   num_splits  > 1: o_ref [T * H_q, D] f32 (this split), lse_ref [T * H_q] f32 (this split, base 2)
+    #   union_lookup == "scratch": then union_ref [2, N] int32 (this program's union: logical, physical)
+    group: int,
+    num_q_heads: int,
+    block_q: int,
+    rows: int,
+    topk: int,
+    topk_pow2: int,
+    num_splits: int,
+    max_blocks: int,
+    scale: float,
+    dense: bool,
+    union_lookup: str,
+    barrier: bool,
+):
+    if dense:
+        sel_ref = None
+        out_refs = list(refs)
+    else:
+        sel_ref, *out_refs = refs
+    union_ref = out_refs.pop() if union_lookup == "scratch" else None
+    tile = pl.program_id(0)
+    head = pl.program_id(1)
+    split = pl.program_id(2)
+    _, page, head_dim = k_ref.shape
+
+    req = tiles_ref[tile, 0]
+    tok0 = tiles_ref[tile, 1]
+    ntok = tiles_ref[tile, 2]
+    pos0 = tiles_ref[tile, 3]
+    live = req >= 0
+
+    # Query rows of the tile: token-major, the group's heads inside (row = token * group + head).
+    r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
+    tok_local = r // group
+    row_valid = tok_local < ntok
+    row_tok = jnp.where(row_valid, tok0 + tok_local, 0)
+    row_pos = jnp.where(row_valid & live, pos0 + tok_local, -1)
+    q_rows = jnp.where(row_valid, row_tok * num_q_heads + head * group + r % group, 0)
+    d = jax.lax.broadcasted_iota(jnp.int32, (head_dim,), 0)
+    q = plgpu.load(q_ref.at[q_rows[:, None], d[None, :]], mask=row_valid[:, None], other=0)  # [rows, D]
+
+    # Blocks visible to the tile's last token; nothing at or past this bound is ever read.
+    pos_last = pos0 + ntok - 1
+    n_visible = jnp.where(live & (ntok > 0), jnp.minimum((pos_last + page) // page, max_blocks), 0)
+
+    if dense:
+        n_blocks = n_visible
+        sel_rows = None
+        union = None
+    else:
+        # The tile's flattened selection list, entry n = (token n // topk_pow2, slot n % topk_pow2).
+        n_entries = block_q * topk_pow2
+        n = jax.lax.broadcasted_iota(jnp.int32, (n_entries,), 0)
+        n_tok = n // topk_pow2
+        n_slot = n % topk_pow2
+        ent_ok = (n_tok < ntok) & (n_slot < topk) & live
+        blocks = plgpu.load(
+            sel_ref.at[jnp.where(ent_ok, tok0 + n_tok, 0), jnp.where(ent_ok, n_slot, 0)],
+            mask=ent_ok,
+            other=-1,
+        )
+        blocks = jnp.where(ent_ok & (blocks >= 0) & (blocks < n_visible), blocks, -1)
+        # First occurrence of each block id in the list (vectorised compare against all earlier entries).
+        n_col = jax.lax.broadcasted_iota(jnp.int32, (n_entries, n_entries), 1)
+        n_row = jax.lax.broadcasted_iota(jnp.int32, (n_entries, n_entries), 0)
+        seen_before = (blocks[:, None] == blocks[None, :]) & (n_col < n_row)
+        first = (blocks >= 0) & (jnp.max(seen_before.astype(jnp.int32), axis=1) == 0)
+        first_i = first.astype(jnp.int32)
+        rank = jnp.cumsum(first_i, axis=0) - first_i  # position of a first occurrence in the union
+        n_blocks = jnp.sum(first_i)
+        union = (first, rank, blocks)
+        if union_ref is not None:
+            # Compact the union into this program's scratch row once (logical id, physical page), so the walk
+            # below reads two scalars per block instead of reducing over the list.
+            phys = plgpu.load(
+                tables_ref.at[jnp.where(first, req, 0), jnp.where(first, blocks, 0)], mask=first, other=0
+            )
+            dst = jnp.where(first, rank, n_entries)  # past the end: masked on GPU, dropped in interpret mode
+            zero = jnp.zeros_like(dst)
+            plgpu.store(union_ref.at[zero, dst], blocks, mask=first)
+            plgpu.store(union_ref.at[zero + 1, dst], phys, mask=first)
+            if barrier:
+                plgpu.debug_barrier()  # the scratch row is written and read by different threads
+        # Each row's own selection, for the per-row "did my token pick this block" test.
+        slot = jax.lax.broadcasted_iota(jnp.int32, (topk_pow2,), 0)
+        sel_ok = row_valid[:, None] & (slot[None, :] < topk) & live
+        sel_rows = plgpu.load(
+            sel_ref.at[row_tok[:, None], jnp.where(slot < topk, slot, 0)[None, :]], mask=sel_ok, other=-1
+        )  # [rows, topk_pow2]
+
+    # Balanced contiguous share of the walk for this split.
+    lo = (split * n_blocks) // num_splits
+    hi = ((split + 1) * n_blocks) // num_splits
+    key_iota = jax.lax.broadcasted_iota(jnp.int32, (page,), 0)
+    qk_scale = scale * _LOG2E
+
+    def body(k, carry):
+        acc, m_prev, l_prev = carry
+        if dense:
+            b = k
+            limit = row_pos
+        elif union_ref is not None:
+            b = union_ref[0, k]
+            page_id = union_ref[1, k]
+        else:
+            first_, rank_, blocks_ = union
+            b = jnp.sum(jnp.where(first_ & (rank_ == k), blocks_, 0))
+        if dense or union_ref is None:
+            page_id = tables_ref[req, b]
+        if not dense:
+            picked = jnp.max((sel_rows == b).astype(jnp.int32), axis=1)
+            limit = jnp.where(picked > 0, row_pos, -1)
+        kb = k_ref[page_id]  # [page, D]
+        vb = v_ref[page_id]  # [page, D]
+        s = _dot(q, kb, contract_b=1) * qk_scale  # [rows, page], log2 domain
+        visible = (b * page + key_iota)[None, :] <= limit[:, None]
+        s = jnp.where(visible, s, MASK_VALUE)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m_prev - m_next)
+        p = jnp.where(visible, jnp.exp2(s - m_next[:, None]), 0.0)
+        l_next = l_prev * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.astype(vb.dtype), vb, contract_b=0)
+        return acc, m_next, l_next
+
+    acc = jnp.zeros((rows, head_dim), jnp.float32)
+    m_i = jnp.full((rows,), MASK_VALUE, jnp.float32)
+    l_i = jnp.zeros((rows,), jnp.float32)
+    acc, m_i, l_i = jax.lax.fori_loop(lo, hi, body, (acc, m_i, l_i))
+
+    has_keys = l_i > 0.0
+    out = acc / jnp.where(has_keys, l_i, 1.0)[:, None]
+    # Rows outside the tile point one past the end: masked on GPU, dropped by interpret mode's scatter (a
+    # clamped index would collide with a real row inside one store).
+    out_rows = jnp.where(row_valid, q_rows, q_ref.shape[0])
+    store_idx = out_rows[:, None], d[None, :]
+    if num_splits == 1:
+        (o_ref,) = out_refs
+        plgpu.store(o_ref.at[store_idx], out.astype(o_ref.dtype), mask=row_valid[:, None])
+    else:
+        o_ref, lse_ref = out_refs
+        lse = jnp.where(has_keys, m_i + jnp.log2(jnp.where(has_keys, l_i, 1.0)), MASK_VALUE)
+        plgpu.store(o_ref.at[store_idx], out, mask=row_valid[:, None])
+        plgpu.store(lse_ref.at[out_rows], lse, mask=row_valid)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launch policy
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ChipPolicy:
+    """Per-chip launch settings. Retune here, not in the kernel."""
+
+    num_cores: int  # SMs (NVIDIA) / CUs (AMD); the device's own count is used when it reports one
+    num_warps_large: int  # query tiles of >= 64 rows
+    num_warps_small: int  # smaller query tiles
+    num_stages: int
+    max_splits: int  # split-K cap (partial outputs cost T * H_q * D * 4 bytes per split)
+    max_rows: int = 128  # query rows per program (block_q * group)
+    union_lookup: str = "reduce"
+
+
+CHIP_POLICIES: dict[str, ChipPolicy] = {
+    # Hopper (H100 / H200): 132 SMs, 32-wide warps, 228 KiB shared memory per SM.
+    "cuda": ChipPolicy(num_cores=132, num_warps_large=8, num_warps_small=4, num_stages=2, max_splits=16),
+    # CDNA3 (MI300X, gfx942): 304 CUs, 64-wide wavefronts, 64 KiB LDS per CU: fewer, wider warps.
+    "rocm": ChipPolicy(num_cores=304, num_warps_large=4, num_warps_small=4, num_stages=2, max_splits=16),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionLaunchConfig:
+    block_q: int  # tokens of one request per program (power of 2)
+    num_splits: int  # split-K programs per (request tile, KV head)
+    num_warps: int
+    num_stages: int
+    # Sparse only. "reduce": pick the k-th union block by a vector reduction inside the walk; "scratch": compact
+    # the union once into a small global scratch row and read scalars from it in the walk.
+    union_lookup: str = "reduce"
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _num_tiles_bound(num_tokens: int, num_requests: int, block_q: int) -> int:
+    """Static upper bound on request tiles: every non-empty segment (R rows + the padding tail) wastes at most
+    ``block_q - 1`` slots of its last tile, and every tile holds at least one token."""
+    segments = min(num_requests + 1, num_tokens)
+    return max(1, min(num_tokens, (num_tokens + segments * (block_q - 1)) // block_q))
+
+
+def _device_cores(default: int) -> int:
+    if _platform.on_gpu():
+        count = getattr(jax.devices()[0], "core_count", None)
+        if isinstance(count, int) and count > 0:
+            return count
+    return default
+
+
+def attention_launch_config(
+    *,
+    backend: str | None,
+    num_tokens: int,
+    num_requests: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    topk: int,
+    max_blocks: int,
+    dense: bool,
+    block_q: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    union_lookup: str | None = None,
+) -> AttentionLaunchConfig:
+    """Pick the launch settings; explicit arguments win over the policy.
+
+    ``block_q``: the mean query length ``T / R`` rounded up to a power of 2, capped so that a tile has at most
+    ``max_rows`` query rows (and, sparse, at most MAX_SELECTION_ENTRIES list entries). Decode (1 token per
+    request) gets 1-token tiles, verification with K = 7 gets 8-token tiles (8 x 16 = 128 rows at M3 shapes).
+    ``num_splits``: 1 when the tiles already fill the chip, else enough splits for about one program per core.
+    """
+    backend = backend or _platform.gpu_platform_name() or "cuda"
+    if backend not in CHIP_POLICIES:
+        raise ValueError(f"backend must be one of {sorted(CHIP_POLICIES)}, got {backend!r}")
+    policy = CHIP_POLICIES[backend]
+    group = num_q_heads // num_kv_heads
+    topk_pow2 = _next_pow2(topk)
+    if block_q is None:
+        mean_q = -(-num_tokens // max(num_requests, 1))
+        block_q = min(_next_pow2(mean_q), max(1, policy.max_rows // group))
+        if not dense:
+            block_q = min(block_q, max(1, MAX_SELECTION_ENTRIES // topk_pow2))
+        block_q = max(1, min(block_q, _next_pow2(num_tokens)))
+    rows = max(16, _next_pow2(block_q * group))
+    if num_splits is None:
+        programs = _num_tiles_bound(num_tokens, num_requests, block_q) * num_kv_heads
+        cores = _device_cores(policy.num_cores)
+        walk = max_blocks if dense else min(max_blocks, block_q * topk)
+        num_splits = 1 if programs >= cores else min(policy.max_splits, -(-cores // programs), max(1, walk))
+    if num_warps is None:
+        num_warps = policy.num_warps_large if rows >= 64 else policy.num_warps_small
+    if num_stages is None:
+        num_stages = policy.num_stages
+    if union_lookup is None:
+        union_lookup = policy.union_lookup
+    if union_lookup not in ("reduce", "scratch"):
+        raise ValueError(f"union_lookup must be 'reduce' or 'scratch', got {union_lookup!r}")
+    return AttentionLaunchConfig(
+        block_q=int(block_q),
+        num_splits=int(num_splits),
+        num_warps=int(num_warps),
+        num_stages=int(num_stages),
+        union_lookup=union_lookup,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Wrapper
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _tile_table(query_start_loc, seq_lens, num_tokens: int, block_q: int, num_tiles: int) -> jax.Array:
+    """``int32[num_tiles, 4]``: (request row or -1, first packed token, tokens, first position) per tile.
+
+    Segments are the R request rows plus the padding tail ``[qsl[R], T)``; each is cut into ``block_q``-token
+    tiles, in order. Padding-tail tiles (request -1) only write zeros; tiles past the last one are empty.
+    Computed on the device from ``query_start_loc`` alone (no host lengths, no ``max_query_len``).
+    """
+    qsl = query_start_loc.astype(jnp.int32)
+    q_len = jnp.maximum(qsl[1:] - qsl[:-1], 0)
+    tail = jnp.clip(num_tokens - qsl[-1:], 0, num_tokens)
+    seg_start = qsl
+    seg_len = jnp.concatenate([q_len, tail])
+    seg_tiles = (seg_len + block_q - 1) // block_q
+    ends = jnp.cumsum(seg_tiles)
+    i = jnp.arange(num_tiles, dtype=jnp.int32)
+    seg = jnp.searchsorted(ends, i, side="right", method="compare_all").astype(jnp.int32)
+    num_rows = q_len.shape[0]
+    seg_c = jnp.minimum(seg, num_rows)
+    local = (i - (ends[seg_c] - seg_tiles[seg_c])) * block_q
+    start = seg_start[seg_c] + local
+    length = jnp.where(seg <= num_rows, jnp.clip(seg_len[seg_c] - local, 0, block_q), 0)
+    is_req = seg < num_rows
+    seg_r = jnp.minimum(seg, num_rows - 1)
+    pos0 = jnp.where(is_req, seq_lens[seg_r].astype(jnp.int32) - q_len[seg_r] + local, -1)
+    req = jnp.where(is_req, seg, -1)
+    start = jnp.where(length > 0, start, 0)
+    return jnp.stack([req, start, length, pos0], axis=1).astype(jnp.int32)
+
+
+def check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_indices):
+    """Static shape/dtype validation shared by the sparse and dense entry points (ValueError naming shapes)."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, H_q, D], got shape {q.shape}")
+    if k_cache.ndim != 4:
+        raise ValueError(f"k_cache must be [H_kv, P, page, D], got shape {k_cache.shape}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {v_cache.shape} must equal k_cache shape {k_cache.shape}")
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, page, kd = k_cache.shape
+    if kd != head_dim:
+        raise ValueError(f"head_dim of q {q.shape} and k_cache {k_cache.shape} differ")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"H_q={num_q_heads} (q {q.shape}) must be a multiple of H_kv={num_kv_heads}")
+    for name, n in (("page size", page), ("head_dim", head_dim)):
+        if n & (n - 1):
+            raise ValueError(f"{name} must be a power of 2, got {n} (k_cache {k_cache.shape})")
+    if block_tables.ndim != 2:
+        raise ValueError(f"block_tables must be [R, max_blocks], got shape {block_tables.shape}")
+    num_rows = block_tables.shape[0]
+    if seq_lens.shape != (num_rows,):
+        raise ValueError(f"seq_lens must be [R]={num_rows}, got shape {seq_lens.shape}")
+    if query_start_loc.shape != (num_rows + 1,):
+        raise ValueError(f"query_start_loc must be [R + 1]={num_rows + 1}, got shape {query_start_loc.shape}")
+    for name, a in (("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+        if not jnp.issubdtype(a.dtype, jnp.integer):
+            raise ValueError(f"{name} must be int32, got {a.dtype}")
+    if block_indices is not None:
+        if block_indices.ndim != 3 or block_indices.shape[:2] != (num_tokens, num_kv_heads):
+            raise ValueError(
+                f"block_indices must be [T, H_kv, topk]=[{num_tokens}, {num_kv_heads}, topk], "
+                f"got shape {block_indices.shape}"
+            )
+        if not jnp.issubdtype(block_indices.dtype, jnp.integer):
+            raise ValueError(f"block_indices must be int32, got {block_indices.dtype}")
+    if not jnp.issubdtype(q.dtype, jnp.floating) or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"q ({q.dtype}) must be floating and k/v caches ({k_cache.dtype}, {v_cache.dtype}) match")
+
+
+def ragged_attention_pallas(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    block_indices,
+    *,
+    scale: float,
+    config: AttentionLaunchConfig,
+    interpret: bool,
+    poison: float | None = None,
+):
+    """Builds the grid and BlockSpecs and runs the kernel (sparse, or dense when ``block_indices is None``).
+
+    ``poison`` (tests only): start the output buffers from this value (aliased into the kernel) so that a row
+    the kernel fails to write shows up.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, num_pages, page, _ = k_cache.shape
+    num_rows, max_blocks = block_tables.shape
+    dense = block_indices is None
+    topk = 1 if dense else block_indices.shape[2]
+    group = num_q_heads // num_kv_heads
+    block_q, num_splits = config.block_q, config.num_splits
+    if block_q < 1 or block_q & (block_q - 1):
+        raise ValueError(f"block_q must be a power of 2 >= 1, got {block_q}")
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    topk_pow2 = _next_pow2(topk)
+    if not dense and block_q * topk_pow2 > MAX_SELECTION_ENTRIES:
+        raise ValueError(
+            f"block_q * next_pow2(topk) = {block_q} * {topk_pow2} exceeds {MAX_SELECTION_ENTRIES} "
+            f"(block_indices {block_indices.shape}); use a smaller block_q"
+        )
+    rows = max(16, _next_pow2(block_q * group))
+    num_tiles = _num_tiles_bound(num_tokens, num_rows, block_q)
+    tiles = _tile_table(query_start_loc, seq_lens, num_tokens, block_q, num_tiles)
+
+    q_flat = q.reshape(num_tokens * num_q_heads, head_dim)
+    tables = block_tables.astype(jnp.int32)
+    grid = (num_tiles, num_kv_heads, num_splits)
+    in_specs = [
+        pl.BlockSpec((num_tiles, 4), lambda i, h, s: (0, 0)),
+        pl.BlockSpec((num_tokens * num_q_heads, head_dim), lambda i, h, s: (0, 0)),
+        pl.BlockSpec((None, num_pages, page, head_dim), lambda i, h, s: (h, 0, 0, 0)),
+        pl.BlockSpec((None, num_pages, page, head_dim), lambda i, h, s: (h, 0, 0, 0)),
+        pl.BlockSpec((num_rows, max_blocks), lambda i, h, s: (0, 0)),
+    ]
+    args = [tiles, q_flat, k_cache, v_cache, tables]
+    if not dense:
+        in_specs.append(pl.BlockSpec((num_tokens, None, topk), lambda i, h, s: (0, h, 0)))
+        args.append(block_indices.astype(jnp.int32))
+    flat_rows = num_tokens * num_q_heads
+    if num_splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((flat_rows, head_dim), q.dtype)]
+        out_specs = [pl.BlockSpec((flat_rows, head_dim), lambda i, h, s: (0, 0))]
+    else:
+        out_shape = [
+            jax.ShapeDtypeStruct((num_splits, flat_rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, flat_rows), jnp.float32),
+        ]
+        out_specs = [
+            pl.BlockSpec((None, flat_rows, head_dim), lambda i, h, s: (s, 0, 0)),
+            pl.BlockSpec((None, flat_rows), lambda i, h, s: (s, 0)),
+        ]
+    scratch = not dense and config.union_lookup == "scratch"
+    if scratch:
+        n_entries = block_q * topk_pow2
+        out_shape.append(jax.ShapeDtypeStruct((num_tiles, num_kv_heads, num_splits, 2, n_entries), jnp.int32))
+        out_specs.append(pl.BlockSpec((None, None, None, 2, n_entries), lambda i, h, s: (i, h, s, 0, 0)))
+    aliases = {}
+    if poison is not None:
+        for j, o in enumerate(out_shape):
+            if jnp.issubdtype(o.dtype, jnp.floating):
+                aliases[len(args)] = j
+                args.append(jnp.full(o.shape, poison, o.dtype))
+                in_specs.append(out_specs[j])
+
+    kernel = functools.partial(
+        _ragged_attention_kernel,
+        group=group,
+        num_q_heads=num_q_heads,
+        block_q=block_q,
+        rows=rows,
+        topk=topk,
+        topk_pow2=topk_pow2,
+        num_splits=num_splits,
+        max_blocks=max_blocks,
+        scale=float(scale),
+        dense=dense,
+        union_lookup=config.union_lookup if not dense else "reduce",
+        barrier=not interpret,
+    )
+    if aliases:
+        n_in, n_alias = len(args) - len(aliases), len(aliases)
+        inner = kernel
+
+        def kernel(*refs):  # drop the aliased input refs: the kernel writes the outputs
+            return inner(*refs[:n_in], *refs[n_in + n_alias:])
+
+    kind = "paged" if dense else "sparse"
+    outs = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name=f"ragged_{kind}_attention_bq{block_q}_rows{rows}_splits{num_splits}",
+    )(*args)
+    if num_splits == 1:
+        out = outs[0]
+    else:
+        out = merge_splits(outs[0], outs[1]).astype(q.dtype)
+    return out.reshape(num_tokens, num_q_heads, head_dim)
+
+
+def merge_splits(o_parts: jax.Array, lse_parts: jax.Array) -> jax.Array:
+    """Combine split-K partials: ``o_parts [S, N, D]`` (each normalised), ``lse_parts [S, N]`` (base 2,
+    MASK_VALUE where a split saw no key). Rows that no split saw come out as exact zeros."""
+    seen = lse_parts > 0.5 * MASK_VALUE
+    m = jnp.max(jnp.where(seen, lse_parts, MASK_VALUE), axis=0)
+    w = jnp.where(seen, jnp.exp2(lse_parts - m[None]), 0.0)
+    den = jnp.sum(w, axis=0)
+    num = jnp.einsum("sn,snd->nd", w, o_parts, precision=jax.lax.Precision.HIGHEST)
+    return num / jnp.where(den > 0, den, 1.0)[:, None]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public entry point and reference
+# ----------------------------------------------------------------------------------------------------------
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "implementation",
+        "interpret",
+        "block_q",
+        "num_splits",
+        "num_warps",
+        "num_stages",
+        "backend",
+        "union_lookup",
+    ),
+)
+def ragged_sparse_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    query_start_loc: jax.Array,
+    block_indices: jax.Array,
+    *,
+    scale: float,
+    implementation: str = "pallas",
+    interpret: bool | None = None,
+    block_q: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    backend: str | None = None,
+    union_lookup: str | None = None,
+) -> jax.Array:
+    """Ragged block-sparse attention over a paged KV cache (MSA), per token and per KV group.
+
+    Args:
+      q: ``[T, H_q, D]`` packed query tokens (bf16 or f32).
+      k_cache, v_cache: ``[H_kv, P, page, D]`` paged caches (page = sparse block size, a power of 2).
+      block_tables: ``int32[R, max_blocks]`` logical block -> physical page of each request row.
+      seq_lens: ``int32[R]`` lengths including this step's tokens (0 for padding rows).
+      query_start_loc: ``int32[R + 1]`` ragged query boundaries; slots ``>= qsl[R]`` are padding.
+      block_indices: ``int32[T, H_kv, topk]`` selected logical blocks per (token, KV group), -1 padded.
+      scale: softmax scale (``head_dim ** -0.5`` for M3).
+      implementation: ``"pallas"`` (Triton kernel; interpret mode on CPU) or ``"reference"`` (plain jnp).
+      interpret: ``None``: interpret mode on CPU, compiled Triton on GPU.
+      block_q, num_splits, num_warps, num_stages: launch overrides; ``None`` asks the per-chip policy
+        (``attention_launch_config``).
+      backend: ``"cuda"`` or ``"rocm"`` policy table; ``None`` uses the default device (cuda table off GPU).
+      union_lookup: ``"reduce"`` or ``"scratch"`` (how the walk finds its next union block); ``None``: policy.
+
+    Returns:
+      ``[T, H_q, D]`` in q's dtype; zeros for padding slots and for tokens without a visible selected key.
+    """
+    check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_indices)
+    if implementation == "reference":
+        return ragged_sparse_attention_reference(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_indices, scale=scale
+        )
+    if implementation != "pallas":
+        raise ValueError(f"implementation must be 'pallas' or 'reference', got {implementation!r}")
+    config = attention_launch_config(
+        backend=backend,
+        num_tokens=q.shape[0],
+        num_requests=block_tables.shape[0],
+        num_q_heads=q.shape[1],
+        num_kv_heads=k_cache.shape[0],
+        topk=block_indices.shape[2],
+        max_blocks=block_tables.shape[1],
+        dense=False,
+        block_q=block_q,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        union_lookup=union_lookup,
+    )
+    return ragged_attention_pallas(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        block_indices,
+        scale=scale,
+        config=config,
+        interpret=_platform.resolve_interpret(interpret),
+    )
+
+
+def ragged_sparse_attention_reference(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    query_start_loc: jax.Array,
+    block_indices: jax.Array,
+    *,
+    scale: float,
+    implementation: str = "reference",
+    interpret: bool | None = None,
+    block_q: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    backend: str | None = None,
+    union_lookup: str | None = None,
+) -> jax.Array:
+    """Plain-jnp reference with ``ragged_sparse_attention``'s signature (launch arguments are ignored).
+
+    Gathers each (token, KV group)'s selected pages (``[T, H_kv, topk, page, D]``), masks repeated, ``-1``,
+    invisible and future keys, and runs an fp32 softmax. Memory is O(T * H_kv * topk * page * D).
+    """
+    del implementation, interpret, block_q, num_splits, num_warps, num_stages, backend, union_lookup
+    check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_indices)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, page, _ = k_cache.shape
+    max_blocks = block_tables.shape[1]
+    topk = block_indices.shape[2]
+    group = num_q_heads // num_kv_heads
+
+    req = token_to_request(query_start_loc, num_tokens)
+    pos = token_positions(query_start_loc, seq_lens, req)  # -1 for padding slots
+    n_visible = jnp.where(req >= 0, (pos + page) // page, 0)
+    sel = block_indices.astype(jnp.int32)
+    slot = jnp.arange(topk)
+    repeat = jnp.any((sel[..., :, None] == sel[..., None, :]) & (slot[:, None] > slot[None, :]), axis=-1)
+    ok = (sel >= 0) & (sel < jnp.minimum(n_visible, max_blocks)[:, None, None]) & ~repeat  # [T, H_kv, topk]
+    rows = jnp.maximum(req, 0)[:, None, None]
+    phys = jnp.where(ok, block_tables[rows, jnp.clip(sel, 0, max_blocks - 1)], 0)
+    heads = jnp.arange(num_kv_heads)[None, :, None]
+    k = k_cache[heads, phys].astype(jnp.float32)  # [T, H_kv, topk, page, D]
+    v = v_cache[heads, phys].astype(jnp.float32)
+    kpos = sel[..., None] * page + jnp.arange(page)  # [T, H_kv, topk, page]
+    visible = ok[..., None] & (kpos <= pos[:, None, None, None])
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
+    hi = jax.lax.Precision.HIGHEST
+    s = jnp.einsum("tgjd,tgkpd->tgjkp", qg, k, precision=hi) * scale
+    s = jnp.where(visible[:, :, None], s, MASK_VALUE)
+    s = s.reshape(num_tokens, num_kv_heads, group, topk * page)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(visible.reshape(num_tokens, num_kv_heads, 1, topk * page), jnp.exp(s - m), 0.0)
+    den = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("tgjn,tgnd->tgjd", p, v.reshape(num_tokens, num_kv_heads, topk * page, head_dim), precision=hi)
+    o = o / jnp.where(den > 0, den, 1.0)
+    return o.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
