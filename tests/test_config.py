@@ -1,0 +1,106 @@
+"""MiniMaxM3Config: the config.json dialects of real checkpoints, validation errors, the 428B preset."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from minimax_jax.config import FULL_ATTENTION, SPARSE_ATTENTION, ConfigError, MiniMaxM3Config
+from minimax_jax.model import abstract_model
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+
+
+def load_json(name):
+    with open(os.path.join(FIXTURES, name, "config.json")) as f:
+        return json.load(f)
+
+
+def test_hf_and_legacy_dialects_agree():
+    hf = MiniMaxM3Config.from_pretrained(os.path.join(FIXTURES, "hf_tiny"))
+    legacy = MiniMaxM3Config.from_pretrained(os.path.join(FIXTURES, "minimax_tiny"))
+    assert hf == legacy
+    assert hf.rotary_dim == 8 and hf.rope_theta == 10000.0 and hf.swiglu_beta == 1.0
+    assert hf.layer_types == (FULL_ATTENTION, FULL_ATTENTION, SPARSE_ATTENTION, SPARSE_ATTENTION)
+    assert hf.mlp_layer_types == ("dense", "sparse", "dense", "sparse")
+
+
+def test_round_trip_and_file_path(tmp_path):
+    cfg = MiniMaxM3Config.tiny()
+    cfg.save(tmp_path)
+    assert MiniMaxM3Config.from_pretrained(tmp_path) == cfg
+    assert MiniMaxM3Config.from_pretrained(tmp_path / "config.json") == cfg
+
+
+def test_rope_theta_nested_and_partial_factor():
+    raw = MiniMaxM3Config.tiny().to_dict()
+    del raw["rope_theta"], raw["rotary_dim"]
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.25}
+    cfg = MiniMaxM3Config.from_pretrained(raw)
+    assert cfg.rope_theta == 5e6 and cfg.rotary_dim == 4
+
+
+def test_real_m3_keys():
+    """The key set of the real release (legacy sparse dict, moe_layer_freq, no swiglu_beta) under text_config."""
+    n = 60
+    text = {
+        "vocab_size": 200064, "hidden_size": 6144, "num_hidden_layers": n, "num_attention_heads": 64,
+        "num_key_value_heads": 4, "head_dim": 128, "rotary_dim": 64, "rope_theta": 5000000, "rms_norm_eps": 1e-6,
+        "intermediate_size": 3072, "dense_intermediate_size": 12288, "shared_intermediate_size": 3072,
+        "num_local_experts": 128, "num_experts_per_tok": 4, "routed_scaling_factor": 2.0, "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0, "hidden_act": "swigluoai", "moe_layer_freq": [0, 0, 0] + [1] * (n - 3),
+        "sparse_attention_config": {"sparse_attention_freq": [0, 0, 0] + [1] * (n - 3), "sparse_num_index_heads": 4,
+                                    "sparse_index_dim": 128, "sparse_block_size": 128, "sparse_topk_blocks": 16,
+                                    "sparse_local_block": 1},
+        "bos_token_id": 200034, "eos_token_id": 200020,
+    }
+    cfg = MiniMaxM3Config.from_pretrained({"text_config": text, "vision_config": {}})
+    assert cfg == MiniMaxM3Config.m3()
+
+
+def test_m3_preset_constructs_abstractly():
+    model = abstract_model(MiniMaxM3Config.m3(), dtype=jnp.bfloat16)
+    from flax import nnx
+
+    leaves = jax.tree.leaves(nnx.state(model))
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    n = sum(x.size for x in leaves)
+    assert 4.0e11 < n < 4.4e11, n
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"num_key_value_heads": 3}, "num_key_value_heads"),
+    ({"hidden_size": -1}, "hidden_size"),
+    ({"hidden_size": "big"}, "hidden_size"),
+    ({"layer_types": ["full_attention"] * 3}, "layer_types"),
+    ({"layer_types": ["full_attention", "x", "full_attention", "full_attention"]}, "layer_types[1]"),
+    ({"mlp_layer_types": ["dense"] * 5}, "mlp_layer_types"),
+    ({"index_n_heads": 4}, "index_n_heads"),
+    ({"rotary_dim": 7}, "rotary_dim"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+    ({"eos_token_id": 999}, "eos_token_id"),
+    ({"rope_parameters": {"rope_type": "yarn"}}, "rope_type"),
+    ({"rope_theta": 1.0, "rope_parameters": {"rope_theta": 2.0}}, "rope_theta"),
+    ({"rotary_dim": 16, "partial_rotary_factor": 0.5}, "rotary_dim"),
+    ({"sparse_attention_config": {"sparse_topk_blocks": 7}, "index_topk_blocks": 3}, "index_topk_blocks"),
+    ({"moe_layer_freq": [1, 0]}, "moe_layer_freq"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"text_config": 5}, "text_config"),
+])
+def test_errors_name_the_key(change, key):
+    raw = MiniMaxM3Config.tiny().to_dict()
+    for k in ("layer_types", "mlp_layer_types") if "moe_layer_freq" in change else ():
+        raw.pop(k)
+    raw.update(change)
+    with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
+        MiniMaxM3Config.from_pretrained(raw)
+
+
+def test_broken_json(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        MiniMaxM3Config.from_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        MiniMaxM3Config.from_pretrained(tmp_path / "nope")
