@@ -1,0 +1,172 @@
+"""The incremental (paged, ragged) forward of MiniMax-M3: prefill chunks and verify steps of 1..1+K tokens.
+
+One call processes a packed batch of tokens from many requests (SPEC section 5):
+
+* ``input_ids: int32[T]`` packed tokens; slots at or beyond ``query_start_loc[R]`` are padding;
+* ``query_start_loc: int32[R + 1]``, ``seq_lens: int32[R]`` (lengths including this step's tokens; 0 for a
+  padding row), ``block_tables: int32[R, max_blocks]``.
+
+Per layer the new tokens' K, V (and index-K on sparse layers) are written into the paged caches *before* any
+attention or indexing runs, so a draft token sees the drafts before it. Sparse layers then run
+``ragged_index_topk`` and ``ragged_sparse_attention``; dense layers ``ragged_paged_attention``. The request of a
+token and its position come from the device-side metadata helpers only (binary search over
+``query_start_loc``), never from host lengths.
+
+``implementation`` selects the kernels: ``"pallas"`` (Triton on GPU, interpret mode on CPU) or ``"reference"``
+(the plain-jnp ``*_reference`` of each kernel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from minimax_jax.cache import PagedCache, slot_mapping, write_tokens
+from minimax_jax.model import MiniMaxM3ForCausalLM
+from pallas_kernels.indexer import ragged_index_topk
+from pallas_kernels.metadata import token_positions, token_to_request
+from pallas_kernels.paged_attention import ragged_paged_attention
+from pallas_kernels.sparse_attention import ragged_sparse_attention
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RaggedBatch:
+    """Device metadata of one packed step. ``R`` rows (padding rows included), ``T`` packed slots."""
+
+    input_ids: jax.Array        # int32[T]
+    query_start_loc: jax.Array  # int32[R + 1]
+    seq_lens: jax.Array         # int32[R]
+    block_tables: jax.Array     # int32[R, max_blocks]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_rows(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+def check_batch(batch: RaggedBatch, *, vocab_size: int | None = None, num_pages: int | None = None,
+                page_size: int | None = None) -> None:
+    """Static shape/dtype checks (and value checks when the arrays are concrete), with errors naming the field."""
+    t, r = batch.input_ids.shape, batch.seq_lens.shape
+    if len(t) != 1:
+        raise ValueError(f"input_ids must be int32[T], got shape {t}")
+    if len(r) != 1:
+        raise ValueError(f"seq_lens must be int32[R], got shape {r}")
+    if batch.query_start_loc.shape != (r[0] + 1,):
+        raise ValueError(f"query_start_loc must be int32[R + 1] = [{r[0] + 1}], got {batch.query_start_loc.shape}")
+    if batch.block_tables.ndim != 2 or batch.block_tables.shape[0] != r[0]:
+        raise ValueError(f"block_tables must be int32[R={r[0]}, max_blocks], got {batch.block_tables.shape}")
+    for name in ("input_ids", "query_start_loc", "seq_lens", "block_tables"):
+        if not jnp.issubdtype(getattr(batch, name).dtype, jnp.integer):
+            raise ValueError(f"{name} must be an integer array, got {getattr(batch, name).dtype}")
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(batch)):
+        return
+    import numpy as np
+
+    qsl = np.asarray(batch.query_start_loc)
+    lens = np.diff(qsl)
+    seq = np.asarray(batch.seq_lens)
+    if qsl[0] != 0 or (lens < 0).any() or qsl[-1] > t[0]:
+        raise ValueError(f"query_start_loc must start at 0, be non-decreasing and end <= T={t[0]}, got {qsl}")
+    if (seq < lens).any():
+        bad = int(np.argmax(seq < lens))
+        raise ValueError(f"seq_lens[{bad}]={seq[bad]} is shorter than the row's {lens[bad]} new tokens")
+    if page_size is not None:
+        nb = -(-seq // page_size)
+        if (nb > batch.block_tables.shape[1]).any():
+            raise ValueError(f"a row needs {nb.max()} blocks but block_tables holds {batch.block_tables.shape[1]}")
+        if num_pages is not None:
+            bt = np.asarray(batch.block_tables)
+            for row in range(r[0]):
+                used = bt[row, : nb[row]]
+                if used.size and (used.min() < 0 or used.max() >= num_pages):
+                    raise ValueError(f"block_tables[{row}] names a page outside [0, {num_pages})")
+    if vocab_size is not None:
+        ids = np.asarray(batch.input_ids)[: qsl[-1]]
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            bad = ids.min() if ids.min() < 0 else ids.max()
+            raise ValueError(f"input_ids holds token id {bad}, outside the vocabulary [0, {vocab_size})")
+
+
+def forward_ragged(
+    model: MiniMaxM3ForCausalLM,
+    cache: PagedCache,
+    batch: RaggedBatch,
+    *,
+    capture_layers: Sequence[int] = (),
+    implementation: str = "pallas",
+    interpret: bool | None = None,
+) -> tuple[jax.Array, list[jax.Array], PagedCache]:
+    """Run the packed tokens through the model, writing their K/V/index-K into ``cache``.
+
+    Returns ``(hidden [T, d], captured [T, d] per capture layer, new cache)``. ``hidden`` is the residual stream
+    after the last layer (before the final norm); ``model.logits(hidden[rows])`` gives the logits of the rows that
+    need them (bounded verify logits: never all ``T x V`` unless asked). Padding slots produce garbage-free zeros
+    in attention and never write the caches.
+    """
+    cfg = model.cfg
+    check_batch(batch, page_size=cache.page_size)
+    t = batch.num_tokens
+    page = cache.page_size
+    req = token_to_request(batch.query_start_loc, t)
+    pos = token_positions(batch.query_start_loc, batch.seq_lens, req)
+    slots = slot_mapping(batch.block_tables, req, pos, page_size=page, num_pages=cache.num_pages)
+    valid = (req >= 0)[:, None]
+    cos, sin = model.rope(jnp.maximum(pos, 0))
+    kernel_kw = dict(implementation=implementation, interpret=interpret)
+    meta = (batch.block_tables, batch.seq_lens, batch.query_start_loc)
+
+    x = jnp.where(valid, model.embed(jnp.where(req >= 0, batch.input_ids, 0)), 0)
+    new_k, new_v, new_index_k = list(cache.k), list(cache.v), list(cache.index_k)
+    captured = {}
+    sparse_slot = {layer: i for i, layer in enumerate(cfg.sparse_layer_ids)}
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        xn = layer.input_layernorm(x)
+        q, k, v = attn.project_qkv(xn, cos, sin)  # [T, H, D], [T, H_kv, D]
+        new_k[i] = write_tokens(new_k[i], k, slots)
+        new_v[i] = write_tokens(new_v[i], v, slots)
+        scale = cfg.head_dim ** -0.5
+        if attn.is_sparse:
+            j = sparse_slot[i]
+            iq, ik = attn.indexer.project(xn, cos, sin)  # [T, H_idx, D_idx], [T, D_idx]
+            new_index_k[j] = write_tokens(new_index_k[j], ik, slots)
+            sel = ragged_index_topk(iq, new_index_k[j], *meta, topk=cfg.index_topk_blocks,
+                                    local_blocks=cfg.index_local_blocks, **kernel_kw)
+            o = ragged_sparse_attention(q, new_k[i], new_v[i], *meta, sel, scale=scale, **kernel_kw)
+        else:
+            o = ragged_paged_attention(q, new_k[i], new_v[i], *meta, scale=scale, **kernel_kw)
+        h = x + attn.o_proj(o.reshape(t, -1))
+        x = h + layer.mlp(layer.post_attention_layernorm(h))
+        x = jnp.where(valid, x, 0)
+        if i in capture_layers:
+            captured[i] = x
+    return x, [captured[i] for i in capture_layers], PagedCache(new_k, new_v, new_index_k)
+
+
+def make_step_fn(model: MiniMaxM3ForCausalLM, *, capture_layers: Sequence[int] = (),
+                 implementation: str = "pallas", interpret: bool | None = None, donate_cache: bool = True):
+    """A jitted ``step(params, cache, batch, logit_rows) -> (logits [N, V], captured, cache)``.
+
+    The model's graph is static (``nnx.split``); ``params`` is its state, passed as an argument so the compiled
+    program does not embed the weights (Flax Gemma sampler style). ``logit_rows int32[N]`` picks the packed rows
+    whose logits are needed (bounded verify logits). The cache is donated: it is updated in place.
+    """
+    from flax import nnx
+
+    graphdef, _ = nnx.split(model)
+
+    def step(params, cache, batch, logit_rows):
+        m = nnx.merge(graphdef, params)
+        hidden, captured, cache = forward_ragged(m, cache, batch, capture_layers=tuple(capture_layers),
+                                                 implementation=implementation, interpret=interpret)
+        return m.logits(hidden[logit_rows]), captured, cache
+
+    return jax.jit(step, donate_argnums=(1,) if donate_cache else ())
