@@ -155,7 +155,7 @@ def indexer_launch_config(
     target = pol.num_cores * pol.programs_per_core
     min_blocks_per_split = 2
     max_splits = max(1, _cdiv(max_blocks, min_blocks_per_split))
-    num_splits = max(1, min(_cdiv(target, live_tiles) if live_tiles < target else 1, max_splits))
+    num_splits = max(1, min(target // live_tiles, max_splits))
     if num_splits == 1 and m * _next_pow2(max_blocks) > pol.fused_max_elems:
         num_splits = 2  # pooled scores too large for registers: go through the scratch + selection kernel
     select_rows = max(1, min(_next_pow2(m), 4096 // _next_pow2(max_blocks)))
@@ -209,6 +209,12 @@ def _masked_index(idx, ok, size: int):
     dropped.
     """
     return jnp.where(ok, idx, size)
+
+
+def _lanes(iota, size: int):
+    """In-bounds lane offsets ``[0, pow2(size))`` for a dimension of ``size``: clamped only when padded, so an
+    unpadded ``iota`` stays a plain range and Triton keeps its contiguity (16-byte vector loads)."""
+    return iota if iota.shape[-1] == size else jnp.minimum(iota, size - 1)
 
 
 def _count_le(sorted_ref, value, *, n: int, width: int, levels: int):
@@ -268,7 +274,7 @@ def _load_queries(q_ref, flat, row_ok, dims: _Dims):
     mask = row_ok[:, None]
     if dims.dim_p2 != dims.dim:
         mask = mask & (d < dims.dim)[None, :]
-    q = plgpu.load(q_ref.at[flat[:, None], jnp.minimum(d, dims.dim - 1)[None, :]], mask=mask, other=0)
+    q = plgpu.load(q_ref.at[flat[:, None], _lanes(d, dims.dim)[None, :]], mask=mask, other=0)
     return q.astype(dims.compute_dtype)  # [M, Dp]
 
 
@@ -285,15 +291,15 @@ def _score_step(q, k_ref, bt_ref, req, b0, b_hi, pos, dims: _Dims):
     if dims.pages_per_step == 1:
         # One page: a scalar block-table read and one contiguous [page, D] tile.
         phys = jnp.clip(bt_ref[req, jnp.minimum(b0, dims.max_blocks - 1)], 0, dims.num_pages - 1)
-        krow = phys * dims.page + jnp.minimum(slot, dims.page - 1)
+        krow = phys * dims.page + _lanes(slot, dims.page)
     else:
         phys = plgpu.load(bt_ref.at[req, jnp.minimum(blk, dims.max_blocks - 1)], mask=kmask, other=0)
-        krow = jnp.clip(phys, 0, dims.num_pages - 1) * dims.page + jnp.minimum(slot, dims.page - 1)
+        krow = jnp.clip(phys, 0, dims.num_pages - 1) * dims.page + _lanes(slot, dims.page)
     d = lax.broadcasted_iota(jnp.int32, (dims.dim_p2,), 0)
     lmask = kmask[:, None]
     if dims.dim_p2 != dims.dim:
         lmask = lmask & (d < dims.dim)[None, :]
-    k = plgpu.load(k_ref.at[krow[:, None], jnp.minimum(d, dims.dim - 1)[None, :]], mask=lmask, other=0)
+    k = plgpu.load(k_ref.at[krow[:, None], _lanes(d, dims.dim)[None, :]], mask=lmask, other=0)
     s = plgpu.dot(q, k.astype(dims.compute_dtype), trans_b=True, allow_tf32=False)  # [M, BK] fp32
     key_pos = blk * dims.page + slot
     ok = kmask[None, :] & (key_pos[None, :] <= pos[:, None])
@@ -496,7 +502,7 @@ def _ragged_index_topk_pallas(index_q, index_k_cache, block_tables, seq_lens, qu
     if not interpret and (_next_pow2(page) * cfg.pages_per_step < 16 or _next_pow2(d) < 16):
         raise ValueError(f"page {page} x pages_per_step {cfg.pages_per_step} and D_idx {d} must be >= 16 "
                          "for the Triton dot")
-    width = max(16, min(_next_pow2(r), 256))
+    width = max(16, min(_next_pow2(r), 1024))  # one probe level up to R = 1024
     levels = max(1, math.ceil(math.log(max(r, 2), width)))
     while width ** levels < r:
         levels += 1
