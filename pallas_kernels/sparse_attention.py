@@ -51,6 +51,7 @@ __all__ = [
     "attention_launch_config",
     "ragged_sparse_attention",
     "ragged_sparse_attention_reference",
+    "union_block_counts",
 ]
 
 # Large-but-finite: exp2(MASK_VALUE - m) underflows to 0 and MASK_VALUE - MASK_VALUE stays finite.
@@ -413,6 +414,7 @@ def check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_st
         raise ValueError(f"q ({q.dtype}) must be floating and k/v caches ({k_cache.dtype}, {v_cache.dtype}) match")
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret", "poison"))
 def ragged_attention_pallas(
     q,
     k_cache,
@@ -425,12 +427,12 @@ def ragged_attention_pallas(
     scale: float,
     config: AttentionLaunchConfig,
     interpret: bool,
-    poison: float | None = None,
+    poison: bool = False,
 ):
     """Builds the grid and BlockSpecs and runs the kernel (sparse, or dense when ``block_indices is None``).
 
-    ``poison`` (tests only): start the output buffers from this value (aliased into the kernel) so that a row
-    the kernel fails to write shows up.
+    ``poison`` (tests only): start the float output buffers as NaN (aliased into the kernel) so that a row the
+    kernel fails to write shows up.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page, _ = k_cache.shape
@@ -486,11 +488,11 @@ def ragged_attention_pallas(
         out_shape.append(jax.ShapeDtypeStruct((num_tiles, num_kv_heads, num_splits, 2, n_entries), jnp.int32))
         out_specs.append(pl.BlockSpec((None, None, None, 2, n_entries), lambda i, h, s: (i, h, s, 0, 0)))
     aliases = {}
-    if poison is not None:
+    if poison:
         for j, o in enumerate(out_shape):
             if jnp.issubdtype(o.dtype, jnp.floating):
                 aliases[len(args)] = j
-                args.append(jnp.full(o.shape, poison, o.dtype))
+                args.append(jnp.full(o.shape, jnp.nan, o.dtype))
                 in_specs.append(out_specs[j])
 
     kernel = functools.partial(
@@ -543,6 +545,32 @@ def merge_splits(o_parts: jax.Array, lse_parts: jax.Array) -> jax.Array:
     den = jnp.sum(w, axis=0)
     num = jnp.einsum("sn,snd->nd", w, o_parts, precision=jax.lax.Precision.HIGHEST)
     return num / jnp.where(den > 0, den, 1.0)[:, None]
+
+
+def union_block_counts(
+    query_start_loc: jax.Array, seq_lens: jax.Array, block_indices: jax.Array, *, page: int, block_q: int
+) -> jax.Array:
+    """Bytes model: ``int32[num_tiles, H_kv]``, how many distinct blocks each (request tile, KV head) program
+    reads, i.e. the size of the union the kernel walks (``-1`` slots and blocks past the tile's last position
+    excluded). Unique K+V bytes = ``sum * 2 * page * D * itemsize``; per-token reads would be the number of
+    valid selection slots instead."""
+    num_tokens, num_kv_heads, topk = block_indices.shape
+    num_rows = seq_lens.shape[0]
+    num_tiles = _num_tiles_bound(num_tokens, num_rows, block_q)
+    tiles = _tile_table(query_start_loc, seq_lens, num_tokens, block_q, num_tiles)
+    req, start, length, pos0 = (tiles[:, j] for j in range(4))
+    offs = jnp.arange(block_q, dtype=jnp.int32)
+    tok = jnp.clip(start[:, None] + offs[None, :], 0, num_tokens - 1)  # [tiles, bq]
+    tok_ok = (offs[None, :] < length[:, None]) & (req >= 0)[:, None]
+    n_visible = jnp.where((req >= 0) & (length > 0), (pos0 + length - 1 + page) // page, 0)
+    sel = jnp.transpose(block_indices.astype(jnp.int32)[tok], (0, 2, 1, 3))  # [tiles, H_kv, bq, topk]
+    sel = sel.reshape(num_tiles, num_kv_heads, block_q * topk)
+    tok_ok = jnp.repeat(tok_ok, topk, axis=1)[:, None, :]
+    ok = tok_ok & (sel >= 0) & (sel < n_visible[:, None, None])
+    big = jnp.iinfo(jnp.int32).max
+    srt = jnp.sort(jnp.where(ok, sel, big), axis=-1)
+    prev = jnp.concatenate([jnp.full(srt.shape[:-1] + (1,), -1, jnp.int32), srt[..., :-1]], axis=-1)
+    return jnp.sum((srt != big) & (srt != prev), axis=-1).astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -639,6 +667,20 @@ def ragged_sparse_attention(
     )
 
 
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "implementation",
+        "interpret",
+        "block_q",
+        "num_splits",
+        "num_warps",
+        "num_stages",
+        "backend",
+        "union_lookup",
+    ),
+)
 def ragged_sparse_attention_reference(
     q: jax.Array,
     k_cache: jax.Array,
@@ -685,6 +727,7 @@ def ragged_sparse_attention_reference(
     v = v_cache[heads, phys].astype(jnp.float32)
     kpos = sel[..., None] * page + jnp.arange(page)  # [T, H_kv, topk, page]
     visible = ok[..., None] & (kpos <= pos[:, None, None, None])
+    v = jnp.where(visible[..., None], v, 0.0)  # masked slots may hold anything (stale drafts, unused pages)
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
     hi = jax.lax.Precision.HIGHEST
     s = jnp.einsum("tgjd,tgkpd->tgjkp", qg, k, precision=hi) * scale

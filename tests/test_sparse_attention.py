@@ -1,0 +1,377 @@
+"""Ragged block-sparse attention: Pallas kernel (interpret mode) == jnp reference == a naive per-token oracle.
+
+Small shapes (page 4..16, D 16..32, groups of 2..4) keep interpret mode fast. Every batch is built to catch the
+classic failures: shuffled page tables whose unused entries point at NaN pages (a read through a -1 slot, past a
+request's own rows or through an unused entry turns the output NaN), stale finite garbage in the slots past
+``seq_len`` of a request's last page (a missing causal mask shows up as a large error), NaN queries and garbage
+selections in padding slots, contexts that are not a multiple of the page, q lengths 1..8 with zero-length rows,
+-1 tails and prefill chunks. Output buffers are poisoned with NaN before the kernel runs where the test asks for
+it (``poison=``, aliased into the kernel), so an unwritten row is caught.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import sparse_attention as sa
+from pallas_kernels.platform import lower_for_gpu
+from pallas_kernels.sparse_attention import (
+    AttentionLaunchConfig,
+    attention_launch_config,
+    ragged_sparse_attention,
+    ragged_sparse_attention_reference,
+    union_block_counts,
+)
+
+# --------------------------------------------------------------------------------------------------------------
+# Oracle and batch builder (shared with test_paged_attention.py).
+# --------------------------------------------------------------------------------------------------------------
+
+
+def naive_attention(q, kc, vc, bt, seq_lens, qsl, sel, *, scale):
+    """SPEC section 3 one (token, query head) at a time in float64. ``sel=None`` means every block (dense)."""
+    q = np.asarray(q, np.float64)
+    kc = np.asarray(kc, np.float64)
+    vc = np.asarray(vc, np.float64)
+    t_cap, h_q, d = q.shape
+    h_kv, _, page, _ = kc.shape
+    group = h_q // h_kv
+    out = np.zeros((t_cap, h_q, d))
+    for r in range(len(seq_lens)):
+        q_len = int(qsl[r + 1] - qsl[r])
+        for i in range(q_len):
+            t = int(qsl[r]) + i
+            pos = int(seq_lens[r]) - q_len + i
+            for qh in range(h_q):
+                g = qh // group
+                chosen = range(pos // page + 1) if sel is None else {int(b) for b in sel[t, g] if b >= 0}
+                keys = [j for j in range(pos + 1) if j // page in chosen]
+                if not keys:
+                    continue
+                k = np.stack([kc[g, bt[r, j // page], j % page] for j in keys])
+                v = np.stack([vc[g, bt[r, j // page], j % page] for j in keys])
+                s = k @ q[t, qh] * scale
+                p = np.exp(s - s.max())
+                out[t, qh] = p @ v / p.sum()
+    return out
+
+
+def make_batch(
+    rng,
+    *,
+    q_lens,
+    seq_lens,
+    page,
+    dim,
+    kv_heads=2,
+    group=2,
+    topk=3,
+    pad_slots=3,
+    dtype=np.float32,
+    correlated=True,
+    neg_tail_prob=0.2,
+    spare_pages=3,
+):
+    """A ragged batch honouring SPEC section 5, with traps for out-of-contract reads (see module docstring)."""
+    q_lens = np.asarray(q_lens, np.int32)
+    seq_lens = np.asarray(seq_lens, np.int32)
+    num_rows = len(q_lens)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    num_tokens = int(qsl[-1]) + pad_slots
+    blocks_per_row = [-(-int(s) // page) for s in seq_lens]
+    max_blocks = max(max(blocks_per_row) + 2, 1)
+    used = sum(blocks_per_row)
+    num_pages = used + spare_pages
+    perm = rng.permutation(num_pages)
+    nan_pages = perm[used:]  # pages no request owns: NaN, so any read of them shows up
+    tables = np.empty((num_rows, max_blocks), np.int32)
+    off = 0
+    for r, nb in enumerate(blocks_per_row):
+        tables[r, :nb] = perm[off : off + nb]
+        tables[r, nb:] = rng.choice(nan_pages, max_blocks - nb)  # unused entries: NaN pages
+        off += nb
+    kc = rng.standard_normal((kv_heads, num_pages, page, dim))
+    # V at half scale: with only a few dozen keys per query the outputs are larger than in real attention
+    # (|o| ~ 0.3 at unit scale), and bf16 output rounding alone (~|o| * 2**-10 on average) would then use up
+    # the 3e-4 mean tolerance before the kernel adds any error of its own.
+    vc = 0.5 * rng.standard_normal((kv_heads, num_pages, page, dim))
+    kc[:, nan_pages] = np.nan
+    vc[:, nan_pages] = np.nan
+    for r, s in enumerate(seq_lens):  # stale (finite, large) data past seq_len in the last page
+        if s % page:
+            kc[:, tables[r, s // page], s % page :] = 30.0
+            vc[:, tables[r, s // page], s % page :] = 1e3
+    q = rng.standard_normal((num_tokens, kv_heads * group, dim))
+    q[qsl[-1] :] = np.nan  # padding slots: garbage queries must not leak
+
+    sel = np.full((num_tokens, kv_heads, topk), -1, np.int32)
+    sel[qsl[-1] :] = rng.integers(0, max_blocks, (pad_slots, kv_heads, topk))  # garbage in padding slots
+    for r in range(num_rows):
+        ql = int(q_lens[r])
+        n_ctx = blocks_per_row[r]
+        base = rng.standard_normal((kv_heads, max(n_ctx, 1)))
+        for i in range(ql):
+            t = int(qsl[r]) + i
+            pos = int(seq_lens[r]) - ql + i
+            nb = pos // page + 1
+            for g in range(kv_heads):
+                noise = 0.3 if correlated else 3.0
+                score = base[g, :nb] + noise * rng.standard_normal(nb)
+                score[nb - 1] = np.inf  # the local block is always selected
+                order = np.argsort(-score, kind="stable")
+                k = min(topk, nb)
+                if rng.random() < neg_tail_prob and k > 1:
+                    k -= 1  # an extra -1 tail even though more blocks are visible
+                sel[t, g, :k] = order[:k]
+    cast = (lambda a: jnp.asarray(a, jnp.bfloat16)) if dtype == "bf16" else (lambda a: jnp.asarray(a, jnp.float32))
+    return dict(
+        q=cast(q),
+        k_cache=cast(kc),
+        v_cache=cast(vc),
+        block_tables=jnp.asarray(tables),
+        seq_lens=jnp.asarray(seq_lens),
+        query_start_loc=jnp.asarray(qsl),
+        block_indices=jnp.asarray(sel),
+    )
+
+
+ARG_ORDER = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "query_start_loc", "block_indices")
+
+
+def args_of(batch, dense=False):
+    names = ARG_ORDER[:-1] if dense else ARG_ORDER
+    return [batch[n] for n in names]
+
+
+def oracle(batch, scale, dense=False):
+    b = {k: np.asarray(v.astype(jnp.float32) if jnp.issubdtype(v.dtype, jnp.floating) else v) for k, v in batch.items()}
+    return naive_attention(
+        b["q"], b["k_cache"], b["v_cache"], b["block_tables"], b["seq_lens"], b["query_start_loc"],
+        None if dense else b["block_indices"], scale=scale,
+    )
+
+
+def assert_close(out, expected, dtype, num_valid):
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    assert not np.isnan(out).any(), "NaN in the output"
+    assert np.all(out[num_valid:] == 0.0), "padding slots must be exact zeros"
+    err = np.abs(out - expected)
+    if dtype == "bf16":
+        assert err.max() <= 2e-2, f"bf16 max abs err {err.max():.3g}"
+        assert err.mean() <= 3e-4, f"bf16 mean abs err {err.mean():.3g}"
+    else:
+        assert err.max() <= 1e-5, f"f32 max abs err {err.max():.3g}"
+
+
+# Mixed verification batch: q lengths 1..8, zero-length rows, contexts not a multiple of the page.
+VERIFY = dict(q_lens=[3, 0, 1, 8, 5, 0, 2], seq_lens=[37, 0, 9, 70, 44, 0, 23])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The reference against the oracle.
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("correlated", [True, False])
+def test_reference_matches_naive_oracle(correlated):
+    rng = np.random.default_rng(1 + correlated)
+    batch = make_batch(rng, **VERIFY, page=8, dim=16, kv_heads=2, group=3, topk=3, correlated=correlated)
+    scale = 16**-0.5
+    ref = ragged_sparse_attention_reference(*args_of(batch), scale=scale)
+    assert_close(ref, oracle(batch, scale), "f32", int(batch["query_start_loc"][-1]))
+
+
+def test_reference_treats_selection_as_a_set():
+    """A repeated block id counts once (the selection is a set of blocks), in the reference and the kernel."""
+    rng = np.random.default_rng(3)
+    batch = make_batch(rng, q_lens=[2], seq_lens=[30], page=8, dim=16, kv_heads=1, group=2, topk=4)
+    sel = np.asarray(batch["block_indices"]).copy()
+    sel[0, 0] = [1, 1, 0, 1]
+    sel[1, 0] = [3, 3, -1, -1]
+    batch["block_indices"] = jnp.asarray(sel)
+    scale = 0.25
+    expected = oracle(batch, scale)
+    assert_close(ragged_sparse_attention_reference(*args_of(batch), scale=scale), expected, "f32", 2)
+    assert_close(ragged_sparse_attention(*args_of(batch), scale=scale, block_q=2), expected, "f32", 2)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The kernel against the reference.
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dtype, page, dim, kv_heads, group, topk, block_q, num_splits, lookup",
+    [
+        ("f32", 8, 16, 2, 2, 3, 4, 1, "reduce"),
+        ("f32", 4, 32, 1, 4, 4, 8, 3, "scratch"),
+        ("f32", 16, 16, 2, 3, 2, 1, 2, "reduce"),
+        ("bf16", 8, 32, 2, 4, 3, 8, 1, "scratch"),
+        ("bf16", 16, 16, 2, 2, 4, 2, 4, "reduce"),
+    ],
+)
+def test_kernel_matches_reference_verify_batch(dtype, page, dim, kv_heads, group, topk, block_q, num_splits, lookup):
+    rng = np.random.default_rng(hash((dtype, page, dim, block_q)) % 2**32)
+    batch = make_batch(
+        rng, **VERIFY, page=page, dim=dim, kv_heads=kv_heads, group=group, topk=topk, dtype=dtype
+    )
+    scale = dim**-0.5
+    config = AttentionLaunchConfig(
+        block_q=block_q, num_splits=num_splits, num_warps=4, num_stages=2, union_lookup=lookup
+    )
+    out = sa.ragged_attention_pallas(
+        *args_of(batch), scale=scale, config=config, interpret=True, poison=True
+    )
+    assert out.dtype == batch["q"].dtype
+    ref = ragged_sparse_attention_reference(*args_of(batch), scale=scale)
+    num_valid = int(batch["query_start_loc"][-1])
+    expected = np.asarray(ref.astype(jnp.float32), np.float64) if dtype == "f32" else oracle(batch, scale)
+    assert_close(out, expected, dtype, num_valid)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_prefill_chunk_and_decode_rows(dtype):
+    """A long q_len (prefill chunk of 21 tokens, tiled by block_q) next to decode rows, public entry point."""
+    rng = np.random.default_rng(7)
+    batch = make_batch(
+        rng, q_lens=[21, 1, 0, 1], seq_lens=[50, 33, 0, 5], page=8, dim=16, kv_heads=2, group=2, topk=3,
+        dtype=dtype, pad_slots=5,
+    )
+    scale = 0.3
+    out = ragged_sparse_attention(*args_of(batch), scale=scale, block_q=4, num_splits=2)
+    assert_close(out, oracle(batch, scale), dtype, 23)
+
+
+def test_default_policy_and_no_padding_slots():
+    """Default launch settings; T == qsl[R] (no padding tail); a token whose selection is all -1 gets zeros."""
+    rng = np.random.default_rng(11)
+    batch = make_batch(rng, q_lens=[2, 4], seq_lens=[20, 41], page=4, dim=16, kv_heads=2, group=2, topk=4,
+                       pad_slots=0)
+    sel = np.asarray(batch["block_indices"]).copy()
+    sel[3, 1] = -1  # token 3, KV group 1: nothing selected -> zero output for heads 2, 3
+    batch["block_indices"] = jnp.asarray(sel)
+    scale = 0.25
+    out = ragged_sparse_attention(*args_of(batch), scale=scale)
+    expected = oracle(batch, scale)
+    assert np.all(expected[3, 2:] == 0)
+    assert_close(out, expected, "f32", 6)
+    ref = ragged_sparse_attention(*args_of(batch), scale=scale, implementation="reference")
+    assert_close(ref, expected, "f32", 6)
+
+
+def test_all_padding_batch_is_zero():
+    rng = np.random.default_rng(5)
+    batch = make_batch(rng, q_lens=[0, 0], seq_lens=[0, 0], page=4, dim=16, kv_heads=1, group=2, pad_slots=4,
+                       spare_pages=2)
+    out = sa.ragged_attention_pallas(
+        *args_of(batch), scale=0.2, config=AttentionLaunchConfig(2, 2, 4, 2), interpret=True, poison=True
+    )
+    assert np.all(np.asarray(out) == 0.0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Tiling, bytes model, policy, validation, lowering.
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_q", [1, 2, 8])
+def test_tile_table_covers_every_slot_once(block_q):
+    rng = np.random.default_rng(block_q)
+    for _ in range(3):
+        q_lens = rng.integers(0, 12, rng.integers(1, 7))
+        seq_lens = q_lens + rng.integers(0, 50, len(q_lens))
+        qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        num_tokens = int(qsl[-1]) + int(rng.integers(0, 9))
+        num_tiles = sa._num_tiles_bound(num_tokens, len(q_lens), block_q)
+        tiles = np.asarray(sa._tile_table(jnp.asarray(qsl), jnp.asarray(seq_lens, jnp.int32), num_tokens,
+                                          block_q, num_tiles))
+        owner = np.full(num_tokens, -2)
+        for req, start, length, pos0 in tiles:
+            assert 0 <= length <= block_q
+            for i in range(length):
+                t = start + i
+                assert owner[t] == -2, "a token covered twice"
+                owner[t] = req
+                if req >= 0:
+                    assert qsl[req] <= t < qsl[req + 1]
+                    assert pos0 + i == seq_lens[req] - q_lens[req] + (t - qsl[req])
+                else:
+                    assert t >= qsl[-1]
+        assert np.all(owner != -2), "a token not covered"
+
+
+def test_union_block_counts_match_sets():
+    rng = np.random.default_rng(2)
+    batch = make_batch(rng, **VERIFY, page=8, dim=16, kv_heads=2, group=2, topk=3)
+    counts = np.asarray(union_block_counts(batch["query_start_loc"], batch["seq_lens"], batch["block_indices"],
+                                           page=8, block_q=8))
+    qsl, seq, sel = (np.asarray(batch[k]) for k in ("query_start_loc", "seq_lens", "block_indices"))
+    expected = []
+    for r in range(len(seq)):
+        for start in range(qsl[r], qsl[r + 1], 8):
+            toks = range(start, min(start + 8, qsl[r + 1]))
+            for g in range(sel.shape[1]):
+                expected.append(len({int(b) for t in toks for b in sel[t, g] if b >= 0}))
+    assert sorted(counts[counts > 0].tolist()) == sorted(x for x in expected if x > 0)
+    assert counts.sum() == sum(expected)
+
+
+def test_launch_policy():
+    m3 = dict(num_q_heads=64, num_kv_heads=4, topk=16, dense=False)
+    verify = attention_launch_config(backend="cuda", num_tokens=4096, num_requests=512, max_blocks=32, **m3)
+    assert (verify.block_q, verify.num_splits, verify.num_warps) == (8, 1, 8)  # 8 tokens x 16 heads = 128 rows
+    decode = attention_launch_config(backend="cuda", num_tokens=512, num_requests=512, max_blocks=32, **m3)
+    assert (decode.block_q, decode.num_splits) == (1, 1)
+    single = attention_launch_config(backend="cuda", num_tokens=8, num_requests=1, max_blocks=256, **m3)
+    assert single.block_q == 8 and single.num_splits > 1
+    rocm = attention_launch_config(backend="rocm", num_tokens=8, num_requests=1, max_blocks=256, **m3)
+    assert rocm.num_warps <= 16 and rocm.num_splits > 1
+    override = attention_launch_config(backend="cuda", num_tokens=8, num_requests=1, max_blocks=256, block_q=2,
+                                       num_splits=3, num_warps=2, num_stages=1, **m3)
+    assert override == AttentionLaunchConfig(2, 3, 2, 1, "reduce")
+    with pytest.raises(ValueError, match="backend"):
+        attention_launch_config(backend="tpu", num_tokens=8, num_requests=1, max_blocks=4, **m3)
+
+
+def test_bad_inputs_raise_value_errors():
+    rng = np.random.default_rng(0)
+    b = make_batch(rng, q_lens=[2], seq_lens=[10], page=4, dim=16, kv_heads=2, group=2)
+    a = args_of(b)
+    with pytest.raises(ValueError, match="block_indices"):
+        ragged_sparse_attention(*a[:-1], a[-1][:, :1], scale=0.1)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        ragged_sparse_attention(*a[:5], a[5][:-1], a[6], scale=0.1)
+    with pytest.raises(ValueError, match="multiple of H_kv"):
+        ragged_sparse_attention(a[0][:, :3], *a[1:], scale=0.1)
+    with pytest.raises(ValueError, match="v_cache"):
+        ragged_sparse_attention(a[0], a[1], a[2][:, :, :2], *a[3:], scale=0.1)
+    with pytest.raises(ValueError, match="page size"):
+        ragged_sparse_attention(a[0], a[1][:, :, :3], a[2][:, :, :3], *a[3:], scale=0.1)
+    with pytest.raises(ValueError, match="implementation"):
+        ragged_sparse_attention(*a, scale=0.1, implementation="cuda")
+    with pytest.raises(ValueError, match="block_q"):
+        ragged_sparse_attention(*a, scale=0.1, block_q=3)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "rocm"])
+@pytest.mark.parametrize("lookup", ["reduce", "scratch"])
+def test_lowers_for_gpu(platform, lookup):
+    """Deviceless Triton lowering at M3 TP1 shapes (64/4 heads of 128, topk 16, page 128, bf16)."""
+    S = jax.ShapeDtypeStruct
+    for num_tokens, num_rows, max_blocks in ((4096, 512, 32), (8, 1, 256)):
+        shapes = (
+            S((num_tokens, 64, 128), jnp.bfloat16),
+            S((4, 2048, 128, 128), jnp.bfloat16),
+            S((4, 2048, 128, 128), jnp.bfloat16),
+            S((num_rows, max_blocks), jnp.int32),
+            S((num_rows,), jnp.int32),
+            S((num_rows + 1,), jnp.int32),
+            S((num_tokens, 4, 16), jnp.int32),
+        )
+        text = lower_for_gpu(ragged_sparse_attention, *shapes, platform=platform, scale=128**-0.5,
+                             interpret=False, backend=platform, union_lookup=lookup)
+        assert "triton" in text.lower() and "ragged_sparse_attention_bq" in text
