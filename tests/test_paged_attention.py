@@ -1,0 +1,98 @@
+"""Ragged dense paged attention (dense layers): Pallas kernel (interpret) == jnp reference == naive oracle.
+
+Uses the batch builder of test_sparse_attention.py: NaN pages behind unused table entries, stale finite data past
+``seq_len`` in a request's last page, NaN queries in padding slots, shuffled page tables, zero-length rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import sparse_attention as sa
+from pallas_kernels.paged_attention import ragged_paged_attention, ragged_paged_attention_reference
+from pallas_kernels.platform import lower_for_gpu
+from pallas_kernels.sparse_attention import AttentionLaunchConfig, ragged_sparse_attention_reference
+from tests.test_sparse_attention import VERIFY, args_of, assert_close, make_batch, oracle
+
+
+def test_reference_matches_naive_oracle():
+    rng = np.random.default_rng(21)
+    batch = make_batch(rng, **VERIFY, page=8, dim=16, kv_heads=2, group=2)
+    scale = 0.25
+    ref = ragged_paged_attention_reference(*args_of(batch, dense=True), scale=scale)
+    assert_close(ref, oracle(batch, scale, dense=True), "f32", int(batch["query_start_loc"][-1]))
+
+
+def test_dense_equals_sparse_with_every_block_selected():
+    rng = np.random.default_rng(22)
+    batch = make_batch(rng, q_lens=[3, 1], seq_lens=[30, 12], page=4, dim=16, kv_heads=1, group=2, pad_slots=1)
+    t, h_kv = batch["block_indices"].shape[:2]
+    nb = batch["block_tables"].shape[1]
+    everything = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (t, h_kv, nb))
+    dense = ragged_paged_attention(*args_of(batch, dense=True), scale=0.3, block_q=2, num_splits=2)
+    sparse = ragged_sparse_attention_reference(*args_of(batch, dense=True), everything, scale=0.3)
+    assert_close(dense, np.asarray(sparse, np.float64), "f32", 4)
+
+
+@pytest.mark.parametrize(
+    "dtype, page, dim, group, block_q, num_splits",
+    [
+        ("f32", 8, 16, 2, 4, 1),
+        ("f32", 4, 32, 4, 2, 3),
+        ("bf16", 16, 32, 2, 8, 1),
+        ("bf16", 8, 16, 3, 1, 2),
+    ],
+)
+def test_kernel_matches_oracle_verify_batch(dtype, page, dim, group, block_q, num_splits):
+    rng = np.random.default_rng(hash((dtype, page, dim, group)) % 2**32)
+    batch = make_batch(rng, **VERIFY, page=page, dim=dim, kv_heads=2, group=group, dtype=dtype)
+    scale = dim**-0.5
+    config = AttentionLaunchConfig(block_q=block_q, num_splits=num_splits, num_warps=4, num_stages=2)
+    out = sa.ragged_attention_pallas(
+        *args_of(batch, dense=True), None, scale=scale, config=config, interpret=True, poison=True
+    )
+    assert out.dtype == batch["q"].dtype
+    assert_close(out, oracle(batch, scale, dense=True), dtype, int(batch["query_start_loc"][-1]))
+
+
+def test_prefill_chunk_public_entry_point():
+    """A 19-token prefill chunk (continuing a 40-token context) beside decode rows, default launch policy."""
+    rng = np.random.default_rng(23)
+    batch = make_batch(rng, q_lens=[19, 1, 0], seq_lens=[59, 7, 0], page=8, dim=16, kv_heads=2, group=2,
+                       pad_slots=4)
+    out = ragged_paged_attention(*args_of(batch, dense=True), scale=0.25)
+    assert_close(out, oracle(batch, 0.25, dense=True), "f32", 20)
+    ref = ragged_paged_attention(*args_of(batch, dense=True), scale=0.25, implementation="reference")
+    assert_close(ref, oracle(batch, 0.25, dense=True), "f32", 20)
+
+
+def test_bad_inputs_raise_value_errors():
+    rng = np.random.default_rng(0)
+    a = args_of(make_batch(rng, q_lens=[2], seq_lens=[10], page=4, dim=16), dense=True)
+    with pytest.raises(ValueError, match="seq_lens"):
+        ragged_paged_attention(*a[:4], a[4][:0], a[5], scale=0.1)
+    with pytest.raises(ValueError, match="head_dim"):
+        ragged_paged_attention(a[0][..., :8], *a[1:], scale=0.1)
+    with pytest.raises(ValueError, match="implementation"):
+        ragged_paged_attention(*a, scale=0.1, implementation="triton")
+
+
+@pytest.mark.parametrize("platform", ["cuda", "rocm"])
+def test_lowers_for_gpu(platform):
+    S = jax.ShapeDtypeStruct
+    for num_tokens, num_rows, max_blocks in ((512, 64, 64), (8, 1, 256)):
+        shapes = (
+            S((num_tokens, 64, 128), jnp.bfloat16),
+            S((4, 1024, 128, 128), jnp.bfloat16),
+            S((4, 1024, 128, 128), jnp.bfloat16),
+            S((num_rows, max_blocks), jnp.int32),
+            S((num_rows,), jnp.int32),
+            S((num_rows + 1,), jnp.int32),
+        )
+        text = lower_for_gpu(ragged_paged_attention, *shapes, platform=platform, scale=128**-0.5,
+                             interpret=False, backend=platform)
+        assert "triton" in text.lower() and "ragged_paged_attention_bq" in text
