@@ -110,6 +110,7 @@ class ChipPolicy:
     programs_per_core: int  # resident programs to aim for when splitting the key range
     max_block_q: int  # largest query tile (prefill chunks)
     fused_max_elems: int  # largest register tile of pooled scores [block_q * H, max_blocks] for the fused path
+    select_elems: int = 1024  # pooled scores per program of the split path's selection kernel
 
 
 CHIP_POLICIES: dict[str, ChipPolicy] = {
@@ -153,16 +154,19 @@ def indexer_launch_config(
     # Tiles that will hold tokens: one per request for short queries, else T / block_q.
     live_tiles = max(1, min(num_requests, num_tokens) if avg_q <= block_q else _cdiv(num_tokens, block_q))
     target = pol.num_cores * pol.programs_per_core
-    min_blocks_per_split = 2
+    min_blocks_per_split = 4
     max_splits = max(1, _cdiv(max_blocks, min_blocks_per_split))
     num_splits = max(1, min(target // live_tiles, max_splits))
     if num_splits == 1 and m * _next_pow2(max_blocks) > pol.fused_max_elems:
         num_splits = 2  # pooled scores too large for registers: go through the scratch + selection kernel
-    select_rows = max(1, min(_next_pow2(m), 4096 // _next_pow2(max_blocks)))
+    # Selection is a chain of topk dependent row reductions: many small programs (about 1024 scores each, one
+    # warp) finish it with the least latency.
+    nb_p2 = _next_pow2(max_blocks)
+    select_rows = max(1, min(m, pol.select_elems // nb_p2))
+    select_num_warps = min(4, max(1, select_rows * nb_p2 // pol.select_elems))
     return IndexerLaunchConfig(
         block_q=block_q, pages_per_step=1, num_splits=num_splits, num_warps=num_warps,
-        num_stages=pol.num_stages, select_rows=_next_pow2(select_rows) if select_rows > 0 else 1,
-        select_num_warps=4,
+        num_stages=pol.num_stages, select_rows=select_rows, select_num_warps=select_num_warps,
     )
 
 
@@ -389,8 +393,11 @@ def _fused_kernel(
         return pooled
 
     pooled = lax.fori_loop(0, steps, step, jnp.full((dims.rows, dims.blocks_p2), MASKED_SCORE, jnp.float32))
-    sel = _select_topk(pooled, nvis, dims)
-    _store_selection(out_ref, flat, row_ok, sel, dims)
+
+    @pl.when(t0 < dims.num_tokens)  # tiles wholly past the packed slots have nothing to write
+    def _():
+        sel = _select_topk(pooled, nvis, dims)
+        _store_selection(out_ref, flat, row_ok, sel, dims)
 
 
 def _split_scores_kernel(
@@ -437,13 +444,15 @@ def _split_select_kernel(
     dims: _Dims,
     select_rows: int,
 ):
-    """Program = one query tile: top-k of the pooled scores, ``select_rows`` rows at a time."""
+    """Program (tile, chunk): top-k of rows ``[chunk * select_rows, (chunk + 1) * select_rows)`` of a tile."""
     live, _, t0, t_end, pos0 = _locate_tile(tile_starts_ref, qsl_ref, seq_lens_ref, dims)
     col = lax.broadcasted_iota(jnp.int32, (dims.blocks_p2,), 0)
-    for chunk in range(dims.rows // select_rows):
-        row_ok, flat, _, nvis = _tile_rows(live, t0, t_end, pos0, dims, chunk * select_rows, select_rows)
+    row_ok, flat, _, nvis = _tile_rows(live, t0, t_end, pos0, dims, pl.program_id(1) * select_rows, select_rows)
+
+    @pl.when(t0 < dims.num_tokens)  # tiles wholly past the packed slots have nothing to write
+    def _():
         mask = (col[None, :] < nvis[:, None]) & row_ok[:, None]
-        scores = plgpu.load(scores_ref.at[flat[:, None], jnp.minimum(col, dims.max_blocks - 1)[None, :]],
+        scores = plgpu.load(scores_ref.at[flat[:, None], _lanes(col, dims.max_blocks)[None, :]],
                             mask=mask, other=_EXCLUDED)  # [rows, NBp]
         sel = _select_topk(scores, nvis, dims)
         _store_selection(out_ref, flat, row_ok, sel, dims)
@@ -484,6 +493,16 @@ def _validate(index_q, index_k_cache, block_tables, seq_lens, query_start_loc, t
         raise ValueError(f"local_blocks must be a non-negative int, got {local_blocks!r}")
 
 
+def _num_tiles(num_tokens: int, num_requests: int, block_q: int) -> int:
+    """Static bound on the query tiles of any valid batch, padding-slot tiles included.
+
+    A non-empty request wastes at most ``block_q - 1`` slots of its last tile, at most ``min(R, T)`` requests
+    are non-empty, and the padding slots ``[qsl[R], T)`` take ``cdiv(T - qsl[R], block_q)`` more tiles, so
+    ``sum_r cdiv(q_r, block_q) + cdiv(T - N, block_q) <= (T + (min(R, T) + 1) * (block_q - 1)) // block_q``.
+    """
+    return (num_tokens + (min(num_requests, num_tokens) + 1) * (block_q - 1)) // block_q
+
+
 def _tile_starts(query_start_loc, block_q: int):
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     tiles = (jnp.maximum(q_lens, 0) + block_q - 1) // block_q
@@ -515,7 +534,7 @@ def _ragged_index_topk_pallas(index_q, index_k_cache, block_tables, seq_lens, qu
         pages_per_step=cfg.pages_per_step, blocks_per_split=blocks_per_split, search_width=width,
         search_levels=levels, compute_dtype=jnp.promote_types(index_q.dtype, index_k_cache.dtype),
     )
-    num_tiles = _cdiv(t, cfg.block_q) + r  # static bound on live tiles + tiles covering the padding slots
+    num_tiles = _num_tiles(t, r, cfg.block_q)
     qsl = query_start_loc.astype(jnp.int32)
     tile_starts = _tile_starts(qsl, cfg.block_q)
     meta = (tile_starts, qsl, seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32))
@@ -545,7 +564,7 @@ def _ragged_index_topk_pallas(index_q, index_k_cache, block_tables, seq_lens, qu
         out = pl.pallas_call(
             functools.partial(_split_select_kernel, dims=dims, select_rows=select_rows),
             out_shape=out_shape,
-            grid=(num_tiles,),
+            grid=(num_tiles, dims.rows // select_rows),
             compiler_params=plgpu.CompilerParams(num_warps=cfg.select_num_warps, num_stages=1),
             interpret=interpret,
             name=f"ragged_index_select_bq{cfg.block_q}_rows{select_rows}",

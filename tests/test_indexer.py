@@ -212,8 +212,9 @@ def test_kernel_prefill_chunk_many_tiles():
     seq_lens = [37 + 5, 30, 0, 6 + 17]
     b = make_batch(rng, q_lens=q_lens, seq_lens=seq_lens, page=page, dim=16, pad_slots=2)
     want, _ = run_naive(b, topk=topk, local_blocks=1)
-    for num_splits in (1, 4):
-        got = ragged_index_topk(*args_of(b), topk=topk, interpret=True, block_q=4, num_splits=num_splits)
+    for num_splits, select_rows in ((1, None), (4, 4)):  # split: 4 selection programs per tile
+        got = ragged_index_topk(*args_of(b), topk=topk, interpret=True, block_q=4, num_splits=num_splits,
+                                select_rows=select_rows)
         np.testing.assert_array_equal(np.asarray(got), want)
 
 
@@ -368,3 +369,20 @@ def test_lowers_for_gpu(platform, case):
                          interpret=False, **kw)
     assert "ragged_index_" in text
     assert "__gpu$xla.gpu.triton" in text or "triton" in text.lower()
+
+
+def test_tile_bound_worst_case():
+    """Every request wastes block_q - 1 slots of its last tile and the padding slots need their own tiles: the
+    static grid bound must still cover every token (a missed tile would leave int32-min poison behind)."""
+    rng = np.random.default_rng(71)
+    block_q, r = 4, 6
+    q_lens = [block_q + 1] * r  # each request: 2 tiles, the second holding 1 token
+    seq_lens = [q + 9 for q in q_lens]
+    b = make_batch(rng, q_lens=q_lens, seq_lens=seq_lens, page=4, dim=16, pad_slots=block_q + 1)
+    t_cap = b["q"].shape[0]
+    needed = sum(-(-q // block_q) for q in q_lens) + -(-(t_cap - sum(q_lens)) // block_q)
+    assert needed == indexer._num_tiles(t_cap, r, block_q)  # the bound is tight here
+    want, _ = run_naive(b, topk=3, local_blocks=1)
+    for ns in (1, 2):
+        got = ragged_index_topk(*args_of(b), topk=3, interpret=True, block_q=block_q, num_splits=ns)
+        np.testing.assert_array_equal(np.asarray(got), want)
