@@ -283,6 +283,21 @@ def _device_cores(default: int) -> int:
     return default
 
 
+def _detect_backend() -> str:
+    """``"cuda"`` or ``"rocm"`` for the default device (the cuda table off GPU, e.g. interpret mode).
+
+    jax reports the platform of a CUDA device as plain ``"gpu"``; the platform version / device kind tell.
+    """
+    name = _platform.gpu_platform_name()
+    if name in CHIP_POLICIES:
+        return name
+    if name is None:
+        return "cuda"
+    dev = jax.devices()[0]
+    text = f"{getattr(dev.client, 'platform_version', '')} {getattr(dev, 'device_kind', '')}".lower()
+    return "rocm" if ("rocm" in text or "gfx" in text or "hip" in text) else "cuda"
+
+
 def attention_launch_config(
     *,
     backend: str | None,
@@ -306,7 +321,7 @@ def attention_launch_config(
     request) gets 1-token tiles, verification with K = 7 gets 8-token tiles (8 x 16 = 128 rows at M3 shapes).
     ``num_splits``: 1 when the tiles already fill the chip, else enough splits for about one program per core.
     """
-    backend = backend or _platform.gpu_platform_name() or "cuda"
+    backend = backend or _detect_backend()
     if backend not in CHIP_POLICIES:
         raise ValueError(f"backend must be one of {sorted(CHIP_POLICIES)}, got {backend!r}")
     policy = CHIP_POLICIES[backend]
