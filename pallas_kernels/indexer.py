@@ -5,29 +5,30 @@ For packed token ``t`` of request ``r`` at absolute position ``pos`` and index h
     s[h, j]  = index_q[t, h] . kI[j]                 fp32, keys j <= pos, kI read through block_tables[r]
     S[h, b]  = max_{j in block b, j <= pos} s[h, j]  visible blocks b <= pos // page
     S[h, b]  = +inf for the `local_blocks` blocks ending at pos // page
-    out[t, h] = the k = min(topk, pos // page + 1) best logical blocks, descending score, ties to the lower id,
-                left-packed, -1 padded; all -1 for padding slots t >= query_start_loc[R]
+    out[t, h] = the k = min(topk, pos // page + 1) best logical blocks, descending score, ties to the
+                lower id, left-packed, -1 padded; all -1 for padding slots t >= query_start_loc[R]
 
-Ragged batch contract (the one of ``pallas_kernels.metadata``): ``query_start_loc: int32[R + 1]`` non-decreasing,
-request ``r`` owns packed tokens ``[qsl[r], qsl[r + 1])``, ``seq_lens[r]`` counts this step's tokens, token ``i``
-of a request with ``q_len`` tokens sits at ``seq_lens[r] - q_len + i``; zero-length rows are padding rows, slots
-at or beyond ``qsl[R]`` are padding slots. ``seq_lens[r] <= max_blocks * page`` (the kernel clamps to stay in
-bounds). Only block-table entries of blocks a row can see are read.
+Ragged batch contract (the one of ``pallas_kernels.metadata``): ``query_start_loc: int32[R + 1]``
+non-decreasing, request ``r`` owns packed tokens ``[qsl[r], qsl[r + 1])``, ``seq_lens[r]`` counts this step's
+tokens, token ``i`` of a request with ``q_len`` tokens sits at ``seq_lens[r] - q_len + i``; zero-length rows
+are padding rows, slots at or beyond ``qsl[R]`` are padding slots. ``seq_lens[r] <= max_blocks * page`` (the
+kernel clamps to stay in bounds). Only block-table entries of blocks a row can see are read.
 
 Algorithm (Pallas, Triton lowering; ``docs/kernels/indexer.md`` has the bytes/FLOPs model):
 
 * The grid runs over *query tiles*: request ``r`` contributes ``cdiv(q_len, block_q)`` tiles of up to
-  ``block_q`` consecutive tokens. ``tile_starts = cumsum(tiles per request)`` is computed on the device, and each
-  program finds its request by a device-side search over it (a B-ary search: one vector probe per level). The
-  grid is bounded statically by ``cdiv(T, block_q) + R``; the tiles past the last request's cover the padding
-  slots. Nothing uses ``max_query_len`` or host lengths.
-* One program loads each index-key page of its request once and scores *all* its tokens x index heads against it
-  with one 2-D dot (``[block_q * H, D] x [D, page]``): the tokens of a request share their key reads.
-* ``fused`` path (``num_splits == 1``): the program keeps the pooled block scores ``[block_q * H, max_blocks]``
-  in registers and runs the top-k selection (iterative max selection) as its epilogue: one kernel.
+  ``block_q`` consecutive tokens. ``tile_starts = cumsum(tiles per request)`` is computed on the device, and
+  each program finds its request by a device-side search over it (a B-ary search: one vector probe per level).
+  The grid is a static bound on the tiles of any valid batch (``_num_tiles``); the tiles past the last
+  request's cover the padding slots. Nothing uses ``max_query_len`` or host lengths.
+* One program loads each index-key page of its request once and scores *all* its tokens x index heads against
+  it with one 2-D dot (``[block_q * H, D] x [D, page]``): the tokens of a request share their key reads.
+* ``fused`` path (``num_splits == 1``): the program keeps the pooled block scores
+  ``[block_q * H, max_blocks]`` in registers and runs the top-k selection (iterative max selection) as its
+  epilogue: one kernel.
 * ``split`` path: the key range of a tile is split across ``num_splits`` programs (few requests with long
-  contexts still fill the chip); they write pooled scores to an fp32 scratch ``[T * H, max_blocks]`` and a second
-  kernel over the same tiles does the selection. No host round trip in either path.
+  contexts still fill the chip); they write pooled scores to an fp32 scratch ``[T * H, max_blocks]`` and a
+  second kernel over the same tiles does the selection. No host round trip in either path.
 """
 
 from __future__ import annotations
@@ -60,9 +61,9 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Launch configuration: a dataclass and a per-chip policy table.
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +110,7 @@ class ChipPolicy:
     num_stages: int  # software pipelining depth of the key loop
     programs_per_core: int  # resident programs to aim for when splitting the key range
     max_block_q: int  # largest query tile (prefill chunks)
-    fused_max_elems: int  # largest register tile of pooled scores [block_q * H, max_blocks] for the fused path
+    fused_max_elems: int  # largest pooled-score tile [block_q * H, max_blocks] kept in registers (fused)
     select_elems: int = 1024  # pooled scores per program of the split path's selection kernel
     long_context_blocks: int = 128  # from this many blocks per request on, split the key range ...
     long_context_splits: int = 4  # ... at least this many ways: ragged context lengths unbalance programs
@@ -117,14 +118,17 @@ class ChipPolicy:
 
 CHIP_POLICIES: dict[str, ChipPolicy] = {
     # Hopper: 132 SMs (H100 SXM / H200), 228 KiB shared memory per SM.
-    "hopper": ChipPolicy(num_cores=132, num_warps=4, num_stages=3, programs_per_core=4, max_block_q=32,
-                         fused_max_elems=8192),
+    "hopper": ChipPolicy(
+        num_cores=132, num_warps=4, num_stages=3, programs_per_core=4, max_block_q=32, fused_max_elems=8192
+    ),
     # CDNA3 (MI300X, gfx942): 304 CUs, 64 KiB LDS per CU: shallower pipelines.
-    "cdna3": ChipPolicy(num_cores=304, num_warps=4, num_stages=2, programs_per_core=2, max_block_q=32,
-                        fused_max_elems=8192),
+    "cdna3": ChipPolicy(
+        num_cores=304, num_warps=4, num_stages=2, programs_per_core=2, max_block_q=32, fused_max_elems=8192
+    ),
     # Anything else (Ampere, interpret mode on CPU, unknown parts).
-    "default": ChipPolicy(num_cores=108, num_warps=4, num_stages=2, programs_per_core=4, max_block_q=32,
-                          fused_max_elems=8192),
+    "default": ChipPolicy(
+        num_cores=108, num_warps=4, num_stages=2, programs_per_core=4, max_block_q=32, fused_max_elems=8192
+    ),
 }
 
 
@@ -141,10 +145,15 @@ def chip_family(device_kind: str | None = None) -> str:
 
 
 def indexer_launch_config(
-    *, num_tokens: int, num_requests: int, num_heads: int, max_blocks: int, page_size: int,
+    *,
+    num_tokens: int,
+    num_requests: int,
+    num_heads: int,
+    max_blocks: int,
+    page_size: int,
     chip: str | None = None,
 ) -> IndexerLaunchConfig:
-    """Pick launch settings from static shapes only (``T``, ``R``, ``H``, ``max_blocks``, page) and the chip."""
+    """Launch settings from static shapes only (``T``, ``R``, ``H``, ``max_blocks``, page) and the chip."""
     pol = CHIP_POLICIES[chip if chip is not None else chip_family()]
     hp = _next_pow2(num_heads)
     min_block_q = max(1, 16 // hp)  # the dot needs M >= 16
@@ -171,8 +180,13 @@ def indexer_launch_config(
     select_rows = max(1, min(m, pol.select_elems // nb_p2))
     select_num_warps = min(4, max(1, select_rows * nb_p2 // pol.select_elems))
     return IndexerLaunchConfig(
-        block_q=block_q, pages_per_step=1, num_splits=num_splits, num_warps=num_warps,
-        num_stages=pol.num_stages, select_rows=select_rows, select_num_warps=select_num_warps,
+        block_q=block_q,
+        pages_per_step=1,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        num_stages=pol.num_stages,
+        select_rows=select_rows,
+        select_num_warps=select_num_warps,
     )
 
 
@@ -206,17 +220,17 @@ class _Dims:
         return self.block_q * self.heads_p2
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Kernel building blocks (traced inside the kernel bodies).
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 def _masked_index(idx, ok, size: int):
     """Store index of masked lanes: ``size`` (out of bounds) where ``ok`` is False.
 
-    Compiled kernels never touch masked lanes; interpret mode discharges a masked store as a scatter that writes
-    the old value back on masked lanes, so they must not alias a live lane: out-of-bounds scatter updates are
-    dropped.
+    Compiled kernels never touch masked lanes; interpret mode discharges a masked store as a scatter that
+    writes the old value back on masked lanes, so they must not alias a live lane: out-of-bounds scatter
+    updates are dropped.
     """
     return jnp.where(ok, idx, size)
 
@@ -248,8 +262,8 @@ def _locate_tile(tile_starts_ref, qsl_ref, seq_lens_ref, dims: _Dims):
     """Request and token range of this program's query tile.
 
     Returns ``(live, req, t0, t_end, pos0)``: the tile holds tokens ``[t0, min(t0 + block_q, t_end))`` of
-    request ``req`` (``live``), token ``t0`` sits at position ``pos0``. Tiles past the last request's cover the
-    padding slots ``[qsl[R], T)``: ``live`` is False there and they only write -1.
+    request ``req`` (``live``), token ``t0`` sits at position ``pos0``. Tiles past the last request's cover
+    the padding slots ``[qsl[R], T)``: ``live`` is False there and they only write -1.
     """
     tile = pl.program_id(0)
     r_count = dims.num_requests
@@ -267,7 +281,8 @@ def _locate_tile(tile_starts_ref, qsl_ref, seq_lens_ref, dims: _Dims):
 
 
 def _tile_rows(live, t0, t_end, pos0, dims: _Dims, row_offset: int, num_rows: int):
-    """Per-row metadata of rows ``row_offset + [0, num_rows)`` of a tile (row = token-in-tile * pow2(H) + h)."""
+    """Per-row metadata of rows ``row_offset + [0, num_rows)`` of a tile (row = token-in-tile * pow2(H) +
+    h)."""
     m = row_offset + lax.broadcasted_iota(jnp.int32, (num_rows,), 0)
     tok = t0 + m // dims.heads_p2
     head = m % dims.heads_p2
@@ -322,8 +337,8 @@ def _score_step(q, k_ref, bt_ref, req, b0, b_hi, pos, dims: _Dims):
 def _select_topk(scores, nvis, dims: _Dims):
     """Iterative max selection: ``[rows, NBp]`` pooled scores -> ``[rows, topk_p2]`` logical block ids.
 
-    ``scores`` may hold anything at columns >= ``nvis`` (they are excluded); the ``local_blocks`` blocks ending at
-    ``nvis - 1`` are forced; each pick takes the highest key, the lowest column on ties.
+    ``scores`` may hold anything at columns >= ``nvis`` (they are excluded); the ``local_blocks`` blocks
+    ending at ``nvis - 1`` are forced; each pick takes the highest key, the lowest column on ties.
     """
     rows = scores.shape[0]
     col = lax.broadcasted_iota(jnp.int32, (rows, dims.blocks_p2), 1)
@@ -359,13 +374,16 @@ def _tile_block_range(live, t0, t_end, pos0, dims: _Dims):
     """Number of blocks visible to the last token of the tile."""
     n_tok = jnp.minimum(t_end - t0, dims.block_q)
     last_pos = pos0 + n_tok - 1
-    return jnp.where(live & (n_tok > 0) & (last_pos >= 0),
-                     jnp.minimum(jnp.maximum(last_pos, 0) // dims.page + 1, dims.max_blocks), 0)
+    return jnp.where(
+        live & (n_tok > 0) & (last_pos >= 0),
+        jnp.minimum(jnp.maximum(last_pos, 0) // dims.page + 1, dims.max_blocks),
+        0,
+    )
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Kernel bodies.
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 def _fused_kernel(
@@ -453,20 +471,23 @@ def _split_select_kernel(
     """Program (tile, chunk): top-k of rows ``[chunk * select_rows, (chunk + 1) * select_rows)`` of a tile."""
     live, _, t0, t_end, pos0 = _locate_tile(tile_starts_ref, qsl_ref, seq_lens_ref, dims)
     col = lax.broadcasted_iota(jnp.int32, (dims.blocks_p2,), 0)
-    row_ok, flat, _, nvis = _tile_rows(live, t0, t_end, pos0, dims, pl.program_id(1) * select_rows, select_rows)
+    row_ok, flat, _, nvis = _tile_rows(
+        live, t0, t_end, pos0, dims, pl.program_id(1) * select_rows, select_rows
+    )
 
     @pl.when(t0 < dims.num_tokens)  # tiles wholly past the packed slots have nothing to write
     def _():
         mask = (col[None, :] < nvis[:, None]) & row_ok[:, None]
-        scores = plgpu.load(scores_ref.at[flat[:, None], _lanes(col, dims.max_blocks)[None, :]],
-                            mask=mask, other=_EXCLUDED)  # [rows, NBp]
+        scores = plgpu.load(
+            scores_ref.at[flat[:, None], _lanes(col, dims.max_blocks)[None, :]], mask=mask, other=_EXCLUDED
+        )  # [rows, NBp]
         sel = _select_topk(scores, nvis, dims)
         _store_selection(out_ref, flat, row_ok, sel, dims)
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Wrapper and public entry point.
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 def _validate(index_q, index_k_cache, block_tables, seq_lens, query_start_loc, topk, local_blocks):
@@ -482,8 +503,14 @@ def _validate(index_q, index_k_cache, block_tables, seq_lens, query_start_loc, t
         raise ValueError(f"seq_lens must be [R] = [{block_tables.shape[0]}], got shape {seq_lens.shape}")
     if query_start_loc.ndim != 1 or query_start_loc.shape[0] != block_tables.shape[0] + 1:
         raise ValueError(
-            f"query_start_loc must be [R + 1] = [{block_tables.shape[0] + 1}], got shape {query_start_loc.shape}")
-    for name, a in (("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+            f"query_start_loc must be [R + 1] = [{block_tables.shape[0] + 1}], "
+            f"got shape {query_start_loc.shape}"
+        )
+    for name, a in (
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+        ("query_start_loc", query_start_loc),
+    ):
         if not jnp.issubdtype(a.dtype, jnp.integer):
             raise ValueError(f"{name} must be an integer array, got {a.dtype}")
     for name, a in (("index_q", index_q), ("index_k_cache", index_k_cache)):
@@ -515,8 +542,18 @@ def _tile_starts(query_start_loc, block_q: int):
     return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(tiles, dtype=jnp.int32)])
 
 
-def _ragged_index_topk_pallas(index_q, index_k_cache, block_tables, seq_lens, query_start_loc, *, topk,
-                              local_blocks, cfg: IndexerLaunchConfig, interpret: bool):
+def _ragged_index_topk_pallas(
+    index_q,
+    index_k_cache,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    *,
+    topk,
+    local_blocks,
+    cfg: IndexerLaunchConfig,
+    interpret: bool,
+):
     t, h, d = index_q.shape
     p, page, _ = index_k_cache.shape
     r, nb = block_tables.shape
@@ -525,20 +562,37 @@ def _ragged_index_topk_pallas(index_q, index_k_cache, block_tables, seq_lens, qu
     if cfg.block_q * hp < 16 and not interpret:
         raise ValueError(f"block_q * pow2(H_idx) = {cfg.block_q} * {hp} must be >= 16 (Triton dot M)")
     if not interpret and (_next_pow2(page) * cfg.pages_per_step < 16 or _next_pow2(d) < 16):
-        raise ValueError(f"page {page} x pages_per_step {cfg.pages_per_step} and D_idx {d} must be >= 16 "
-                         "for the Triton dot")
+        raise ValueError(
+            f"page {page} x pages_per_step {cfg.pages_per_step} and D_idx {d} must be >= 16 "
+            "for the Triton dot"
+        )
     width = max(16, min(_next_pow2(r), 1024))  # one probe level up to R = 1024
     levels = max(1, math.ceil(math.log(max(r, 2), width)))
-    while width ** levels < r:
+    while width**levels < r:
         levels += 1
     blocks_per_split = _cdiv(_cdiv(nb, cfg.num_splits), cfg.pages_per_step) * cfg.pages_per_step
     num_splits = _cdiv(nb, blocks_per_split)
     dims = _Dims(
-        num_tokens=t, num_requests=r, num_heads=h, heads_p2=hp, dim=d, dim_p2=_next_pow2(d), num_pages=p,
-        page=page, page_p2=_next_pow2(page), max_blocks=nb, blocks_p2=_next_pow2(nb), topk=topk,
-        topk_p2=_next_pow2(topk), local_blocks=local_blocks, block_q=cfg.block_q,
-        pages_per_step=cfg.pages_per_step, blocks_per_split=blocks_per_split, search_width=width,
-        search_levels=levels, compute_dtype=jnp.promote_types(index_q.dtype, index_k_cache.dtype),
+        num_tokens=t,
+        num_requests=r,
+        num_heads=h,
+        heads_p2=hp,
+        dim=d,
+        dim_p2=_next_pow2(d),
+        num_pages=p,
+        page=page,
+        page_p2=_next_pow2(page),
+        max_blocks=nb,
+        blocks_p2=_next_pow2(nb),
+        topk=topk,
+        topk_p2=_next_pow2(topk),
+        local_blocks=local_blocks,
+        block_q=cfg.block_q,
+        pages_per_step=cfg.pages_per_step,
+        blocks_per_split=blocks_per_split,
+        search_width=width,
+        search_levels=levels,
+        compute_dtype=jnp.promote_types(index_q.dtype, index_k_cache.dtype),
     )
     num_tiles = _num_tiles(t, r, cfg.block_q)
     qsl = query_start_loc.astype(jnp.int32)
@@ -580,8 +634,20 @@ def _ragged_index_topk_pallas(index_q, index_k_cache, block_tables, seq_lens, qu
 
 @functools.partial(
     jax.jit,
-    static_argnames=("topk", "local_blocks", "interpret", "implementation", "block_q", "pages_per_step",
-                     "num_splits", "num_warps", "num_stages", "select_rows", "select_num_warps", "chip"),
+    static_argnames=(
+        "topk",
+        "local_blocks",
+        "interpret",
+        "implementation",
+        "block_q",
+        "pages_per_step",
+        "num_splits",
+        "num_warps",
+        "num_stages",
+        "select_rows",
+        "select_num_warps",
+        "chip",
+    ),
 )
 def ragged_index_topk(
     index_q: jax.Array,
@@ -624,21 +690,43 @@ def ragged_index_topk(
     """
     _validate(index_q, index_k_cache, block_tables, seq_lens, query_start_loc, topk, local_blocks)
     if implementation == "reference":
-        return ragged_index_topk_reference(index_q, index_k_cache, block_tables, seq_lens, query_start_loc,
-                                           topk=topk, local_blocks=local_blocks)
+        return ragged_index_topk_reference(
+            index_q,
+            index_k_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            topk=topk,
+            local_blocks=local_blocks,
+        )
     if implementation != "pallas":
         raise ValueError(f"implementation must be 'pallas' or 'reference', got {implementation!r}")
     t, h, _ = index_q.shape
     r, nb = block_tables.shape
-    cfg = indexer_launch_config(num_tokens=t, num_requests=r, num_heads=h, max_blocks=nb,
-                                page_size=index_k_cache.shape[1], chip=chip)
-    overrides = dict(block_q=block_q, pages_per_step=pages_per_step, num_splits=num_splits,
-                     num_warps=num_warps, num_stages=num_stages, select_rows=select_rows,
-                     select_num_warps=select_num_warps)
+    cfg = indexer_launch_config(
+        num_tokens=t, num_requests=r, num_heads=h, max_blocks=nb, page_size=index_k_cache.shape[1], chip=chip
+    )
+    overrides = {
+        "block_q": block_q,
+        "pages_per_step": pages_per_step,
+        "num_splits": num_splits,
+        "num_warps": num_warps,
+        "num_stages": num_stages,
+        "select_rows": select_rows,
+        "select_num_warps": select_num_warps,
+    }
     cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
-    return _ragged_index_topk_pallas(index_q, index_k_cache, block_tables, seq_lens, query_start_loc,
-                                     topk=topk, local_blocks=local_blocks, cfg=cfg,
-                                     interpret=resolve_interpret(interpret))
+    return _ragged_index_topk_pallas(
+        index_q,
+        index_k_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        topk=topk,
+        local_blocks=local_blocks,
+        cfg=cfg,
+        interpret=resolve_interpret(interpret),
+    )
 
 
 def ragged_index_topk_reference(
@@ -655,13 +743,14 @@ def ragged_index_topk_reference(
 ) -> jax.Array:
     """Plain-jnp ``ragged_index_topk`` (same signature and result; ``interpret`` and tunables are ignored).
 
-    Scores one logical block of every token per step (``lax.map`` over blocks), reading each token's keys through
-    its request's block table, then selects with ``lax.top_k`` (ties to the lower index).
+    Scores one logical block of every token per step (``lax.map`` over blocks), reading each token's keys
+    through its request's block table, then selects with ``lax.top_k`` (ties to the lower index).
     """
     del interpret, unused_tunables
     _validate(index_q, index_k_cache, block_tables, seq_lens, query_start_loc, topk, local_blocks)
-    return _reference_jit(index_q, index_k_cache, block_tables, seq_lens, query_start_loc, topk=topk,
-                          local_blocks=local_blocks)
+    return _reference_jit(
+        index_q, index_k_cache, block_tables, seq_lens, query_start_loc, topk=topk, local_blocks=local_blocks
+    )
 
 
 def index_block_scores_reference(index_q, index_k_cache, block_tables, seq_lens, query_start_loc):
@@ -679,9 +768,9 @@ def index_block_scores_reference(index_q, index_k_cache, block_tables, seq_lens,
 
 @jax.jit
 def _reference_scores(index_q, index_k_cache, block_tables, seq_lens, query_start_loc):
-    t, h, d = index_q.shape
+    t, _h, _d = index_q.shape
     p, page, _ = index_k_cache.shape
-    r, nb = block_tables.shape
+    _r, nb = block_tables.shape
     qsl = query_start_loc.astype(jnp.int32)
     req = token_to_request(qsl, t)
     pos = token_positions(qsl, seq_lens.astype(jnp.int32), req)
@@ -691,7 +780,9 @@ def _reference_scores(index_q, index_k_cache, block_tables, seq_lens, query_star
     slot = jnp.arange(page, dtype=jnp.int32)
 
     def block_scores(b):  # -> [T, H] pooled scores of logical block b
-        phys = jnp.where(b < nvis, jnp.clip(table_rows[:, b], 0, p - 1), 0)  # unused entries never dereferenced
+        phys = jnp.where(
+            b < nvis, jnp.clip(table_rows[:, b], 0, p - 1), 0
+        )  # unused entries never dereferenced
         keys = index_k_cache[phys].astype(jnp.float32)  # [T, page, D]
         s = jnp.einsum("thd,tjd->thj", q32, keys, precision=lax.Precision.HIGHEST)
         s = jnp.where((b * page + slot)[None, None, :] <= pos[:, None, None], s, MASKED_SCORE)

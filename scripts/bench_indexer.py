@@ -5,10 +5,11 @@ reference (exact-match fraction and score equivalence), median time, unique byte
 percentage of the measured HBM copy bandwidth and the speed-up over the jnp reference under ``jax.jit``.
 
 Unique bytes (the floor any implementation must move): every visible index key once
-(``sum_r seq_len_r * D * itemsize``), the live index queries, the int32 output and the used block-table entries.
+(``sum_r seq_len_r * D * itemsize``), the live index queries, the int32 output and the used block-table
+entries.
 
     PYTHONPATH=. python3 scripts/bench_indexer.py --json docs/bench_results/indexer_h200.json
-    PYTHONPATH=. python3 scripts/bench_indexer.py --quick          # small shapes; runs on CPU in interpret mode
+    PYTHONPATH=. python3 scripts/bench_indexer.py --quick   # small shapes; runs on CPU in interpret mode
 
 ``run(...)`` returns the rows (a list of dicts) for ``scripts/bench_kernels.py``.
 """
@@ -21,10 +22,9 @@ import json
 import time
 import traceback
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.indexer import (
     chip_family,
@@ -54,24 +54,32 @@ class Case:
         return f"{self.requests}x{q}x{ctx}"
 
 
-SERVING_CASES = [Case(512, 8, 4096), Case(512, 1, 4096), Case(512, 8, 32768), Case(512, 1, 32768),
-                 Case(1, 8, 32768), Case(512, 0, 32768)]
+SERVING_CASES = [
+    Case(512, 8, 4096),
+    Case(512, 1, 4096),
+    Case(512, 8, 32768),
+    Case(512, 1, 32768),
+    Case(1, 8, 32768),
+    Case(512, 0, 32768),
+]
 
 # Launch variants per case name ({} = the policy's choice). The first entry is the default.
 SERVING_VARIANTS = {
-    "512x8x4K": [{}, dict(num_stages=2), dict(num_warps=2), dict(num_splits=2)],
+    "512x8x4K": [{}, {"num_stages": 2}, {"num_warps": 2}, {"num_splits": 2}],
     "512x1x4K": [{}],
-    "512x8x32K": [{}, dict(num_splits=1)],
-    "512x1x32K": [{}, dict(num_splits=1)],
-    "1x8x32K": [{}, dict(select_rows=16, select_num_warps=4), dict(num_splits=32), dict(num_splits=128)],
-    "512x1..8x32K": [{}, dict(num_splits=1), dict(num_splits=2)],
+    "512x8x32K": [{}, {"num_splits": 1}],
+    "512x1x32K": [{}, {"num_splits": 1}],
+    "1x8x32K": [{}, {"select_rows": 16, "select_num_warps": 4}, {"num_splits": 32}, {"num_splits": 128}],
+    "512x1..8x32K": [{}, {"num_splits": 1}, {"num_splits": 2}],
 }
 # Call 1 on the H200 (docs/bench_results/indexer_h200_call1.json) also swept num_stages 2/3/4, num_warps 4/8,
 # pages_per_step 1/2 and num_splits at 4K and 32K: num_warps 4, one page per step and the fused path won.
 
-QUICK_CASES = [Case(8, 4, 256, page=16, dim=32, topk=4, dtype="float32"),
-               Case(6, 0, 256, page=16, dim=32, topk=4, dtype="float32")]
-QUICK_VARIANTS = {"8x4x256": [{}, dict(num_splits=2)], "6x1..8x256": [{}]}
+QUICK_CASES = [
+    Case(8, 4, 256, page=16, dim=32, topk=4, dtype="float32"),
+    Case(6, 0, 256, page=16, dim=32, topk=4, dtype="float32"),
+]
+QUICK_VARIANTS = {"8x4x256": [{}, {"num_splits": 2}], "6x1..8x256": [{}]}
 
 
 def make_inputs(case: Case, *, seed: int = 0, num_sets: int = 1):
@@ -99,10 +107,12 @@ def make_inputs(case: Case, *, seed: int = 0, num_sets: int = 1):
     sets = []
     perm = rng.permutation(num_pages).astype(np.int32)
     for s in range(num_sets):
-        pages = perm[s * pages_per_set: (s + 1) * pages_per_set].reshape(r, nb)
+        pages = perm[s * pages_per_set : (s + 1) * pages_per_set].reshape(r, nb)
         bt = np.where(np.arange(nb)[None, :] < n_blocks[:, None], pages, -1).astype(np.int32)
         q = jax.random.normal(jax.random.fold_in(key, s + 1), (t_cap, case.heads, case.dim), jnp.float32)
-        sets.append((q.astype(dtype), kc, jnp.asarray(bt), jnp.asarray(seq_lens, jnp.int32), jnp.asarray(qsl)))
+        sets.append(
+            (q.astype(dtype), kc, jnp.asarray(bt), jnp.asarray(seq_lens, jnp.int32), jnp.asarray(qsl))
+        )
     return sets, seq_lens, qsl
 
 
@@ -116,9 +126,14 @@ def cost_model(case: Case, seq_lens, qsl, t_cap: int) -> dict:
     meta_bytes = int((-(-seq_lens // case.page)).sum()) * 4 + (2 * len(seq_lens) + 1) * 4
     q_lens = np.diff(qsl)
     # Useful scores: token i of a request sees seq_len - q_len + i + 1 keys.
-    keys_seen = int(sum(int(q) * (int(s) - int(q)) + int(q) * (int(q) + 1) // 2 for q, s in zip(q_lens, seq_lens)))
-    return dict(unique_bytes=key_bytes + q_bytes + out_bytes + meta_bytes, key_bytes=key_bytes,
-                flops=2 * case.heads * case.dim * keys_seen)
+    keys_seen = int(
+        sum(int(q) * (int(s) - int(q)) + int(q) * (int(q) + 1) // 2 for q, s in zip(q_lens, seq_lens))
+    )
+    return {
+        "unique_bytes": key_bytes + q_bytes + out_bytes + meta_bytes,
+        "key_bytes": key_bytes,
+        "flops": 2 * case.heads * case.dim * keys_seen,
+    }
 
 
 def check_parity(out, ref, pooled, *, local_blocks: int = 1) -> dict:
@@ -131,7 +146,9 @@ def check_parity(out, ref, pooled, *, local_blocks: int = 1) -> dict:
     srt = np.sort(out, axis=-1)
     duplicates = int(np.sum((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)))
     in_range = bool(np.all(out < pooled.shape[-1]))
-    local_ok = bool(np.array_equal(out[..., :local_blocks], ref[..., :local_blocks])) if local_blocks else True
+    local_ok = (
+        bool(np.array_equal(out[..., :local_blocks], ref[..., :local_blocks])) if local_blocks else True
+    )
     both = (out >= 0) & (ref >= 0)
     both[..., :local_blocks] = False  # forced blocks are compared by id above
     so = np.take_along_axis(pooled, np.clip(out, 0, pooled.shape[-1] - 1), -1)[both]
@@ -140,12 +157,15 @@ def check_parity(out, ref, pooled, *, local_blocks: int = 1) -> dict:
     tol = 1e-3 + 1e-4 * np.abs(sr)
     max_diff = float(diff.max()) if diff.size else 0.0
     scores_ok = bool(np.all(diff <= tol)) if diff.size else True
-    return dict(exact_rows=exact_rows, equivalent=same_valid and duplicates == 0 and in_range and local_ok
-                and scores_ok, max_score_diff=max_diff)
+    return {
+        "exact_rows": exact_rows,
+        "equivalent": same_valid and duplicates == 0 and in_range and local_ok and scores_ok,
+        "max_score_diff": max_diff,
+    }
 
 
 def time_samples(fn, arg_sets, *, reps: int = 20, samples: int = 7, warmup: int = 2) -> dict:
-    """Per-call seconds of ``reps`` back-to-back calls synchronised once: median, min and max of ``samples``."""
+    """Per-call seconds of ``reps`` back-to-back calls synchronised once: median, min, max of ``samples``."""
     for i in range(warmup):
         jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
     ts = []
@@ -153,7 +173,7 @@ def time_samples(fn, arg_sets, *, reps: int = 20, samples: int = 7, warmup: int 
         t0 = time.perf_counter()
         jax.block_until_ready([fn(*arg_sets[i % len(arg_sets)]) for i in range(reps)])
         ts.append((time.perf_counter() - t0) / reps)
-    return dict(median=float(np.median(ts)), min=float(min(ts)), max=float(max(ts)))
+    return {"median": float(np.median(ts)), "min": float(min(ts)), "max": float(max(ts))}
 
 
 def time_per_call(fn, arg_sets, *, reps: int = 20, samples: int = 7) -> dict:
@@ -168,8 +188,9 @@ def time_per_call(fn, arg_sets, *, reps: int = 20, samples: int = 7) -> dict:
 
 
 def measure_bandwidths(nbytes: int = 4 << 30) -> dict:
-    """HBM ceilings, bytes/s: ``bench_common.measure_copy_bandwidth`` (per-call synchronised), a jnp copy timed
-    back to back, a read-only reduction and, when PyTorch is present, ``torch`` device-to-device copies."""
+    """HBM ceilings, bytes/s: ``bench_common.measure_copy_bandwidth`` (per-call synchronised), a jnp copy
+    timed back to back, a read-only reduction and, when PyTorch is present, ``torch`` device-to-device
+    copies."""
     out = {"bench_common_copy": measure_copy_bandwidth(min(nbytes, 2 << 30))}
     n = nbytes // 4
     xs = [jnp.arange(n, dtype=jnp.float32) + i for i in range(2)]
@@ -200,8 +221,16 @@ def measure_bandwidths(nbytes: int = 4 << 30) -> dict:
     return out
 
 
-def run(cases=None, *, variants=None, check: bool = True, time_reference: bool = True,
-        copy_bandwidth: float | None = None, log=print, json_path: str | None = None) -> list[dict]:
+def run(
+    cases=None,
+    *,
+    variants=None,
+    check: bool = True,
+    time_reference: bool = True,
+    copy_bandwidth: float | None = None,
+    log=print,
+    json_path: str | None = None,
+) -> list[dict]:
     """Benchmark ``cases`` x their ``variants``; returns one row per (case, variant)."""
     cases = SERVING_CASES if cases is None else cases
     variants = SERVING_VARIANTS if variants is None else variants
@@ -209,8 +238,10 @@ def run(cases=None, *, variants=None, check: bool = True, time_reference: bool =
     if copy_bandwidth is None:
         bandwidths = measure_bandwidths(4 << 30 if jax.default_backend() != "cpu" else 1 << 24)
         copy_bandwidth = max(v for k, v in bandwidths.items() if k.endswith("copy"))
-    log(f"HBM copy bandwidth: {copy_bandwidth / 1e9:.1f} GB/s on {environment()['device']}; all (GB/s): "
-        + json.dumps({k: round(v / 1e9, 1) if isinstance(v, float) else v for k, v in bandwidths.items()}))
+    log(
+        f"HBM copy bandwidth: {copy_bandwidth / 1e9:.1f} GB/s on {environment()['device']}; all (GB/s): "
+        + json.dumps({k: round(v / 1e9, 1) if isinstance(v, float) else v for k, v in bandwidths.items()})
+    )
     chip = chip_family()
     rows: list[dict] = []
     for case in cases:
@@ -220,7 +251,7 @@ def run(cases=None, *, variants=None, check: bool = True, time_reference: bool =
             sets, seq_lens, qsl = make_inputs(case, num_sets=num_sets)
             t_cap = sets[0][0].shape[0]
             cost = cost_model(case, seq_lens, qsl, t_cap)
-            ref_fn = jax.jit(lambda *a: ragged_index_topk_reference(*a, topk=case.topk))
+            ref_fn = jax.jit(lambda *a, _k=case.topk: ragged_index_topk_reference(*a, topk=_k))
             ref_out = pooled = None
             if check:
                 ref_out = np.asarray(ref_fn(*sets[0]))
@@ -228,17 +259,28 @@ def run(cases=None, *, variants=None, check: bool = True, time_reference: bool =
             t_ref = None
             if time_reference:
                 t_ref = time_fn_batched(ref_fn, sets, reps=3, warmup=1)
-            policy = indexer_launch_config(num_tokens=t_cap, num_requests=case.requests, num_heads=case.heads,
-                                           max_blocks=case.context // case.page, page_size=case.page, chip=chip)
+            policy = indexer_launch_config(
+                num_tokens=t_cap,
+                num_requests=case.requests,
+                num_heads=case.heads,
+                max_blocks=case.context // case.page,
+                page_size=case.page,
+                chip=chip,
+            )
         except Exception as e:  # noqa: BLE001  (report and go on with the next case)
             log(f"{case.name}: setup failed: {e!r}")
-            rows.append(dict(case=case.name, variant="setup", error=repr(e)[:500]))
+            rows.append({"case": case.name, "variant": "setup", "error": repr(e)[:500]})
             continue
         for var in variants.get(case.name, [{}]):
-            row = dict(case=case.name, variant=",".join(f"{k}={v}" for k, v in var.items()) or "default",
-                       config=dataclasses.asdict(dataclasses.replace(policy, **var)), num_sets=num_sets, **cost)
+            row = dict(
+                case=case.name,
+                variant=",".join(f"{k}={v}" for k, v in var.items()) or "default",
+                config=dataclasses.asdict(dataclasses.replace(policy, **var)),
+                num_sets=num_sets,
+                **cost,
+            )
             try:
-                fn = jax.jit(lambda *a, _v=var: ragged_index_topk(*a, topk=case.topk, **_v))
+                fn = jax.jit(lambda *a, _v=var, _k=case.topk: ragged_index_topk(*a, topk=_k, **_v))
                 t0 = time.perf_counter()
                 out = jax.block_until_ready(fn(*sets[0]))
                 row["compile_s"] = time.perf_counter() - t0
@@ -246,25 +288,64 @@ def run(cases=None, *, variants=None, check: bool = True, time_reference: bool =
                     row.update(check_parity(out, ref_out, pooled))
                 ts = time_per_call(fn, sets, reps=20)
                 t = ts["median"]
-                row.update(time_us=t * 1e6, time_min_us=ts["min"] * 1e6, time_max_us=ts["max"] * 1e6, gbps=cost["unique_bytes"] / t / 1e9,
-                           pct_hbm=100 * cost["unique_bytes"] / t / copy_bandwidth,
-                           tflops=cost["flops"] / t / 1e12)
+                row.update(
+                    time_us=t * 1e6,
+                    time_min_us=ts["min"] * 1e6,
+                    time_max_us=ts["max"] * 1e6,
+                    gbps=cost["unique_bytes"] / t / 1e9,
+                    pct_hbm=100 * cost["unique_bytes"] / t / copy_bandwidth,
+                    tflops=cost["flops"] / t / 1e12,
+                )
                 if t_ref is not None:
                     row.update(ref_time_us=t_ref * 1e6, speedup_vs_ref=t_ref / t)
             except Exception as e:  # noqa: BLE001
                 row["error"] = repr(e)[:2000]
                 log(traceback.format_exc()[-3000:])
             rows.append(row)
-            log(json.dumps({k: row.get(k) for k in ("case", "variant", "time_us", "pct_hbm", "exact_rows",
-                                                     "equivalent", "speedup_vs_ref", "compile_s", "error")}))
+            log(
+                json.dumps(
+                    {
+                        k: row.get(k)
+                        for k in (
+                            "case",
+                            "variant",
+                            "time_us",
+                            "pct_hbm",
+                            "exact_rows",
+                            "equivalent",
+                            "speedup_vs_ref",
+                            "compile_s",
+                            "error",
+                        )
+                    }
+                )
+            )
             if json_path:
-                write_json(json_path, dict(environment=environment(), copy_bandwidth_Bps=copy_bandwidth,
-                                           bandwidths_Bps=bandwidths, rows=rows))
+                write_json(
+                    json_path,
+                    {
+                        "environment": environment(),
+                        "copy_bandwidth_Bps": copy_bandwidth,
+                        "bandwidths_Bps": bandwidths,
+                        "rows": rows,
+                    },
+                )
     return rows
 
 
-COLUMNS = ["case", "variant", "time_us", "time_max_us", "gbps", "pct_hbm", "ref_time_us", "speedup_vs_ref", "exact_rows",
-           "equivalent", "error"]
+COLUMNS = [
+    "case",
+    "variant",
+    "time_us",
+    "time_max_us",
+    "gbps",
+    "pct_hbm",
+    "ref_time_us",
+    "speedup_vs_ref",
+    "exact_rows",
+    "equivalent",
+    "error",
+]
 
 
 def main(argv=None) -> None:

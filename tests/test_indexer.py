@@ -1,17 +1,17 @@
 """Ragged MSA indexer: Pallas kernel (interpret mode) == jnp reference == a naive per-token numpy oracle.
 
 Shapes are small (page 4..16, D 16..32, topk 3..4) so interpret mode stays fast; contexts are longer than
-topk * page so selection really drops blocks. Interpret mode fills outputs with int32 min before the kernel runs,
-so comparing full output arrays (with -1 where expected) also proves that every element is written.
+topk * page so selection really drops blocks. Interpret mode fills outputs with int32 min before the kernel
+runs, so comparing full output arrays (with -1 where expected) also proves that every element is written.
 """
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import indexer
 from pallas_kernels.indexer import (
@@ -23,9 +23,9 @@ from pallas_kernels.indexer import (
 )
 from pallas_kernels.platform import lower_for_gpu
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Oracle and batch builder.
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 def naive_index_topk(q, kc, bt, seq_lens, qsl, *, topk, local_blocks):
@@ -47,7 +47,7 @@ def naive_index_topk(q, kc, bt, seq_lens, qsl, *, topk, local_blocks):
             s = q[t] @ keys.T  # [H, pos + 1]
             forced = set(range(max(0, n_vis - local_blocks), n_vis))
             for h in range(h_idx):
-                blocks = [s[h, b * page: (b + 1) * page].max() for b in range(n_vis)]
+                blocks = [s[h, b * page : (b + 1) * page].max() for b in range(n_vis)]
                 pooled[t, h, :n_vis] = blocks
                 keyed = [np.inf if b in forced else blocks[b] for b in range(n_vis)]  # forced: score +inf
                 order = sorted(range(n_vis), key=lambda b: (-keyed[b], b))  # descending, ties to lower id
@@ -56,8 +56,20 @@ def naive_index_topk(q, kc, bt, seq_lens, qsl, *, topk, local_blocks):
     return out, pooled
 
 
-def make_batch(rng, *, q_lens, seq_lens, page, dim, heads=4, pad_slots=3, extra_blocks=1, dtype=np.float32,
-               values="int", unused=-1):
+def make_batch(
+    rng,
+    *,
+    q_lens,
+    seq_lens,
+    page,
+    dim,
+    heads=4,
+    pad_slots=3,
+    extra_blocks=1,
+    dtype=np.float32,
+    values="int",
+    unused=-1,
+):
     """A ragged batch with a shuffled (non-identity) page map; unused table entries hold ``unused``."""
     q_lens = np.asarray(q_lens, np.int64)
     seq_lens = np.asarray(seq_lens, np.int64)
@@ -70,7 +82,7 @@ def make_batch(rng, *, q_lens, seq_lens, page, dim, heads=4, pad_slots=3, extra_
     bt = np.full((r, nb), unused, np.int64)
     used = 0
     for i in range(r):
-        bt[i, : n_blocks[i]] = perm[used: used + n_blocks[i]]
+        bt[i, : n_blocks[i]] = perm[used : used + n_blocks[i]]
         used += n_blocks[i]
     qsl = np.concatenate([[0], np.cumsum(q_lens)])
     t_cap = int(qsl[-1] + pad_slots)
@@ -84,10 +96,13 @@ def make_batch(rng, *, q_lens, seq_lens, page, dim, heads=4, pad_slots=3, extra_
     else:  # continuous: ties have probability zero
         q = rng.standard_normal((t_cap, heads, dim))
         kc = rng.standard_normal((num_pages, page, dim))
-    return dict(
-        q=np.asarray(jnp.asarray(q, dtype)), kc=np.asarray(jnp.asarray(kc, dtype)), bt=bt.astype(np.int32),
-        seq_lens=seq_lens.astype(np.int32), qsl=qsl.astype(np.int32),
-    )
+    return {
+        "q": np.asarray(jnp.asarray(q, dtype)),
+        "kc": np.asarray(jnp.asarray(kc, dtype)),
+        "bt": bt.astype(np.int32),
+        "seq_lens": seq_lens.astype(np.int32),
+        "qsl": qsl.astype(np.int32),
+    }
 
 
 def args_of(b):
@@ -101,7 +116,9 @@ def oracle_bt(b):
 def run_naive(b, *, topk, local_blocks=1):
     q = np.asarray(jnp.asarray(b["q"], jnp.float32))
     kc = np.asarray(jnp.asarray(b["kc"], jnp.float32))
-    return naive_index_topk(q, kc, oracle_bt(b), b["seq_lens"], b["qsl"], topk=topk, local_blocks=local_blocks)
+    return naive_index_topk(
+        q, kc, oracle_bt(b), b["seq_lens"], b["qsl"], topk=topk, local_blocks=local_blocks
+    )
 
 
 def assert_score_equivalent(out, ref, pooled, *, local_blocks):
@@ -119,12 +136,14 @@ def assert_score_equivalent(out, ref, pooled, *, local_blocks):
             assert len(set(o.tolist())) == len(o), (t, h, o)
             n_local = min(local_blocks, len(e))
             np.testing.assert_array_equal(o[:n_local], e[:n_local])
-            np.testing.assert_allclose(pooled[t, h, o[n_local:]], pooled[t, h, e[n_local:]], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(
+                pooled[t, h, o[n_local:]], pooled[t, h, e[n_local:]], rtol=1e-5, atol=1e-5
+            )
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # The reference against the oracle.
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -158,9 +177,9 @@ def test_reference_tie_rule():
     np.testing.assert_array_equal(kernel, got)
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # The kernel against the reference.
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 # (num_splits, block_q, pages_per_step): fused single kernel, split + selection kernel, multi-page steps.
 CONFIGS = [(1, 4, 1), (3, 2, 1), (2, 8, 2), (1, 2, 2)]
@@ -179,10 +198,17 @@ def test_kernel_exact_on_random_ragged_batches(num_splits, block_q, pages_per_st
     b = make_batch(rng, q_lens=q_lens, seq_lens=seq_lens, page=page, dim=16, extra_blocks=2)
     for local in (1, 0):
         want = np.asarray(ragged_index_topk_reference(*args_of(b), topk=topk, local_blocks=local))
-        got = ragged_index_topk(*args_of(b), topk=topk, local_blocks=local, interpret=True, num_splits=num_splits,
-                                block_q=block_q, pages_per_step=pages_per_step)
+        got = ragged_index_topk(
+            *args_of(b),
+            topk=topk,
+            local_blocks=local,
+            interpret=True,
+            num_splits=num_splits,
+            block_q=block_q,
+            pages_per_step=pages_per_step,
+        )
         np.testing.assert_array_equal(np.asarray(got), want)
-    assert (want[: b["qsl"][-1]] >= 0).any() and (want[b["qsl"][-1]:] == -1).all()
+    assert (want[: b["qsl"][-1]] >= 0).any() and (want[b["qsl"][-1] :] == -1).all()
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])
@@ -191,16 +217,28 @@ def test_kernel_boundary_lengths(num_splits):
     rng = np.random.default_rng(7 + num_splits)
     page, topk, block_q = 8, 3, 4
     rows = [  # (q_len, seq_len)
-        (0, 0), (1, 1), (1, page - 1), (1, page), (1, page + 1), (2, page), (2, page + 1), (3, page + 1),
-        (block_q, 3 * page), (block_q + 1, 3 * page + 1), (8, 2 * page + 3), (1, 9 * page), (8, 9 * page + 4),
+        (0, 0),
+        (1, 1),
+        (1, page - 1),
+        (1, page),
+        (1, page + 1),
+        (2, page),
+        (2, page + 1),
+        (3, page + 1),
+        (block_q, 3 * page),
+        (block_q + 1, 3 * page + 1),
+        (8, 2 * page + 3),
+        (1, 9 * page),
+        (8, 9 * page + 4),
         (0, 0),
     ]
     q_lens, seq_lens = zip(*rows)
     b = make_batch(rng, q_lens=q_lens, seq_lens=seq_lens, page=page, dim=16, pad_slots=5)
     for local in (0, 1, 2):  # local 0: the causal mask inside the last block decides its score
         want, _ = run_naive(b, topk=topk, local_blocks=local)
-        got = ragged_index_topk(*args_of(b), topk=topk, local_blocks=local, interpret=True, block_q=block_q,
-                                num_splits=num_splits)
+        got = ragged_index_topk(
+            *args_of(b), topk=topk, local_blocks=local, interpret=True, block_q=block_q, num_splits=num_splits
+        )
         np.testing.assert_array_equal(np.asarray(got), want)
 
 
@@ -213,8 +251,9 @@ def test_kernel_prefill_chunk_many_tiles():
     b = make_batch(rng, q_lens=q_lens, seq_lens=seq_lens, page=page, dim=16, pad_slots=2)
     want, _ = run_naive(b, topk=topk, local_blocks=1)
     for num_splits, select_rows in ((1, None), (4, 4)):  # split: 4 selection programs per tile
-        got = ragged_index_topk(*args_of(b), topk=topk, interpret=True, block_q=4, num_splits=num_splits,
-                                select_rows=select_rows)
+        got = ragged_index_topk(
+            *args_of(b), topk=topk, interpret=True, block_q=4, num_splits=num_splits, select_rows=select_rows
+        )
         np.testing.assert_array_equal(np.asarray(got), want)
 
 
@@ -227,8 +266,9 @@ def test_kernel_bf16_exact_and_odd_sizes():
     b = make_batch(rng, q_lens=q_lens, seq_lens=seq_lens, page=page, dim=24, heads=3, dtype=jnp.bfloat16)
     want, _ = run_naive(b, topk=topk, local_blocks=1)
     for num_splits, pps in ((1, 1), (2, 2)):
-        got = ragged_index_topk(*args_of(b), topk=topk, interpret=True, block_q=4, num_splits=num_splits,
-                                pages_per_step=pps)
+        got = ragged_index_topk(
+            *args_of(b), topk=topk, interpret=True, block_q=4, num_splits=num_splits, pages_per_step=pps
+        )
         np.testing.assert_array_equal(np.asarray(got), want)
 
 
@@ -242,7 +282,9 @@ def test_kernel_ties_set_equality(num_splits):
     seq_lens = [33, 8 + 30, 3 + 9, 0, 2 + 40]
     b = make_batch(rng, q_lens=q_lens, seq_lens=seq_lens, page=page, dim=16, values="small")
     want = np.asarray(ragged_index_topk_reference(*args_of(b), topk=topk))
-    got = np.asarray(ragged_index_topk(*args_of(b), topk=topk, interpret=True, block_q=4, num_splits=num_splits))
+    got = np.asarray(
+        ragged_index_topk(*args_of(b), topk=topk, interpret=True, block_q=4, num_splits=num_splits)
+    )
     pooled = index_block_scores_reference(*args_of(b))
     assert_score_equivalent(got, want, pooled, local_blocks=1)
     np.testing.assert_array_equal(got, want)
@@ -301,12 +343,13 @@ def test_default_policy_and_reference_switch():
     want = np.asarray(ragged_index_topk_reference(*args_of(b), topk=3))
     np.testing.assert_array_equal(np.asarray(ragged_index_topk(*args_of(b), topk=3)), want)  # interpret=None
     np.testing.assert_array_equal(
-        np.asarray(ragged_index_topk(*args_of(b), topk=3, implementation="reference")), want)
+        np.asarray(ragged_index_topk(*args_of(b), topk=3, implementation="reference")), want
+    )
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Validation, policy, lowering.
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 def test_bad_inputs_raise_value_errors():
@@ -334,17 +377,26 @@ def test_bad_inputs_raise_value_errors():
 def test_policy_configs_are_valid(chip):
     for t, r in ((512, 512), (4096, 512), (8, 1), (8192, 1), (2048, 2), (64, 64)):
         for nb in (1, 32, 256, 1024):
-            cfg = indexer_launch_config(num_tokens=t, num_requests=r, num_heads=4, max_blocks=nb, page_size=128,
-                                        chip=chip)
+            cfg = indexer_launch_config(
+                num_tokens=t, num_requests=r, num_heads=4, max_blocks=nb, page_size=128, chip=chip
+            )
             cfg.validate()
             assert cfg.block_q * 4 >= 16
             if cfg.num_splits == 1:  # fused: the pooled-score tile must fit the register budget
                 assert cfg.block_q * 4 * max(nb, 1) <= indexer.CHIP_POLICIES[chip].fused_max_elems
     # many requests -> one program per request (fused); one long request -> its key range is split
-    assert indexer_launch_config(num_tokens=4096, num_requests=512, num_heads=4, max_blocks=32, page_size=128,
-                                 chip="hopper").num_splits == 1
-    assert indexer_launch_config(num_tokens=8, num_requests=1, num_heads=4, max_blocks=256, page_size=128,
-                                 chip="hopper").num_splits > 32
+    assert (
+        indexer_launch_config(
+            num_tokens=4096, num_requests=512, num_heads=4, max_blocks=32, page_size=128, chip="hopper"
+        ).num_splits
+        == 1
+    )
+    assert (
+        indexer_launch_config(
+            num_tokens=8, num_requests=1, num_heads=4, max_blocks=256, page_size=128, chip="hopper"
+        ).num_splits
+        > 32
+    )
     with pytest.raises(ValueError, match="num_warps"):
         IndexerLaunchConfig(num_warps=32).validate()
 
@@ -353,22 +405,33 @@ def _serving_shapes(r, q_len, ctx, *, page=128, dim=128, heads=4):
     t = r * q_len
     nb = ctx // page
     s = jax.ShapeDtypeStruct
-    return (s((t, heads, dim), jnp.bfloat16), s((r * nb + 1, page, dim), jnp.bfloat16), s((r, nb), jnp.int32),
-            s((r,), jnp.int32), s((r + 1,), jnp.int32))
+    return (
+        s((t, heads, dim), jnp.bfloat16),
+        s((r * nb + 1, page, dim), jnp.bfloat16),
+        s((r, nb), jnp.int32),
+        s((r,), jnp.int32),
+        s((r + 1,), jnp.int32),
+    )
 
 
 @pytest.mark.parametrize("platform", ["cuda", "rocm"])
-@pytest.mark.parametrize("case", [
-    (512, 8, 4096, {}),  # fused path
-    (1, 8, 32768, {}),  # split path + selection kernel
-    (64, 8, 4096, dict(pages_per_step=2, num_splits=2)),
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        (512, 8, 4096, {"chip": "hopper"}, 1),  # fused path: one Triton kernel
+        (512, 1, 4096, {"chip": "cdna3"}, 1),
+        (1, 8, 32768, {"chip": "hopper"}, 2),  # split path: scores kernel + selection kernel
+        (64, 8, 4096, {"pages_per_step": 2, "num_splits": 2}, 2),
+        (64, 8, 4096, {"pages_per_step": 2, "num_splits": 1}, 1),
+    ],
+)
 def test_lowers_for_gpu(platform, case):
-    r, q_len, ctx, kw = case
-    text = lower_for_gpu(ragged_index_topk, *_serving_shapes(r, q_len, ctx), platform=platform, topk=16,
-                         interpret=False, **kw)
+    r, q_len, ctx, kw, num_kernels = case
+    text = lower_for_gpu(
+        ragged_index_topk, *_serving_shapes(r, q_len, ctx), platform=platform, topk=16, interpret=False, **kw
+    )
+    assert text.count(f"custom_call @{plgpu.CUSTOM_CALL_TARGET_NAME}(") == num_kernels
     assert "ragged_index_" in text
-    assert "__gpu$xla.gpu.triton" in text or "triton" in text.lower()
 
 
 def test_tile_bound_worst_case():
@@ -386,3 +449,15 @@ def test_tile_bound_worst_case():
     for ns in (1, 2):
         got = ragged_index_topk(*args_of(b), topk=3, interpret=True, block_q=block_q, num_splits=ns)
         np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_fewer_blocks_than_topk():
+    """max_blocks < topk: every visible block is selected, the remaining slots are -1."""
+    rng = np.random.default_rng(81)
+    b = make_batch(rng, q_lens=[2, 1, 3], seq_lens=[2 + 5, 4, 3 + 6], page=4, dim=16, extra_blocks=0)
+    assert b["bt"].shape[1] < 4
+    want, _ = run_naive(b, topk=4, local_blocks=1)
+    for ns in (1, 2):
+        got = ragged_index_topk(*args_of(b), topk=4, interpret=True, block_q=4, num_splits=ns)
+        np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_array_equal(np.asarray(ragged_index_topk_reference(*args_of(b), topk=4)), want)
