@@ -40,6 +40,7 @@ __all__ = ["ragged_paged_attention", "ragged_paged_attention_reference"]
         "num_warps",
         "num_stages",
         "backend",
+        "block_k",
     ),
 )
 def ragged_paged_attention(
@@ -58,6 +59,7 @@ def ragged_paged_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     backend: str | None = None,
+    block_k: int | None = None,
 ) -> jax.Array:
     """Ragged causal attention over a paged KV cache (dense layers).
 
@@ -69,7 +71,8 @@ def ragged_paged_attention(
       query_start_loc: ``int32[R + 1]``; slots ``>= qsl[R]`` are padding.
       scale: softmax scale.
       implementation: ``"pallas"`` or ``"reference"``.
-      interpret, block_q, num_splits, num_warps, num_stages, backend: as in ``ragged_sparse_attention``.
+      interpret, block_q, num_splits, num_warps, num_stages, backend, block_k: as in
+        ``ragged_sparse_attention``.
 
     Returns:
       ``[T, H_q, D]`` in q's dtype, zeros for padding slots.
@@ -94,6 +97,10 @@ def ragged_paged_attention(
         num_splits=num_splits,
         num_warps=num_warps,
         num_stages=num_stages,
+        block_k=block_k,
+        page=k_cache.shape[2],
+        head_dim=q.shape[2],
+        itemsize=k_cache.dtype.itemsize,
     )
     return ragged_attention_pallas(
         q,
@@ -120,6 +127,7 @@ def ragged_paged_attention(
         "num_warps",
         "num_stages",
         "backend",
+        "block_k",
     ),
 )
 def ragged_paged_attention_reference(
@@ -138,13 +146,14 @@ def ragged_paged_attention_reference(
     num_warps: int | None = None,
     num_stages: int | None = None,
     backend: str | None = None,
+    block_k: int | None = None,
 ) -> jax.Array:
     """Plain-jnp reference with ``ragged_paged_attention``'s signature (launch arguments are ignored).
 
     Dense attention is sparse attention with every block selected: the sparse reference runs with
     ``block_indices[t, g] = 0 .. max_blocks - 1`` (blocks past a token's position are masked there).
     """
-    del implementation, interpret, block_q, num_splits, num_warps, num_stages, backend
+    del implementation, interpret, block_q, num_splits, num_warps, num_stages, backend, block_k
     check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, None)
     num_tokens = q.shape[0]
     num_kv_heads = k_cache.shape[0]

@@ -18,8 +18,13 @@ rows (e.g. 8 tokens x 16 heads = 128 rows) that share every K/V load. The progra
 earlier entry (one vectorised ``N x N`` compare), and walks the resulting *union* of blocks, reading each
 selected page once per (request tile, KV head). Per block it applies, in registers, each row's own selection
 ("did my token pick this block") and causal limit. Split-K: ``num_splits`` programs share one tile's union
-(balanced contiguous ranges) and write fp32 partial outputs with a base-2 log-sum-exp; a jnp merge combines
-them. With ``num_splits == 1`` the kernel writes the final output directly.
+(balanced contiguous ranges) and write fp32 partial outputs with a base-2 log-sum-exp; a small Pallas merge
+kernel combines them. With ``num_splits == 1`` the kernel writes the final output directly.
+
+Launch cost matters at small batches, so the whole call is one or two kernels and no XLA glue: each program
+finds its own tokens by a search over ``query_start_loc`` (``_locate_tile``), and the union's physical pages
+are gathered into registers once, so the walk has no dependent scalar load and the compiler can prefetch K/V
+``num_stages - 1`` steps ahead. ``block_k`` cuts a page into smaller key steps to fit more stages.
 
 Reads: a ``-1`` slot, a block at or past ``cdiv(pos_last + 1, page)`` of the tile, a padding tile and a
 zero-length row never touch ``block_tables`` or the caches; only physical pages named by a request's own table
@@ -73,8 +78,34 @@ def _dot(a, b, *, contract_b: int):
 
 
 
+def _locate_tile(tile, seg_start, seg_len, seg_seq, *, num_rows: int, block_q: int):
+    """The request tile ``tile`` of the ragged batch, from per-segment vectors (used in-kernel and in jnp).
+
+    Segments are the ``R`` request rows plus the padding tail ``[qsl[R], T)``; each is cut into ``block_q``-token
+    tiles, in order. ``seg_start, seg_len, seg_seq: int32[S_pow2]`` (start token, tokens, seq_len; zeros past
+    segment ``R``). Returns scalars ``(req, tok0, ntok, pos0)``: ``req`` is -1 for padding-tail tiles (which only
+    write zeros) and for tiles past the last one (``ntok == 0``, which do nothing).
+    """
+    seg_tiles = (seg_len + block_q - 1) // block_q
+    ends = jnp.cumsum(seg_tiles, axis=0)
+    seg = jnp.sum((ends <= tile).astype(jnp.int32))  # first segment whose tiles reach past ``tile``
+    idx = jax.lax.broadcasted_iota(jnp.int32, seg_len.shape, 0)
+    before = jnp.sum(jnp.where(idx < seg, seg_tiles, 0))
+    here = idx == seg
+    tok_start = jnp.sum(jnp.where(here, seg_start, 0))
+    tokens = jnp.sum(jnp.where(here, seg_len, 0))
+    seq = jnp.sum(jnp.where(here, seg_seq, 0))
+    local = (tile - before) * block_q
+    ntok = jnp.where(seg <= num_rows, jnp.clip(tokens - local, 0, block_q), 0)
+    live = (seg < num_rows) & (ntok > 0)
+    req = jnp.where(live, seg, -1)
+    pos0 = jnp.where(live, seq - tokens + local, -1)
+    return req, tok_start + local, ntok, pos0
+
+
 def _ragged_attention_kernel(
-    tiles_ref,  # [num_tiles, 4] int32: request row (-1: padding tile), first packed token, tokens, first pos
+    qsl_ref,  # [R + 1] int32
+    seq_ref,  # [R] int32
     q_ref,  # [T * H_q, D]
     k_ref,  # [P, page, D]        (this program's KV head)
     v_ref,  # [P, page, D]        (this program's KV head)
@@ -82,10 +113,12 @@ def _ragged_attention_kernel(
     *refs,  # sparse: sel_ref [T, topk] int32 (this KV head); then outputs:
     #   num_splits == 1: o_ref [T * H_q, D] (q dtype)
     #   num_splits  > 1: o_ref [T * H_q, D] f32 (this split), lse_ref [T * H_q] f32 (this split, base 2)
-    #   union_lookup == "scratch": then union_ref [2, N] int32 (this program's union: logical, physical)
     group: int,
     num_q_heads: int,
+    num_tokens: int,
+    num_rows: int,
     block_q: int,
+    block_k: int,
     rows: int,
     topk: int,
     topk_pow2: int,
@@ -93,25 +126,26 @@ def _ragged_attention_kernel(
     max_blocks: int,
     scale: float,
     dense: bool,
-    union_lookup: str,
-    barrier: bool,
 ):
     if dense:
-        sel_ref = None
-        out_refs = list(refs)
+        sel_ref, out_refs = None, refs
     else:
         sel_ref, *out_refs = refs
-    union_ref = out_refs.pop() if union_lookup == "scratch" else None
     tile = pl.program_id(0)
     head = pl.program_id(1)
     split = pl.program_id(2)
     _, page, head_dim = k_ref.shape
 
-    req = tiles_ref[tile, 0]
-    tok0 = tiles_ref[tile, 1]
-    ntok = tiles_ref[tile, 2]
-    pos0 = tiles_ref[tile, 3]
+    # Which tokens this program owns: a search over query_start_loc on the device (no host lengths).
+    seg = jax.lax.broadcasted_iota(jnp.int32, (_next_pow2(num_rows + 1),), 0)
+    in_seg, in_row = seg <= num_rows, seg < num_rows
+    seg_start = plgpu.load(qsl_ref.at[jnp.where(in_seg, seg, 0)], mask=in_seg, other=0)
+    seg_end = plgpu.load(qsl_ref.at[jnp.where(in_row, seg + 1, 0)], mask=in_row, other=num_tokens)
+    seg_len = jnp.where(in_seg, jnp.clip(seg_end - seg_start, 0, num_tokens), 0)
+    seg_seq = plgpu.load(seq_ref.at[jnp.where(in_row, seg, 0)], mask=in_row, other=0)
+    req, tok0, ntok, pos0 = _locate_tile(tile, seg_start, seg_len, seg_seq, num_rows=num_rows, block_q=block_q)
     live = req >= 0
+    req_c = jnp.maximum(req, 0)
 
     # Query rows of the tile: token-major, the group's heads inside (row = token * group + head).
     r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
@@ -124,13 +158,16 @@ def _ragged_attention_kernel(
     q = plgpu.load(q_ref.at[q_rows[:, None], d[None, :]], mask=row_valid[:, None], other=0)  # [rows, D]
 
     # Blocks visible to the tile's last token; nothing at or past this bound is ever read.
-    pos_last = pos0 + ntok - 1
-    n_visible = jnp.where(live & (ntok > 0), jnp.minimum((pos_last + page) // page, max_blocks), 0)
+    n_visible = jnp.where(live, jnp.minimum((pos0 + ntok - 1 + page) // page, max_blocks), 0)
 
     if dense:
         n_blocks = n_visible
-        sel_rows = None
-        union = None
+        # The request's block-table row in registers, so the walk has no dependent scalar load.
+        bidx = jax.lax.broadcasted_iota(jnp.int32, (_next_pow2(max_blocks),), 0)
+        b_ok = (bidx < n_visible) & live
+        table_row = plgpu.load(
+            tables_ref.at[jnp.zeros_like(bidx) + req_c, jnp.where(b_ok, bidx, 0)], mask=b_ok, other=0
+        )
     else:
         # The tile's flattened selection list, entry n = (token n // topk_pow2, slot n % topk_pow2).
         n_entries = block_q * topk_pow2
@@ -139,9 +176,7 @@ def _ragged_attention_kernel(
         n_slot = n % topk_pow2
         ent_ok = (n_tok < ntok) & (n_slot < topk) & live
         blocks = plgpu.load(
-            sel_ref.at[jnp.where(ent_ok, tok0 + n_tok, 0), jnp.where(ent_ok, n_slot, 0)],
-            mask=ent_ok,
-            other=-1,
+            sel_ref.at[jnp.where(ent_ok, tok0 + n_tok, 0), jnp.where(ent_ok, n_slot, 0)], mask=ent_ok, other=-1
         )
         blocks = jnp.where(ent_ok & (blocks >= 0) & (blocks < n_visible), blocks, -1)
         # First occurrence of each block id in the list (vectorised compare against all earlier entries).
@@ -152,19 +187,11 @@ def _ragged_attention_kernel(
         first_i = first.astype(jnp.int32)
         rank = jnp.cumsum(first_i, axis=0) - first_i  # position of a first occurrence in the union
         n_blocks = jnp.sum(first_i)
-        union = (first, rank, blocks)
-        if union_ref is not None:
-            # Compact the union into this program's scratch row once (logical id, physical page), so the walk
-            # below reads two scalars per block instead of reducing over the list.
-            phys = plgpu.load(
-                tables_ref.at[jnp.where(first, req, 0), jnp.where(first, blocks, 0)], mask=first, other=0
-            )
-            dst = jnp.where(first, rank, n_entries)  # past the end: masked on GPU, dropped in interpret mode
-            zero = jnp.zeros_like(dst)
-            plgpu.store(union_ref.at[zero, dst], blocks, mask=first)
-            plgpu.store(union_ref.at[zero + 1, dst], phys, mask=first)
-            if barrier:
-                plgpu.debug_barrier()  # the scratch row is written and read by different threads
+        # Physical pages of the union, gathered once: the walk then has no dependent scalar load, so the
+        # compiler can prefetch K/V pages (num_stages - 1) steps ahead.
+        phys = plgpu.load(
+            tables_ref.at[jnp.zeros_like(blocks) + req_c, jnp.where(first, blocks, 0)], mask=first, other=0
+        )
         # Each row's own selection, for the per-row "did my token pick this block" test.
         slot = jax.lax.broadcasted_iota(jnp.int32, (topk_pow2,), 0)
         sel_ok = row_valid[:, None] & (slot[None, :] < topk) & live
@@ -172,32 +199,38 @@ def _ragged_attention_kernel(
             sel_ref.at[row_tok[:, None], jnp.where(slot < topk, slot, 0)[None, :]], mask=sel_ok, other=-1
         )  # [rows, topk_pow2]
 
-    # Balanced contiguous share of the walk for this split.
-    lo = (split * n_blocks) // num_splits
-    hi = ((split + 1) * n_blocks) // num_splits
-    key_iota = jax.lax.broadcasted_iota(jnp.int32, (page,), 0)
+    # The walk: union block u in [0, n_blocks), sub-tile of block_k keys; a balanced share per split.
+    parts = page // block_k
+    n_steps = n_blocks * parts
+    lo = (split * n_steps) // num_splits
+    hi = ((split + 1) * n_steps) // num_splits
+    key_iota = jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
     qk_scale = scale * _LOG2E
 
-    def body(k, carry):
+    def body(step, carry):
         acc, m_prev, l_prev = carry
+        u, part = (step, 0) if parts == 1 else (step // parts, step % parts)
         if dense:
-            b = k
+            b = u
+            page_id = jnp.sum(jnp.where(bidx == u, table_row, 0))
             limit = row_pos
-        elif union_ref is not None:
-            b = union_ref[0, k]
-            page_id = union_ref[1, k]
         else:
-            first_, rank_, blocks_ = union
-            b = jnp.sum(jnp.where(first_ & (rank_ == k), blocks_, 0))
-        if dense or union_ref is None:
-            page_id = tables_ref[req, b]
-        if not dense:
+            pick = first & (rank == u)
+            b = jnp.sum(jnp.where(pick, blocks, 0))
+            page_id = jnp.sum(jnp.where(pick, phys, 0))
             picked = jnp.max((sel_rows == b).astype(jnp.int32), axis=1)
             limit = jnp.where(picked > 0, row_pos, -1)
-        kb = k_ref[page_id]  # [page, D]
-        vb = v_ref[page_id]  # [page, D]
-        s = _dot(q, kb, contract_b=1) * qk_scale  # [rows, page], log2 domain
-        visible = (b * page + key_iota)[None, :] <= limit[:, None]
+        if parts == 1:
+            kb = k_ref[page_id]  # [block_k, D]
+            vb = v_ref[page_id]  # [block_k, D]
+            key0 = b * page
+        else:
+            off = pl.multiple_of(part * block_k, block_k)
+            kb = k_ref[page_id, pl.ds(off, block_k), :]  # [block_k, D]
+            vb = v_ref[page_id, pl.ds(off, block_k), :]  # [block_k, D]
+            key0 = b * page + off
+        s = _dot(q, kb, contract_b=1) * qk_scale  # [rows, block_k], log2 domain
+        visible = (key0 + key_iota)[None, :] <= limit[:, None]
         s = jnp.where(visible, s, MASK_VALUE)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         alpha = jnp.exp2(m_prev - m_next)
@@ -227,6 +260,32 @@ def _ragged_attention_kernel(
         plgpu.store(lse_ref.at[out_rows], lse, mask=row_valid)
 
 
+def _merge_splits_kernel(
+    o_ref,  # [S, N, D] f32: normalised partial outputs
+    lse_ref,  # [S, N] f32: base-2 log-sum-exp, MASK_VALUE where a split saw no key
+    out_ref,  # [N, D]
+    *,
+    num_splits: int,
+    block_rows: int,
+):
+    num, head_dim = out_ref.shape
+    r = pl.program_id(0) * block_rows + jax.lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
+    ok = r < num
+    rr = jnp.where(ok, r, 0)
+    d = jax.lax.broadcasted_iota(jnp.int32, (head_dim,), 0)
+    lses = [plgpu.load(lse_ref.at[jnp.full_like(rr, s), rr], mask=ok, other=MASK_VALUE) for s in range(num_splits)]
+    m = functools.reduce(jnp.maximum, lses)
+    acc = jnp.zeros((block_rows, head_dim), jnp.float32)
+    den = jnp.zeros((block_rows,), jnp.float32)
+    for s in range(num_splits):
+        w = jnp.where(lses[s] > 0.5 * MASK_VALUE, jnp.exp2(lses[s] - m), 0.0)
+        o = plgpu.load(o_ref.at[jnp.full_like(rr, s)[:, None], rr[:, None], d[None, :]], mask=ok[:, None], other=0.0)
+        acc = acc + w[:, None] * o
+        den = den + w
+    out = acc / jnp.where(den > 0, den, 1.0)[:, None]  # rows no split saw stay exact zeros
+    plgpu.store(out_ref.at[jnp.where(ok, r, num)[:, None], d[None, :]], out.astype(out_ref.dtype), mask=ok[:, None])
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Launch policy
 # ----------------------------------------------------------------------------------------------------------
@@ -239,17 +298,29 @@ class ChipPolicy:
     num_cores: int  # SMs (NVIDIA) / CUs (AMD); the device's own count is used when it reports one
     num_warps_large: int  # query tiles of >= 64 rows
     num_warps_small: int  # smaller query tiles
-    num_stages: int
+    num_stages_large: int
+    num_stages_small: int
+    block_k_large: int  # keys per step of the walk (a power-of-2 part of a page), large query tiles
+    block_k_small: int
+    smem_bytes: int  # budget for the query tile + num_stages K/V buffers; block_k is halved to fit
     max_splits: int  # split-K cap (partial outputs cost T * H_q * D * 4 bytes per split)
     max_rows: int = 128  # query rows per program (block_q * group)
-    union_lookup: str = "reduce"
+    merge_rows: int = 32  # rows per program of the split-K merge kernel
 
 
 CHIP_POLICIES: dict[str, ChipPolicy] = {
-    # Hopper (H100 / H200): 132 SMs, 32-wide warps, 228 KiB shared memory per SM.
-    "cuda": ChipPolicy(num_cores=132, num_warps_large=8, num_warps_small=4, num_stages=2, max_splits=16),
-    # CDNA3 (MI300X, gfx942): 304 CUs, 64-wide wavefronts, 64 KiB LDS per CU: fewer, wider warps.
-    "rocm": ChipPolicy(num_cores=304, num_warps_large=4, num_warps_small=4, num_stages=2, max_splits=16),
+    # Hopper (H100 / H200): 132 SMs, 32-wide warps, 227 KiB of shared memory per block. 128-row tiles: 8 warps
+    # (two warpgroups of 64 rows), 3 stages of 64-key K/V tiles = 96 KiB + the 32 KiB query tile.
+    "cuda": ChipPolicy(
+        num_cores=132, num_warps_large=8, num_warps_small=4, num_stages_large=3, num_stages_small=3,
+        block_k_large=64, block_k_small=64, smem_bytes=200 * 1024, max_splits=16,
+    ),
+    # CDNA3 (MI300X, gfx942): 304 CUs, 64-wide wavefronts (4 warps = 256 lanes), 64 KiB LDS per CU.
+    # Not measured yet: conservative 2-stage, 32-key tiles.
+    "rocm": ChipPolicy(
+        num_cores=304, num_warps_large=4, num_warps_small=4, num_stages_large=2, num_stages_small=2,
+        block_k_large=32, block_k_small=32, smem_bytes=64 * 1024, max_splits=16,
+    ),
 }
 
 
@@ -259,9 +330,7 @@ class AttentionLaunchConfig:
     num_splits: int  # split-K programs per (request tile, KV head)
     num_warps: int
     num_stages: int
-    # Sparse only. "reduce": pick the k-th union block by a vector reduction inside the walk; "scratch": compact
-    # the union once into a small global scratch row and read scalars from it in the walk.
-    union_lookup: str = "reduce"
+    block_k: int = 0  # keys per step (power of 2 dividing the page); 0: the whole page
 
 
 def _next_pow2(x: int) -> int:
@@ -308,11 +377,14 @@ def attention_launch_config(
     topk: int,
     max_blocks: int,
     dense: bool,
+    page: int = 128,
+    head_dim: int = 128,
+    itemsize: int = 2,
     block_q: int | None = None,
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    union_lookup: str | None = None,
+    block_k: int | None = None,
 ) -> AttentionLaunchConfig:
     """Pick the launch settings; explicit arguments win over the policy.
 
@@ -320,6 +392,7 @@ def attention_launch_config(
     ``max_rows`` query rows (and, sparse, at most MAX_SELECTION_ENTRIES list entries). Decode (1 token per
     request) gets 1-token tiles, verification with K = 7 gets 8-token tiles (8 x 16 = 128 rows at M3 shapes).
     ``num_splits``: 1 when the tiles already fill the chip, else enough splits for about one program per core.
+    ``block_k``: the policy's keys per step, halved until the query tile and ``num_stages`` K/V buffers fit.
     """
     backend = backend or _detect_backend()
     if backend not in CHIP_POLICIES:
@@ -334,25 +407,27 @@ def attention_launch_config(
             block_q = min(block_q, max(1, MAX_SELECTION_ENTRIES // topk_pow2))
         block_q = max(1, min(block_q, _next_pow2(num_tokens)))
     rows = max(16, _next_pow2(block_q * group))
+    large = rows >= 64
     if num_splits is None:
         programs = _num_tiles_bound(num_tokens, num_requests, block_q) * num_kv_heads
         cores = _device_cores(policy.num_cores)
         walk = max_blocks if dense else min(max_blocks, block_q * topk)
         num_splits = 1 if programs >= cores else min(policy.max_splits, -(-cores // programs), max(1, walk))
     if num_warps is None:
-        num_warps = policy.num_warps_large if rows >= 64 else policy.num_warps_small
+        num_warps = policy.num_warps_large if large else policy.num_warps_small
     if num_stages is None:
-        num_stages = policy.num_stages
-    if union_lookup is None:
-        union_lookup = policy.union_lookup
-    if union_lookup not in ("reduce", "scratch"):
-        raise ValueError(f"union_lookup must be 'reduce' or 'scratch', got {union_lookup!r}")
+        num_stages = policy.num_stages_large if large else policy.num_stages_small
+    if block_k is None:
+        block_k = min(page, policy.block_k_large if large else policy.block_k_small)
+        q_bytes = rows * head_dim * itemsize
+        while block_k > 16 and q_bytes + max(num_stages, 1) * 2 * block_k * head_dim * itemsize > policy.smem_bytes:
+            block_k //= 2
     return AttentionLaunchConfig(
         block_q=int(block_q),
         num_splits=int(num_splits),
         num_warps=int(num_warps),
         num_stages=int(num_stages),
-        union_lookup=union_lookup,
+        block_k=int(min(block_k, page)),
     )
 
 
@@ -362,32 +437,20 @@ def attention_launch_config(
 
 
 def _tile_table(query_start_loc, seq_lens, num_tokens: int, block_q: int, num_tiles: int) -> jax.Array:
-    """``int32[num_tiles, 4]``: (request row or -1, first packed token, tokens, first position) per tile.
-
-    Segments are the R request rows plus the padding tail ``[qsl[R], T)``; each is cut into ``block_q``-token
-    tiles, in order. Padding-tail tiles (request -1) only write zeros; tiles past the last one are empty.
-    Computed on the device from ``query_start_loc`` alone (no host lengths, no ``max_query_len``).
+    """``int32[num_tiles, 4]``: ``_locate_tile`` for every tile in jnp (the bytes model and tests use it; the
+    kernel runs the same search per program): (request row or -1, first packed token, tokens, first position).
     """
     qsl = query_start_loc.astype(jnp.int32)
-    q_len = jnp.maximum(qsl[1:] - qsl[:-1], 0)
-    tail = jnp.clip(num_tokens - qsl[-1:], 0, num_tokens)
-    seg_start = qsl
-    seg_len = jnp.concatenate([q_len, tail])
-    seg_tiles = (seg_len + block_q - 1) // block_q
-    ends = jnp.cumsum(seg_tiles)
-    i = jnp.arange(num_tiles, dtype=jnp.int32)
-    seg = jnp.searchsorted(ends, i, side="right", method="compare_all").astype(jnp.int32)
-    num_rows = q_len.shape[0]
-    seg_c = jnp.minimum(seg, num_rows)
-    local = (i - (ends[seg_c] - seg_tiles[seg_c])) * block_q
-    start = seg_start[seg_c] + local
-    length = jnp.where(seg <= num_rows, jnp.clip(seg_len[seg_c] - local, 0, block_q), 0)
-    is_req = seg < num_rows
-    seg_r = jnp.minimum(seg, num_rows - 1)
-    pos0 = jnp.where(is_req, seq_lens[seg_r].astype(jnp.int32) - q_len[seg_r] + local, -1)
-    req = jnp.where(is_req, seg, -1)
-    start = jnp.where(length > 0, start, 0)
-    return jnp.stack([req, start, length, pos0], axis=1).astype(jnp.int32)
+    num_rows = seq_lens.shape[0]
+    size = _next_pow2(num_rows + 1)
+    pad = size - (num_rows + 1)
+    seg_start = jnp.pad(qsl, (0, pad))
+    seg_end = jnp.pad(jnp.concatenate([qsl[1:], jnp.full((1,), num_tokens, jnp.int32)]), (0, pad))
+    seg_len = jnp.where(jnp.arange(size) <= num_rows, jnp.clip(seg_end - seg_start, 0, num_tokens), 0)
+    seg_seq = jnp.pad(seq_lens.astype(jnp.int32), (0, size - num_rows))
+    locate = functools.partial(_locate_tile, num_rows=num_rows, block_q=block_q)
+    cols = jax.vmap(lambda t: locate(t, seg_start, seg_len, seg_seq))(jnp.arange(num_tiles, dtype=jnp.int32))
+    return jnp.stack(cols, axis=1).astype(jnp.int32)
 
 
 def check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_indices):
@@ -444,9 +507,10 @@ def ragged_attention_pallas(
     interpret: bool,
     poison: bool = False,
 ):
-    """Builds the grid and BlockSpecs and runs the kernel (sparse, or dense when ``block_indices is None``).
+    """Builds the grid and BlockSpecs and runs the kernel (sparse, or dense when ``block_indices is None``),
+    then the split-K merge kernel when ``config.num_splits > 1``.
 
-    ``poison`` (tests only): start the float output buffers as NaN (aliased into the kernel) so that a row the
+    ``poison`` (tests only): start the float output buffers as NaN (aliased into the kernels) so that a row a
     kernel fails to write shows up.
     """
     num_tokens, num_q_heads, head_dim = q.shape
@@ -456,10 +520,13 @@ def ragged_attention_pallas(
     topk = 1 if dense else block_indices.shape[2]
     group = num_q_heads // num_kv_heads
     block_q, num_splits = config.block_q, config.num_splits
+    block_k = config.block_k or page
     if block_q < 1 or block_q & (block_q - 1):
         raise ValueError(f"block_q must be a power of 2 >= 1, got {block_q}")
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if block_k < 1 or block_k & (block_k - 1) or page % block_k:
+        raise ValueError(f"block_k must be a power of 2 dividing the page size {page}, got {block_k}")
     topk_pow2 = _next_pow2(topk)
     if not dense and block_q * topk_pow2 > MAX_SELECTION_ENTRIES:
         raise ValueError(
@@ -468,23 +535,28 @@ def ragged_attention_pallas(
         )
     rows = max(16, _next_pow2(block_q * group))
     num_tiles = _num_tiles_bound(num_tokens, num_rows, block_q)
-    tiles = _tile_table(query_start_loc, seq_lens, num_tokens, block_q, num_tiles)
+    flat_rows = num_tokens * num_q_heads
 
-    q_flat = q.reshape(num_tokens * num_q_heads, head_dim)
-    tables = block_tables.astype(jnp.int32)
     grid = (num_tiles, num_kv_heads, num_splits)
     in_specs = [
-        pl.BlockSpec((num_tiles, 4), lambda i, h, s: (0, 0)),
-        pl.BlockSpec((num_tokens * num_q_heads, head_dim), lambda i, h, s: (0, 0)),
+        pl.BlockSpec((num_rows + 1,), lambda i, h, s: (0,)),
+        pl.BlockSpec((num_rows,), lambda i, h, s: (0,)),
+        pl.BlockSpec((flat_rows, head_dim), lambda i, h, s: (0, 0)),
         pl.BlockSpec((None, num_pages, page, head_dim), lambda i, h, s: (h, 0, 0, 0)),
         pl.BlockSpec((None, num_pages, page, head_dim), lambda i, h, s: (h, 0, 0, 0)),
         pl.BlockSpec((num_rows, max_blocks), lambda i, h, s: (0, 0)),
     ]
-    args = [tiles, q_flat, k_cache, v_cache, tables]
+    args = [
+        query_start_loc.astype(jnp.int32),
+        seq_lens.astype(jnp.int32),
+        q.reshape(flat_rows, head_dim),
+        k_cache,
+        v_cache,
+        block_tables.astype(jnp.int32),
+    ]
     if not dense:
         in_specs.append(pl.BlockSpec((num_tokens, None, topk), lambda i, h, s: (0, h, 0)))
         args.append(block_indices.astype(jnp.int32))
-    flat_rows = num_tokens * num_q_heads
     if num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((flat_rows, head_dim), q.dtype)]
         out_specs = [pl.BlockSpec((flat_rows, head_dim), lambda i, h, s: (0, 0))]
@@ -497,24 +569,14 @@ def ragged_attention_pallas(
             pl.BlockSpec((None, flat_rows, head_dim), lambda i, h, s: (s, 0, 0)),
             pl.BlockSpec((None, flat_rows), lambda i, h, s: (s, 0)),
         ]
-    scratch = not dense and config.union_lookup == "scratch"
-    if scratch:
-        n_entries = block_q * topk_pow2
-        out_shape.append(jax.ShapeDtypeStruct((num_tiles, num_kv_heads, num_splits, 2, n_entries), jnp.int32))
-        out_specs.append(pl.BlockSpec((None, None, None, 2, n_entries), lambda i, h, s: (i, h, s, 0, 0)))
-    aliases = {}
-    if poison:
-        for j, o in enumerate(out_shape):
-            if jnp.issubdtype(o.dtype, jnp.floating):
-                aliases[len(args)] = j
-                args.append(jnp.full(o.shape, jnp.nan, o.dtype))
-                in_specs.append(out_specs[j])
-
     kernel = functools.partial(
         _ragged_attention_kernel,
         group=group,
         num_q_heads=num_q_heads,
+        num_tokens=num_tokens,
+        num_rows=num_rows,
         block_q=block_q,
+        block_k=block_k,
         rows=rows,
         topk=topk,
         topk_pow2=topk_pow2,
@@ -522,44 +584,72 @@ def ragged_attention_pallas(
         max_blocks=max_blocks,
         scale=float(scale),
         dense=dense,
-        union_lookup=config.union_lookup if not dense else "reduce",
-        barrier=not interpret,
     )
+    kind = "paged" if dense else "sparse"
+    outs = _call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        args=args,
+        poison=poison,
+        interpret=interpret,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        name=f"ragged_{kind}_attention_bq{block_q}_rows{rows}_bk{block_k}_splits{num_splits}",
+    )
+    if num_splits == 1:
+        out = outs[0]
+    else:
+        merge_rows = min(CHIP_POLICIES["cuda"].merge_rows, _next_pow2(flat_rows))
+        (out,) = _call(
+            functools.partial(_merge_splits_kernel, num_splits=num_splits, block_rows=merge_rows),
+            grid=(pl.cdiv(flat_rows, merge_rows),),
+            in_specs=[
+                pl.BlockSpec((num_splits, flat_rows, head_dim), lambda i: (0, 0, 0)),
+                pl.BlockSpec((num_splits, flat_rows), lambda i: (0, 0)),
+            ],
+            out_specs=[pl.BlockSpec((flat_rows, head_dim), lambda i: (0, 0))],
+            out_shape=[jax.ShapeDtypeStruct((flat_rows, head_dim), q.dtype)],
+            args=list(outs),
+            poison=poison,
+            interpret=interpret,
+            num_warps=4,
+            num_stages=1,
+            name=f"ragged_{kind}_attention_merge_splits{num_splits}",
+        )
+    return out.reshape(num_tokens, num_q_heads, head_dim)
+
+
+def _call(kernel, *, grid, in_specs, out_specs, out_shape, args, poison, interpret, num_warps, num_stages, name):
+    """``pl.pallas_call`` with the Triton compiler params; with ``poison`` the float outputs start as NaN."""
+    in_specs, args = list(in_specs), list(args)
+    aliases = {}
+    if poison:
+        for j, o in enumerate(out_shape):
+            if jnp.issubdtype(o.dtype, jnp.floating):
+                aliases[len(args)] = j
+                args.append(jnp.full(o.shape, jnp.nan, o.dtype))
+                in_specs.append(out_specs[j])
     if aliases:
         n_in, n_alias = len(args) - len(aliases), len(aliases)
         inner = kernel
 
         def kernel(*refs):  # drop the aliased input refs: the kernel writes the outputs
-            return inner(*refs[:n_in], *refs[n_in + n_alias:])
+            return inner(*refs[:n_in], *refs[n_in + n_alias :])
 
-    kind = "paged" if dense else "sparse"
-    outs = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         input_output_aliases=aliases,
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"ragged_{kind}_attention_bq{block_q}_rows{rows}_splits{num_splits}",
+        name=name,
     )(*args)
-    if num_splits == 1:
-        out = outs[0]
-    else:
-        out = merge_splits(outs[0], outs[1]).astype(q.dtype)
-    return out.reshape(num_tokens, num_q_heads, head_dim)
-
-
-def merge_splits(o_parts: jax.Array, lse_parts: jax.Array) -> jax.Array:
-    """Combine split-K partials: ``o_parts [S, N, D]`` (each normalised), ``lse_parts [S, N]`` (base 2,
-    MASK_VALUE where a split saw no key). Rows that no split saw come out as exact zeros."""
-    seen = lse_parts > 0.5 * MASK_VALUE
-    m = jnp.max(jnp.where(seen, lse_parts, MASK_VALUE), axis=0)
-    w = jnp.where(seen, jnp.exp2(lse_parts - m[None]), 0.0)
-    den = jnp.sum(w, axis=0)
-    num = jnp.einsum("sn,snd->nd", w, o_parts, precision=jax.lax.Precision.HIGHEST)
-    return num / jnp.where(den > 0, den, 1.0)[:, None]
 
 
 def union_block_counts(
@@ -604,7 +694,7 @@ def union_block_counts(
         "num_warps",
         "num_stages",
         "backend",
-        "union_lookup",
+        "block_k",
     ),
 )
 def ragged_sparse_attention(
@@ -624,7 +714,7 @@ def ragged_sparse_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     backend: str | None = None,
-    union_lookup: str | None = None,
+    block_k: int | None = None,
 ) -> jax.Array:
     """Ragged block-sparse attention over a paged KV cache (MSA), per token and per KV group.
 
@@ -638,10 +728,10 @@ def ragged_sparse_attention(
       scale: softmax scale (``head_dim ** -0.5`` for M3).
       implementation: ``"pallas"`` (Triton kernel; interpret mode on CPU) or ``"reference"`` (plain jnp).
       interpret: ``None``: interpret mode on CPU, compiled Triton on GPU.
-      block_q, num_splits, num_warps, num_stages: launch overrides; ``None`` asks the per-chip policy
+      block_q, num_splits, num_warps, num_stages, block_k: launch overrides; ``None`` asks the per-chip policy
         (``attention_launch_config``).
       backend: ``"cuda"`` or ``"rocm"`` policy table; ``None`` uses the default device (cuda table off GPU).
-      union_lookup: ``"reduce"`` or ``"scratch"`` (how the walk finds its next union block); ``None``: policy.
+      block_k: keys per step of the walk (a power of 2 dividing the page); ``None``: policy.
 
     Returns:
       ``[T, H_q, D]`` in q's dtype; zeros for padding slots and for tokens without a visible selected key.
@@ -666,7 +756,10 @@ def ragged_sparse_attention(
         num_splits=num_splits,
         num_warps=num_warps,
         num_stages=num_stages,
-        union_lookup=union_lookup,
+        block_k=block_k,
+        page=k_cache.shape[2],
+        head_dim=q.shape[2],
+        itemsize=k_cache.dtype.itemsize,
     )
     return ragged_attention_pallas(
         q,
@@ -693,7 +786,7 @@ def ragged_sparse_attention(
         "num_warps",
         "num_stages",
         "backend",
-        "union_lookup",
+        "block_k",
     ),
 )
 def ragged_sparse_attention_reference(
@@ -713,14 +806,14 @@ def ragged_sparse_attention_reference(
     num_warps: int | None = None,
     num_stages: int | None = None,
     backend: str | None = None,
-    union_lookup: str | None = None,
+    block_k: int | None = None,
 ) -> jax.Array:
     """Plain-jnp reference with ``ragged_sparse_attention``'s signature (launch arguments are ignored).
 
     Gathers each (token, KV group)'s selected pages (``[T, H_kv, topk, page, D]``), masks repeated, ``-1``,
     invisible and future keys, and runs an fp32 softmax. Memory is O(T * H_kv * topk * page * D).
     """
-    del implementation, interpret, block_q, num_splits, num_warps, num_stages, backend, union_lookup
+    del implementation, interpret, block_q, num_splits, num_warps, num_stages, backend, block_k
     check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_indices)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page, _ = k_cache.shape

@@ -51,7 +51,8 @@ def test_kernel_matches_oracle_verify_batch(dtype, page, dim, group, block_q, nu
     rng = np.random.default_rng(hash((dtype, page, dim, group)) % 2**32)
     batch = make_batch(rng, **VERIFY, page=page, dim=dim, kv_heads=2, group=group, dtype=dtype)
     scale = dim**-0.5
-    config = AttentionLaunchConfig(block_q=block_q, num_splits=num_splits, num_warps=4, num_stages=2)
+    config = AttentionLaunchConfig(block_q=block_q, num_splits=num_splits, num_warps=4, num_stages=2,
+                                   block_k=page // 2)
     out = sa.ragged_attention_pallas(
         *args_of(batch, dense=True), None, scale=scale, config=config, interpret=True, poison=True
     )

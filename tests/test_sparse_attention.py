@@ -205,23 +205,23 @@ def test_reference_treats_selection_as_a_set():
 
 
 @pytest.mark.parametrize(
-    "dtype, page, dim, kv_heads, group, topk, block_q, num_splits, lookup",
+    "dtype, page, dim, kv_heads, group, topk, block_q, num_splits, block_k",
     [
-        ("f32", 8, 16, 2, 2, 3, 4, 1, "reduce"),
-        ("f32", 4, 32, 1, 4, 4, 8, 3, "scratch"),
-        ("f32", 16, 16, 2, 3, 2, 1, 2, "reduce"),
-        ("bf16", 8, 32, 2, 4, 3, 8, 1, "scratch"),
-        ("bf16", 16, 16, 2, 2, 4, 2, 4, "reduce"),
+        ("f32", 8, 16, 2, 2, 3, 4, 1, 8),
+        ("f32", 4, 32, 1, 4, 4, 8, 3, 2),
+        ("f32", 16, 16, 2, 3, 2, 1, 2, 4),
+        ("bf16", 8, 32, 2, 4, 3, 8, 1, 4),
+        ("bf16", 16, 16, 2, 2, 4, 2, 4, 16),
     ],
 )
-def test_kernel_matches_reference_verify_batch(dtype, page, dim, kv_heads, group, topk, block_q, num_splits, lookup):
+def test_kernel_matches_reference_verify_batch(dtype, page, dim, kv_heads, group, topk, block_q, num_splits, block_k):
     rng = np.random.default_rng(hash((dtype, page, dim, block_q)) % 2**32)
     batch = make_batch(
         rng, **VERIFY, page=page, dim=dim, kv_heads=kv_heads, group=group, topk=topk, dtype=dtype
     )
     scale = dim**-0.5
     config = AttentionLaunchConfig(
-        block_q=block_q, num_splits=num_splits, num_warps=4, num_stages=2, union_lookup=lookup
+        block_q=block_q, num_splits=num_splits, num_warps=4, num_stages=2, block_k=block_k
     )
     out = sa.ragged_attention_pallas(
         *args_of(batch), scale=scale, config=config, interpret=True, poison=True
@@ -268,7 +268,7 @@ def test_all_padding_batch_is_zero():
     batch = make_batch(rng, q_lens=[0, 0], seq_lens=[0, 0], page=4, dim=16, kv_heads=1, group=2, pad_slots=4,
                        spare_pages=2)
     out = sa.ragged_attention_pallas(
-        *args_of(batch), scale=0.2, config=AttentionLaunchConfig(2, 2, 4, 2), interpret=True, poison=True
+        *args_of(batch), scale=0.2, config=AttentionLaunchConfig(2, 2, 4, 2, 2), interpret=True, poison=True
     )
     assert np.all(np.asarray(out) == 0.0)
 
@@ -324,6 +324,8 @@ def test_launch_policy():
     m3 = dict(num_q_heads=64, num_kv_heads=4, topk=16, dense=False)
     verify = attention_launch_config(backend="cuda", num_tokens=4096, num_requests=512, max_blocks=32, **m3)
     assert (verify.block_q, verify.num_splits, verify.num_warps) == (8, 1, 8)  # 8 tokens x 16 heads = 128 rows
+    # The query tile (32 KiB) plus num_stages double K/V buffers fit the shared-memory budget.
+    assert 32768 + verify.num_stages * 2 * verify.block_k * 128 * 2 <= sa.CHIP_POLICIES["cuda"].smem_bytes
     decode = attention_launch_config(backend="cuda", num_tokens=512, num_requests=512, max_blocks=32, **m3)
     assert (decode.block_q, decode.num_splits) == (1, 1)
     single = attention_launch_config(backend="cuda", num_tokens=8, num_requests=1, max_blocks=256, **m3)
@@ -331,8 +333,8 @@ def test_launch_policy():
     rocm = attention_launch_config(backend="rocm", num_tokens=8, num_requests=1, max_blocks=256, **m3)
     assert rocm.num_warps <= 16 and rocm.num_splits > 1
     override = attention_launch_config(backend="cuda", num_tokens=8, num_requests=1, max_blocks=256, block_q=2,
-                                       num_splits=3, num_warps=2, num_stages=1, **m3)
-    assert override == AttentionLaunchConfig(2, 3, 2, 1, "reduce")
+                                       num_splits=3, num_warps=2, num_stages=1, block_k=32, **m3)
+    assert override == AttentionLaunchConfig(2, 3, 2, 1, 32)
     with pytest.raises(ValueError, match="backend"):
         attention_launch_config(backend="tpu", num_tokens=8, num_requests=1, max_blocks=4, **m3)
 
@@ -355,11 +357,12 @@ def test_bad_inputs_raise_value_errors():
         ragged_sparse_attention(*a, scale=0.1, implementation="cuda")
     with pytest.raises(ValueError, match="block_q"):
         ragged_sparse_attention(*a, scale=0.1, block_q=3)
+    with pytest.raises(ValueError, match="block_k"):
+        ragged_sparse_attention(*a, scale=0.1, block_k=3)
 
 
 @pytest.mark.parametrize("platform", ["cuda", "rocm"])
-@pytest.mark.parametrize("lookup", ["reduce", "scratch"])
-def test_lowers_for_gpu(platform, lookup):
+def test_lowers_for_gpu(platform):
     """Deviceless Triton lowering at M3 TP1 shapes (64/4 heads of 128, topk 16, page 128, bf16)."""
     S = jax.ShapeDtypeStruct
     for num_tokens, num_rows, max_blocks in ((4096, 512, 32), (8, 1, 256)):
@@ -373,5 +376,7 @@ def test_lowers_for_gpu(platform, lookup):
             S((num_tokens, 4, 16), jnp.int32),
         )
         text = lower_for_gpu(ragged_sparse_attention, *shapes, platform=platform, scale=128**-0.5,
-                             interpret=False, backend=platform, union_lookup=lookup)
+                             interpret=False, backend=platform)
         assert "triton" in text.lower() and "ragged_sparse_attention_bq" in text
+        if num_rows == 1:  # split-K: the merge kernel is there too
+            assert "ragged_sparse_attention_merge_splits" in text
