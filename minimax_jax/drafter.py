@@ -936,8 +936,19 @@ def draft_step(graphdef, state, cache: DraftCache, anchors, anchor_positions, te
       :class:`DraftOutput` (``tokens int32[R, K]``, ``probs``, ``confidences``, ``confidence_logits``).
     """
     anchors, anchor_positions = _check_draft_args(_state_dims(state), cache, anchors, anchor_positions, temperature, key)
-    return _draft_jit(graphdef, state, cache, anchors, anchor_positions, jnp.asarray(temperature, jnp.float32),
-                      key, return_probs=return_probs)
+    # one compiled program whatever the caller passes: temperatures f32[R], always a key (greedy without one)
+    r = cache.num_requests
+    temps = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (r,))
+    if key is None:
+        temps, key = jnp.zeros((r,), jnp.float32), _greedy_keys(r)
+    else:
+        key = _normalise_key(key, r)  # [R] typed keys
+    return _draft_jit(graphdef, state, cache, anchors, anchor_positions, temps, key, return_probs=return_probs)
+
+
+@functools.lru_cache(maxsize=8)
+def _greedy_keys(r: int):
+    return jax.random.split(jax.random.key(0), r)
 
 
 def _append_impl(graphdef, state, cache, features, start, num_new):

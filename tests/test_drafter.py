@@ -1,0 +1,368 @@
+"""DSpark drafter: config, attention masking, cache vs from-scratch drafting, Markov sampling order, jit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from minimax_jax.config import ConfigError, MiniMaxM3Config
+from minimax_jax.drafter import (
+    DraftCache,
+    DSparkConfig,
+    _draft_jit,
+    capture_target_features,
+    default_target_layer_ids,
+    draft_attention,
+    draft_attention_reference,
+    init_drafter,
+    validate_target_layer_ids,
+)
+from minimax_jax.model import init_model
+
+# A dense tiny target: the drafter only reads its embeddings, LM head and residual stream, and a dense target
+# initialises twice as fast as the MoE/MSA one.
+TCFG = MiniMaxM3Config.tiny(layer_types=("full_attention",) * 4, mlp_layer_types=("dense",) * 4)
+RNG = np.random.default_rng(0)  # test inputs come from numpy: eager jax.random compiles per shape (slow on CPU)
+
+
+def randn(*shape, scale=1.0):
+    return jnp.asarray(scale * RNG.standard_normal(shape), jnp.float32)
+MASK = 255
+K = 4
+R, CAP = 3, 32  # every test drafts R rows from caches of CAP slots: one compilation per drafter config
+ROWS = jnp.arange(R)
+ZERO = jnp.zeros(R, jnp.int32)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return init_model(TCFG, dtype=jnp.float32, seed=0)
+
+
+def make_cfg(**kw):
+    base = dict(mask_token_id=MASK, block_size=K, num_draft_layers=2, target_layer_ids=(0, 2), markov_rank=8,
+                markov_head_type="rnn", enable_confidence_head=True, confidence_head_with_markov=True)
+    base.update(kw)
+    return DSparkConfig.for_target(TCFG, **base)
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    return init_drafter(make_cfg(), target, seed=1)
+
+
+@pytest.fixture(scope="module")
+def sequences(target, drafter):
+    ids = jnp.asarray(RNG.integers(0, 250, (R, 24)), jnp.int32)
+    return ids, nnx.jit(capture_target_features, static_argnums=2)(target, ids, drafter.cfg.target_layer_ids)
+
+
+# jitted views of the pieces the tests compare (eager op-by-op dispatch is slow on CPU)
+@nnx.jit
+def hidden(d, cache, anchors, pos):
+    return d.block_hidden(cache, anchors, pos)
+
+
+@nnx.jit
+def hidden_reference(d, feats, anchors, pos):
+    return d.block_hidden_reference(feats, anchors, pos)
+
+
+@nnx.jit
+def sample_block(d, h, anchors, temps, key):
+    return d.sample_block(h, anchors, temps, key)
+
+
+@nnx.jit
+def teacher_forced(d, h, prev, temps):
+    """Distributions and confidences recomputed from the drawn tokens (x_{k-1} = prev[:, k])."""
+    logits = d.logits(h)
+    if d.markov_head is not None:
+        logits = logits + d.markov_head.block_bias(prev, h)
+    feats = h
+    if d.cfg.confidence_head_with_markov:
+        feats = jnp.concatenate([h, d.markov_head.embed(prev)], -1)
+    conf = d.confidence_head(feats) if d.confidence_head is not None else None
+    return jax.nn.softmax(logits / temps[:, None, None]), logits.argmax(-1), conf
+
+
+# ----------------------------------------------------------------------------------------------- config
+def test_default_target_layer_ids():
+    assert default_target_layer_ids(60, 5) == (1, 15, 29, 43, 57)
+    assert default_target_layer_ids(36, 3) == (1, 17, 33)
+    assert default_target_layer_ids(4, 1) == (2,)
+    with pytest.raises(ConfigError, match="not strictly increasing|strictly increasing"):
+        default_target_layer_ids(4, 2)  # [1, 1]
+    with pytest.raises(ConfigError, match="last layer 3"):
+        validate_target_layer_ids([1, 3], 4)
+    with pytest.raises(ConfigError, match="strictly increasing"):
+        validate_target_layer_ids([2, 1], 60)
+    assert validate_target_layer_ids([-1, 2], 4) == (-1, 2)
+
+
+def test_config_round_trip_aliases_and_errors():
+    cfg = make_cfg(sts_temperatures=(1.0, 1.5, 2.0, 0.5))
+    assert DSparkConfig.from_pretrained(cfg.to_dict()) == cfg
+    d = cfg.to_dict()
+    for k in ("block_size", "mask_token_id", "target_layer_ids", "markov_rank", "markov_head_type"):
+        d["dspark_" + k.replace("mask", "noise")] = d.pop(k)
+    assert DSparkConfig.from_pretrained(d) == cfg
+    d2 = cfg.to_dict()
+    d2["dspark_block_size"] = 5
+    with pytest.raises(ConfigError, match="disagrees"):
+        DSparkConfig.from_pretrained(d2)
+
+    def broken(**changes):
+        d = cfg.to_dict()
+        for k, v in changes.items():
+            if v is None:
+                d.pop(k)
+            else:
+                d[k] = v
+        return d
+
+    for changes, msg in [
+        (dict(block_size=None), "missing 'block_size'"),
+        (dict(markov_head_type=None), "missing 'markov_head_type'"),
+        (dict(markov_head_type="lstm"), "markov_head_type must be one of"),
+        (dict(confidence_head_with_markov=None), "missing 'confidence_head_with_markov'"),
+        (dict(sts_temperatures=[1.0, 2.0]), "sts_temperatures has 2 entries but block_size is 4"),
+        (dict(target_layer_ids=[1, 3]), "last layer 3"),
+        (dict(layer_types=["sliding_attention"] * 2), "layer_types\\[0\\]='sliding_attention'"),
+        (dict(mask_token_id=256), "mask_token_id \\(256\\) is outside the vocabulary"),
+        (dict(num_hidden_layers=None), "num_hidden_layers"),
+    ]:
+        with pytest.raises(ConfigError, match=msg):
+            DSparkConfig.from_pretrained(broken(**changes))
+    with pytest.raises(ConfigError, match="confidence_head_with_markov is true but markov_rank is 0"):
+        make_cfg(markov_rank=0)
+    with pytest.raises(ConfigError) as e:
+        cfg.check_compatible(TCFG.replace(hidden_size=96, vocab_size=512))
+    assert "hidden_size 64 != target hidden_size 96" in str(e.value)
+    assert "vocab_size 256 != target vocab_size 512" in str(e.value)
+
+
+# ----------------------------------------------------------------------------------------------- attention
+def naive_block_attention(q, k_ctx, v_ctx, visible, k_blk, v_blk, scale):
+    """Loops over rows, slots and heads; keys = visible context then the whole block."""
+    q, k_ctx, v_ctx, k_blk, v_blk = (np.asarray(a, np.float64) for a in (q, k_ctx, v_ctx, k_blk, v_blk))
+    visible = np.broadcast_to(np.asarray(visible), (q.shape[0], q.shape[1], k_ctx.shape[1]))
+    r_n, kq, h_n, _ = q.shape
+    group = h_n // k_ctx.shape[2]
+    out = np.zeros_like(q)
+    for r in range(r_n):
+        for i in range(kq):
+            for h in range(h_n):
+                g = h // group
+                keys = [k_ctx[r, j, g] for j in range(k_ctx.shape[1]) if visible[r, i, j]] + list(k_blk[r, :, g])
+                vals = [v_ctx[r, j, g] for j in range(k_ctx.shape[1]) if visible[r, i, j]] + list(v_blk[r, :, g])
+                s = np.array([q[r, i, h] @ kk for kk in keys]) * scale
+                p = np.exp(s - s.max())
+                out[r, i, h] = (p / p.sum()) @ np.array(vals)
+    return out
+
+
+def test_draft_attention_against_naive_reference():
+    r, kq, h, g, d, s = 3, K, 4, 2, 16, 11
+    q = randn(r, kq, h, d)
+    k_ctx, v_ctx = randn(r, s, g, d), randn(r, s, g, d)
+    k_blk, v_blk = randn(r, kq, g, d), randn(r, kq, g, d)
+    ends = jnp.array([7, 11, 0])  # row 2 is a padding row: no context at all
+    visible = (jnp.arange(s)[None] < ends[:, None])[:, None, :]
+    want = naive_block_attention(q, k_ctx, v_ctx, visible, k_blk, v_blk, d ** -0.5)
+    attn = jax.jit(draft_attention, static_argnames="scale")
+    for fn in (attn, jax.jit(draft_attention_reference, static_argnames="scale")):
+        got = np.asarray(fn(q, k_ctx, v_ctx, visible, k_blk, v_blk, scale=d ** -0.5))
+        assert np.all(np.isfinite(got))
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    # per-slot visibility [R, K, S] also works
+    vis_k = jnp.asarray(RNG.random((r, kq, s)) < 0.5)
+    np.testing.assert_allclose(np.asarray(attn(q, k_ctx, v_ctx, vis_k, k_blk, v_blk, scale=0.25)),
+                               naive_block_attention(q, k_ctx, v_ctx, vis_k, k_blk, v_blk, 0.25), atol=2e-5)
+    # bidirectional inside the block: the LAST block key changes the FIRST slot's output
+    out = attn(q, k_ctx, v_ctx, visible, k_blk, v_blk, scale=0.25)
+    v_blk2 = v_blk.at[:, -1].add(1.0)
+    out2 = attn(q, k_ctx, v_ctx, visible, k_blk, v_blk2, scale=0.25)
+    assert np.all(np.abs(np.asarray(out2 - out)[:, 0]).max(axis=(-1, -2)) > 1e-3)
+
+
+def test_context_strictly_before_anchor(drafter, sequences):
+    """Entries at and after the anchor position (even if the cache holds them) are invisible."""
+    ids, feats = sequences
+    garbage = randn(*feats.shape, scale=5.0)
+    anchor_pos = jnp.array([9, 14, 1])
+    anchors = ids[ROWS, anchor_pos]
+    clean = drafter.append_context(drafter.init_cache(R, CAP), feats, ZERO, anchor_pos)
+    # the same context, then garbage written at the anchor position and beyond, lengths past the anchor
+    dirty = drafter.append_context(clean, garbage, anchor_pos, jnp.array([6, 3, 5]))
+    assert dirty.lengths.tolist() == [15, 17, 6]
+    h_clean = hidden(drafter, clean, anchors, anchor_pos)
+    h_dirty = hidden(drafter, dirty, anchors, anchor_pos)
+    np.testing.assert_allclose(np.asarray(h_dirty), np.asarray(h_clean), atol=1e-6)
+    # but the last entry before the anchor does matter
+    h_shift = hidden(drafter, clean, anchors, anchor_pos - 1)
+    assert np.all(np.abs(np.asarray(h_shift - h_clean)).max(axis=(1, 2)) > 1e-4)
+
+
+# ----------------------------------------------------------------------------------------------- cache
+def test_cached_draft_equals_from_scratch(drafter, sequences):
+    """Context built by a padded prefill, a rejected-drafts append, a packed rollback/append; a padding row."""
+    ids, feats = sequences
+    feats = feats.at[2].set(0.0)  # row 2: padding row (no context, anchor position 0)
+    cache = drafter.init_cache(R, CAP)
+    cache = drafter.append_context(cache, feats[:, :8], ZERO, jnp.array([8, 5, 0]))
+    junk = randn(R, 4, feats.shape[-1])
+    cache = drafter.append_context(cache, junk, jnp.array([8, 5, 0]), jnp.array([4, 4, 0]))  # later rejected
+    # verify-style packed write: row 0 has 7 packed tokens of which 5 are kept, row 1 has 4 (2 kept)
+    packed = jnp.concatenate([feats[0, 8:15], feats[1, 5:7], junk[1, :2]])
+    qsl = jnp.array([0, 7, 11, 11], jnp.int32)
+    cache = drafter.append_context_packed(cache, packed, qsl, jnp.array([8, 5, 0]), jnp.array([5, 2, 0]))
+    assert cache.lengths.tolist() == [13, 7, 0]
+
+    anchor_pos = jnp.array([13, 7, 0])
+    anchors = jnp.array([ids[0, 13], ids[1, 7], 17])
+    h = hidden(drafter, cache, anchors, anchor_pos)
+    h_ref = hidden_reference(drafter, feats, anchors, anchor_pos)
+    np.testing.assert_allclose(np.asarray(h), np.asarray(h_ref), atol=2e-5, rtol=2e-5)
+
+    key = jax.random.key(7)
+    temps = jnp.array([0.0, 0.9, 1.3])
+    out = drafter.draft(cache, anchors, anchor_pos, temperature=temps, key=key)
+    ref = sample_block(drafter, h_ref, anchors, temps, key)
+    assert out.tokens.shape == (R, K) and out.tokens.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    np.testing.assert_allclose(np.asarray(out.probs), np.asarray(ref.probs), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out.confidences), np.asarray(ref.confidences), atol=1e-5)
+    for a in (out.probs, out.confidences, out.confidence_logits):
+        assert np.all(np.isfinite(np.asarray(a)))
+    np.testing.assert_allclose(np.asarray(out.probs.sum(-1)), 1.0, atol=1e-5)
+    # greedy row: one-hot distributions at the argmax tokens
+    np.testing.assert_array_equal(np.asarray(out.probs[0].argmax(-1)), np.asarray(out.tokens[0]))
+    assert float(out.probs[0].max(-1).min()) == 1.0
+
+    # DraftCache.rollback only shrinks
+    assert cache.rollback(jnp.array([10, 20, 0])).lengths.tolist() == [10, 7, 0]
+
+
+def test_append_and_draft_argument_errors(drafter, sequences):
+    _, feats = sequences
+    cache = drafter.init_cache(R, 16)
+    with pytest.raises(ValueError, match="row 1: start \\+ num_new = 17 exceeds the cache capacity 16"):
+        drafter.append_context(cache, feats, jnp.array([0, 10, 0]), jnp.array([5, 7, 0]))
+    with pytest.raises(ValueError, match="features must be"):
+        drafter.append_context(cache, feats[..., :64], ZERO, jnp.array([1, 1, 1]))
+    with pytest.raises(ValueError, match="num_new \\(30\\) exceeds the 24 feature rows"):
+        drafter.append_context(cache, feats, ZERO, jnp.array([1, 30, 0]))
+    with pytest.raises(ValueError, match="anchors must be int32\\[R\\] with R = cache.num_requests = 3"):
+        drafter.draft(cache, jnp.array([1, 2]), ZERO)
+    with pytest.raises(ValueError, match="needs a PRNG key"):
+        drafter.draft(cache, jnp.array([1, 2, 3]), ZERO, temperature=0.5)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        drafter.draft(cache, jnp.array([1, 999, 3]), ZERO)
+    with pytest.raises(ValueError, match="cache must be a DraftCache"):
+        drafter.draft(DraftCache.create(make_cfg(num_draft_layers=1), R, 16), jnp.array([1, 2, 3]), ZERO)
+
+
+def test_draft_compiles_once_per_shape(drafter, sequences):
+    ids, feats = sequences
+    cache = drafter.append_context(drafter.init_cache(R, CAP), feats, ZERO, jnp.array([5, 11, 20]))
+    sizes = []
+    for pos in ([5, 11, 20], [3, 8, 0]):
+        pos = jnp.array(pos)
+        out = drafter.draft(cache.rollback(pos), ids[ROWS, pos], pos, return_probs=False,
+                            temperature=jnp.array([0.0, 1.0, 0.5]), key=jax.random.key(1))
+        sizes.append(_draft_jit._cache_size())
+        assert out.probs is None and out.tokens.shape == (R, K)
+    assert sizes[1] == sizes[0]  # new values, same shapes: no new compilation
+
+
+# ----------------------------------------------------------------------------------------------- Markov head
+def check_teacher_forced(d, cache, anchors, pos, temps, key):
+    """Each slot's returned distribution is softmax((U_k + B_k(x_{k-1})) / T) with x_{k-1} the DRAWN token, and
+    the confidences use the same x_{k-1}; greedy tokens are the argmax of the same logits."""
+    out = d.draft(cache, anchors, pos, temperature=temps, key=key)
+    h = hidden(d, cache, anchors, pos)
+    prev = jnp.concatenate([anchors[:, None], out.tokens[:, :-1]], axis=1)
+    probs, _, conf = teacher_forced(d, h, prev, temps)
+    np.testing.assert_allclose(np.asarray(out.probs), np.asarray(probs), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out.confidence_logits), np.asarray(conf), atol=1e-5)
+    g = d.draft(cache, anchors, pos)
+    prev_g = jnp.concatenate([anchors[:, None], g.tokens[:, :-1]], axis=1)
+    _, argmax, _ = teacher_forced(d, h, prev_g, temps)
+    np.testing.assert_array_equal(np.asarray(g.tokens), np.asarray(argmax))
+    return out
+
+
+def test_markov_slot_depends_on_previous_draw(target, sequences):
+    """W1 = identity (rank = V), W2 maps x -> f(x) = (3x + 7) mod V: drafts must follow f from the anchor on."""
+    ids, feats = sequences
+    v = TCFG.vocab_size
+    d = init_drafter(make_cfg(markov_rank=v, markov_head_type="vanilla", num_draft_layers=1), target, seed=3)
+    f = (3 * np.arange(v) + 7) % v
+    perm = np.zeros((v, v), np.float32)
+    perm[np.arange(v), f] = 1.0
+    d.markov_head.markov_w1[...] = jnp.eye(v, dtype=jnp.float32)
+    pos = jnp.array([6, 12, 20])
+    anchors = jnp.array([5, 254, 100])
+    cache = d.append_context(d.init_cache(R, CAP), feats, ZERO, pos)
+    # a moderate Markov term: tokens are random, and the distributions follow the drawn tokens
+    d.markov_head.markov_w2.kernel[...] = jnp.asarray(3.0 * perm)
+    check_teacher_forced(d, cache, anchors, pos, jnp.array([1.0, 0.8, 1.2]), jax.random.key(4))
+    # a dominant one: the draws are a deterministic chain x_k = f(x_{k-1}), greedy or sampled
+    d.markov_head.markov_w2.kernel[...] = jnp.asarray(200.0 * perm)
+    want = np.zeros((R, K), np.int64)
+    prev = np.asarray(anchors)
+    for k in range(K):
+        prev = f[prev]
+        want[:, k] = prev
+    np.testing.assert_array_equal(np.asarray(d.draft(cache, anchors, pos).tokens), want)
+    sampled = d.draft(cache, anchors, pos, temperature=1.0, key=jax.random.key(11))
+    np.testing.assert_array_equal(np.asarray(sampled.tokens), want)
+
+
+@pytest.mark.parametrize("kind", ["gated", "rnn"])
+def test_draft_distribution_is_teacher_forced_markov(target, drafter, sequences, kind):
+    ids, feats = sequences
+    # rnn: the module's drafter (2 layers); gated: a fresh one-layer drafter
+    d = nnx.clone(drafter) if kind == "rnn" else init_drafter(make_cfg(markov_head_type=kind, num_draft_layers=1),
+                                                              target, seed=4)
+    assert d.markov_head.kind == kind
+    # make the Markov term strong enough that a wrong previous token would show
+    d.markov_head.markov_w1[...] = randn(*d.markov_head.markov_w1.shape, scale=3.0)
+    d.markov_head.markov_w2.kernel[...] = randn(*d.markov_head.markov_w2.kernel.shape)
+    pos = jnp.array([10, 17, 3])
+    cache = d.append_context(d.init_cache(R, CAP), feats, ZERO, pos)
+    anchors = ids[ROWS, pos]
+    check_teacher_forced(d, cache, anchors, pos, jnp.array([0.7, 1.0, 1.5]), jax.random.key(3))
+    if kind == "gated":
+        return
+    # per-row keys work too (typed or raw), and sampling is deterministic in the key
+    keys = jax.random.split(jax.random.key(9), R)
+    a = d.draft(cache, anchors, pos, temperature=1.0, key=keys)
+    b = d.draft(cache, anchors, pos, temperature=1.0, key=jax.random.key_data(keys))
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+
+
+def test_heads_off_and_sts(target, sequences):
+    ids, feats = sequences
+    pos = jnp.array([10, 17, 3])
+    anchors = ids[ROWS, pos]
+    plain = init_drafter(make_cfg(markov_rank=0, confidence_head_with_markov=False, num_draft_layers=1), target)
+    assert plain.markov_head is None
+    cache = plain.append_context(plain.init_cache(R, CAP), feats, ZERO, pos)
+    temps = jnp.array([0.5, 2.0, 1.0])
+    out = check_teacher_forced(plain, cache, anchors, pos, temps, jax.random.key(0))
+    sts = (0.5, 1.0, 2.0, 4.0)
+    plain.set_sts_temperatures(sts)
+    assert plain.cfg.sts_temperatures == sts
+    out_sts = plain.draft(cache, anchors, pos, temperature=temps, key=jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(out_sts.tokens), np.asarray(out.tokens))
+    np.testing.assert_allclose(np.asarray(out_sts.confidences),
+                               np.asarray(jax.nn.sigmoid(out.confidence_logits / jnp.array(sts))), atol=1e-6)
+    d2 = nnx.clone(plain)
+    d2.cfg, d2.confidence_head = plain.cfg.replace(enable_confidence_head=False, sts_temperatures=None), None
+    assert not d2.has_confidence_head
+    h = hidden(plain, cache, anchors, pos)
+    out2 = sample_block(d2, h, anchors, temps, jax.random.key(0))
+    assert out2.confidences is None and out2.confidence_logits is None and out2.tokens.shape == (R, K)
