@@ -15,3 +15,10 @@ __all__ = [
     "restore_checkpoint",
     "save_checkpoint",
 ]
+
+# DSpark drafter (issue 5)
+from minimax_jax.drafter import DraftCache, DraftOutput, DSparkConfig, DSparkDrafter, init_drafter  # noqa: E402
+from minimax_jax.drafter_checkpoint import load_drafter, save_drafter  # noqa: E402
+
+__all__ += ["DSparkConfig", "DSparkDrafter", "DraftCache", "DraftOutput", "init_drafter", "load_drafter",
+            "save_drafter"]
