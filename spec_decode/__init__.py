@@ -1,0 +1,64 @@
+"""Speculative decoding with adaptive verification (SPEC sections 7 and 8).
+
+Pure pieces, each in its own module:
+
+* :mod:`spec_decode.allocator`: ``allocate_drafts`` (device): caps per request from the global top-B survival.
+* :mod:`spec_decode.budget`: ``choose_budget`` (host): B maximising expected tokens per second of step time.
+* :mod:`spec_decode.cost_table`: profiled, monotone step-cost tables saved as ``cost_table.json``.
+* :mod:`spec_decode.estimator`: online acceptance estimator for drafters without a confidence head.
+* :mod:`spec_decode.rejection`: lossless greedy/stochastic rejection sampling over a ragged verify batch.
+"""
+
+from spec_decode.allocator import allocate_drafts, survival
+from spec_decode.budget import budget_values, choose_budget
+from spec_decode.cost_table import (
+    COST_TABLE_FILENAME,
+    CostTable,
+    load_cost_table,
+    profile_cost_table,
+    save_cost_table,
+)
+from spec_decode.estimator import (
+    EstimatorState,
+    confidence_feature,
+    confidence_feature_from_logits,
+    init_estimator,
+)
+from spec_decode.estimator import predict as predict_acceptance
+from spec_decode.estimator import update as update_estimator
+from spec_decode.rejection import (
+    STREAM_ACCEPT,
+    STREAM_DRAFT,
+    STREAM_RESAMPLE,
+    RejectionOutput,
+    rejection_sample,
+    rejection_sample_packed,
+    sample_tokens,
+    sampling_key,
+)
+
+__all__ = [
+    "COST_TABLE_FILENAME",
+    "STREAM_ACCEPT",
+    "STREAM_DRAFT",
+    "STREAM_RESAMPLE",
+    "CostTable",
+    "EstimatorState",
+    "RejectionOutput",
+    "allocate_drafts",
+    "budget_values",
+    "choose_budget",
+    "confidence_feature",
+    "confidence_feature_from_logits",
+    "init_estimator",
+    "load_cost_table",
+    "predict_acceptance",
+    "profile_cost_table",
+    "rejection_sample",
+    "rejection_sample_packed",
+    "sample_tokens",
+    "sampling_key",
+    "save_cost_table",
+    "survival",
+    "update_estimator",
+]

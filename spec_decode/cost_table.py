@@ -16,6 +16,7 @@ The table is saved as ``cost_table.json`` next to the model (:func:`save_cost_ta
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import numbers
@@ -42,7 +43,9 @@ COST_TABLE_FILENAME = "cost_table.json"
 _FORMAT_VERSION = 1
 
 
-def _normalise(name: str, buckets: Sequence[int], seconds: Sequence[float]) -> tuple[tuple[int, ...], tuple[float, ...]]:
+def _normalise(
+    name: str, buckets: Sequence[int], seconds: Sequence[float]
+) -> tuple[tuple[int, ...], tuple[float, ...]]:
     """Sort by bucket, validate, and apply the running max."""
     if len(buckets) != len(seconds):
         raise ValueError(f"{name}: {len(buckets)} buckets but {len(seconds)} timings")
@@ -55,7 +58,7 @@ def _normalise(name: str, buckets: Sequence[int], seconds: Sequence[float]) -> t
             raise ValueError(f"{name}: timings must be finite and >= 0, got {s!r} for bucket {b}")
         pairs.append((int(b), s))
     pairs.sort()
-    for (b0, _), (b1, _) in zip(pairs, pairs[1:]):
+    for (b0, _), (b1, _) in itertools.pairwise(pairs):
         if b0 == b1:
             raise ValueError(f"{name}: duplicate bucket {b0}")
     out_b, out_s, running = [], [], 0.0
@@ -113,12 +116,10 @@ class CostTable:
         draft: Mapping[int, float] | None = None,
         *,
         metadata: Mapping[str, Any] | None = None,
-    ) -> "CostTable":
+    ) -> CostTable:
         """Build from ``{bucket: seconds}`` mappings."""
         draft = draft or {}
-        return cls(
-            tuple(verify), tuple(verify.values()), tuple(draft), tuple(draft.values()), metadata or {}
-        )
+        return cls(tuple(verify), tuple(verify.values()), tuple(draft), tuple(draft.values()), metadata or {})
 
     def verify_cost(self, num_tokens: int) -> float:
         """Seconds of a verify step over ``num_tokens`` packed tokens."""
@@ -150,12 +151,14 @@ class CostTable:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "CostTable":
+    def from_dict(cls, data: Mapping[str, Any]) -> CostTable:
         if not isinstance(data, Mapping) or "verify" not in data:
             raise ValueError("cost table data must be a mapping with a 'verify' entry")
         version = data.get("format_version", _FORMAT_VERSION)
         if version != _FORMAT_VERSION:
-            raise ValueError(f"unsupported cost table format_version {version!r} (expected {_FORMAT_VERSION})")
+            raise ValueError(
+                f"unsupported cost table format_version {version!r} (expected {_FORMAT_VERSION})"
+            )
         verify = {int(k): float(v) for k, v in data["verify"].items()}
         draft = {int(k): float(v) for k, v in data.get("draft", {}).items()}
         return cls.from_measurements(verify, draft, metadata=data.get("metadata", {}))
@@ -165,7 +168,7 @@ class CostTable:
         return save_cost_table(self, path)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "CostTable | None":
+    def load(cls, path: str | os.PathLike) -> CostTable | None:
         """See :func:`load_cost_table`."""
         return load_cost_table(path)
 
@@ -241,8 +244,10 @@ def profile_cost_table(
             if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1:
                 raise ValueError(f"{name}: buckets must be positive integers, got {b!r}")
             if not callable(fn):
-                raise ValueError(f"{name}[{b}] is not callable")
-    verify = {int(b): time_callable(fn, repeats=repeats, warmup=warmup) for b, fn in sorted(verify_fns.items())}
+                raise ValueError(f"{name}[{b}] is not callable")  # noqa: TRY004 (bad input: ValueError)
+    verify = {
+        int(b): time_callable(fn, repeats=repeats, warmup=warmup) for b, fn in sorted(verify_fns.items())
+    }
     draft = {int(b): time_callable(fn, repeats=repeats, warmup=warmup) for b, fn in sorted(draft_fns.items())}
     dev = jax.devices()[0]
     meta = {

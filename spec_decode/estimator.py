@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 
 __all__ = [
-    "EstimatorState",
     "FEATURE_CLAMP",
+    "EstimatorState",
     "censored_labels",
     "confidence_feature",
     "confidence_feature_from_logits",

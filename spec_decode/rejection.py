@@ -33,13 +33,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.metadata import query_lens
+from pallas_kernels.metadata import query_lens, token_to_request
 
 __all__ = [
-    "RejectionOutput",
     "STREAM_ACCEPT",
     "STREAM_DRAFT",
     "STREAM_RESAMPLE",
+    "RejectionOutput",
     "rejection_sample",
     "rejection_sample_packed",
     "sample_tokens",
@@ -75,95 +75,146 @@ def _categorical(keys: jax.Array, logits: jax.Array) -> jax.Array:
     return jax.vmap(lambda k, lg: jax.random.categorical(k, lg))(keys, logits).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("temperature", "inputs_are_probs"))
+def _greedy(top: jax.Array, drafts: jax.Array, in_verified: jax.Array):
+    """Greedy rule on ``top [R, K+1]`` (argmax of each verify row): (num_accepted [R], final token [R])."""
+    k = drafts.shape[1]
+    ok = (drafts == top[:, :k]) & in_verified
+    num_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    return num_acc, jnp.take_along_axis(top, num_acc[:, None], axis=1)[:, 0]
+
+
+def _stochastic(
+    flat, rows, nv, in_verified, drafts, draft_probs, seeds, positions, req_t, flat_t, inputs_are_probs
+):
+    """Rejection sampling proper: (num_accepted [R], final token [R]). ``req_t [R]``, ``flat_t [N]`` > 0."""
+    vocab = flat.shape[1]
+    r, k = drafts.shape
+    steps = jnp.arange(k + 1, dtype=jnp.int32)
+    draft_rows = rows[:, :k]  # [R, K]
+    safe_x = jnp.clip(drafts, 0, vocab - 1)
+    picked = flat[draft_rows, safe_x].astype(jnp.float32)  # [R, K]
+    if inputs_are_probs:
+        p_t = picked
+    else:
+        lse = jax.nn.logsumexp(flat.astype(jnp.float32) / flat_t[:, None], axis=-1)  # [N]
+        p_t = jnp.exp(picked / req_t[:, None] - lse[draft_rows])
+    p_d = jnp.take_along_axis(draft_probs, safe_x[:, :, None], axis=2)[:, :, 0].astype(jnp.float32)
+    # Keys of both streams at every position s+1..s+K+1, derived in one batch (fewer inlined hashes): the accept
+    # test of draft k uses (s+1+k, ACCEPT); the emitted token, known only afterwards, (s+1+a, RESAMPLE).
+    pos_all = positions[:, None] + 1 + steps[None, :]  # [R, K+1]
+    pos_both = jnp.concatenate([pos_all, pos_all], axis=1)  # [R, 2K+2]
+    stream_both = jnp.concatenate(
+        [jnp.full_like(pos_all, STREAM_ACCEPT), jnp.full_like(pos_all, STREAM_RESAMPLE)], axis=1
+    )
+    keys = _keys(seeds, pos_both, stream_both)
+    accept_keys, resample_keys = keys[:, : k + 1], keys[:, k + 1 :]  # [R, K+1] each
+    u = jax.vmap(jax.vmap(lambda kk: jax.random.uniform(kk, (), jnp.float32)))(accept_keys[:, :k])
+    ok = (u * p_d < p_t) & in_verified
+    num_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+    # The emitted token's row: the residual after a rejection, the bonus row when everything was accepted.
+    final_row = flat[jnp.take_along_axis(rows, num_acc[:, None], axis=1)[:, 0]].astype(jnp.float32)  # [R, V]
+    if inputs_are_probs:
+        target = final_row / jnp.maximum(jnp.sum(final_row, axis=-1, keepdims=True), 1e-30)
+    else:
+        target = jax.nn.softmax(final_row / req_t[:, None], axis=-1)
+    if k > 0:
+        d_row = jnp.take_along_axis(draft_probs, jnp.minimum(num_acc, k - 1)[:, None, None], axis=1)[:, 0]
+        d_row = d_row.astype(jnp.float32)  # [R, V]
+    else:
+        d_row = jnp.zeros_like(target)
+    rejected = num_acc < nv
+    residual = jnp.maximum(target - d_row, 0.0)
+    usable = jnp.sum(residual, axis=-1) > 0.0  # p_t == p_d exactly: a rejection has probability 0
+    dist = jnp.where((rejected & usable)[:, None], residual, target)
+    logp = jnp.where(dist > 0.0, jnp.log(jnp.where(dist > 0.0, dist, 1.0)), -jnp.inf)
+    final = _categorical(resample_keys[jnp.arange(r), num_acc], logp)  # at position s + 1 + num_accepted
+    return num_acc, final
+
+
+@functools.partial(jax.jit, static_argnames=("mode", "inputs_are_probs"))
 def _core(
-    flat: jax.Array,  # [N, V]   target logits (or probabilities) rows
-    row_start: jax.Array,  # [R]      row of request r's verify row 0 in `flat`
-    num_verified: jax.Array,  # [R]      verified drafts per request
-    valid: jax.Array,  # [R]      False for padding rows
+    flat: jax.Array,  # [N, V]      target logits (or probabilities) rows
+    row_start: jax.Array,  # [R]         row of request r's verify row 0 in `flat`
+    num_verified: jax.Array,  # [R]         verified drafts per request
+    valid: jax.Array,  # [R]         False for padding rows
     draft_tokens: jax.Array,  # [R, K]
-    draft_probs: jax.Array | None,  # [R, K, V] (stochastic only)
+    draft_probs: jax.Array | None,  # [R, K, V]   (not read when greedy)
     seeds: jax.Array,  # [R]
-    positions: jax.Array,  # [R]      absolute position of the anchor
-    temperature: float,
+    positions: jax.Array,  # [R]         absolute position of the anchor
+    req_t: jax.Array,  # [R]         temperature per request (<= 0: greedy)
+    flat_t: jax.Array,  # [N]         temperature of each row of `flat`
+    *,
+    mode: str,  # "greedy" | "sample" | "mixed" (per-request choice)
     inputs_are_probs: bool,
 ) -> RejectionOutput:
-    n_rows, vocab = flat.shape
+    n_rows = flat.shape[0]
     r, k = draft_tokens.shape
-    nv = jnp.where(valid, jnp.clip(num_verified.astype(jnp.int32), 0, k), 0)  # [R]
+    nv = jnp.where(valid, jnp.clip(num_verified, 0, k), 0)  # [R]
     steps = jnp.arange(k + 1, dtype=jnp.int32)
     rows = jnp.clip(row_start[:, None] + jnp.minimum(steps[None, :], nv[:, None]), 0, n_rows - 1)  # [R, K+1]
-    drafts = draft_tokens.astype(jnp.int32)
     in_verified = steps[None, :k] < nv[:, None]  # [R, K]
 
-    if temperature == 0.0:
-        target_top = jnp.argmax(flat, axis=-1).astype(jnp.int32)  # [N]
-        top = target_top[rows]  # [R, K+1]
-        ok = (drafts == top[:, :k]) & in_verified
-        num_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
-        final = jnp.take_along_axis(top, num_acc[:, None], axis=1)[:, 0]
-    else:
-        draft_rows = rows[:, :k]  # [R, K]
-        safe_x = jnp.clip(drafts, 0, vocab - 1)
-        picked = flat[draft_rows, safe_x].astype(jnp.float32)  # [R, K]
-        if inputs_are_probs:
-            p_t = picked
-        else:
-            lse = jax.nn.logsumexp(flat.astype(jnp.float32) / temperature, axis=-1)  # [N]
-            p_t = jnp.exp(picked / temperature - lse[draft_rows])
-        p_d = jnp.take_along_axis(draft_probs, safe_x[:, :, None], axis=2)[:, :, 0].astype(jnp.float32)
-        # Keys of both streams at every position s+1..s+K+1, derived in one batch (fewer inlined hashes): the
-        # accept test of draft k uses (s+1+k, ACCEPT); the emitted token, known only afterwards, (s+1+a, RESAMPLE).
-        pos_all = positions[:, None].astype(jnp.int32) + 1 + steps[None, :]  # [R, K+1]
-        pos_both = jnp.concatenate([pos_all, pos_all], axis=1)  # [R, 2K+2]
-        stream_both = jnp.concatenate(
-            [jnp.full_like(pos_all, STREAM_ACCEPT), jnp.full_like(pos_all, STREAM_RESAMPLE)], axis=1
+    if mode in ("greedy", "mixed"):
+        top = jnp.argmax(flat, axis=-1).astype(jnp.int32)[rows]  # [R, K+1]
+        num_acc, final = _greedy(top, draft_tokens, in_verified)
+    if mode in ("sample", "mixed"):
+        greedy_row = req_t <= 0.0
+        safe_req = jnp.where(greedy_row, 1.0, req_t)
+        safe_flat = jnp.where(flat_t <= 0.0, 1.0, flat_t)
+        s_acc, s_final = _stochastic(
+            flat,
+            rows,
+            nv,
+            in_verified,
+            draft_tokens,
+            draft_probs,
+            seeds,
+            positions,
+            safe_req,
+            safe_flat,
+            inputs_are_probs,
         )
-        keys = _keys(seeds, pos_both, stream_both)
-        accept_keys, resample_keys = keys[:, : k + 1], keys[:, k + 1 :]  # [R, K+1] each
-        u = jax.vmap(jax.vmap(lambda kk: jax.random.uniform(kk, (), jnp.float32)))(accept_keys[:, :k])
-        ok = (u * p_d < p_t) & in_verified
-        num_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
-
-        # The emitted token's row: residual after a rejection, the bonus row when everything was accepted.
-        final_row = flat[jnp.take_along_axis(rows, num_acc[:, None], axis=1)[:, 0]].astype(jnp.float32)  # [R, V]
-        if inputs_are_probs:
-            target = final_row / jnp.maximum(jnp.sum(final_row, axis=-1, keepdims=True), 1e-30)
+        if mode == "mixed":
+            num_acc, final = jnp.where(greedy_row, num_acc, s_acc), jnp.where(greedy_row, final, s_final)
         else:
-            target = jax.nn.softmax(final_row / temperature, axis=-1)
-        if k > 0:
-            d_row = jnp.take_along_axis(
-                draft_probs, jnp.minimum(num_acc, k - 1)[:, None, None], axis=1
-            )[:, 0].astype(jnp.float32)  # [R, V]
-        else:
-            d_row = jnp.zeros_like(target)
-        rejected = num_acc < nv
-        residual = jnp.maximum(target - d_row, 0.0)
-        usable = jnp.sum(residual, axis=-1) > 0.0  # p_t == p_d exactly: a rejection has probability 0
-        dist = jnp.where((rejected & usable)[:, None], residual, target)
-        logp = jnp.where(dist > 0.0, jnp.log(jnp.where(dist > 0.0, dist, 1.0)), -jnp.inf)
-        final = _categorical(resample_keys[jnp.arange(r), num_acc], logp)  # position s + 1 + num_accepted
+            num_acc, final = s_acc, s_final
 
     num_acc = jnp.where(valid, num_acc, 0)
-    out = jnp.where(steps[None, :k] < num_acc[:, None], drafts, -1)
+    out = jnp.where(steps[None, :k] < num_acc[:, None], draft_tokens, -1)
     out = jnp.concatenate([out, jnp.full((r, 1), -1, jnp.int32)], axis=1)  # [R, K+1]
     out = jnp.where((steps[None, :] == num_acc[:, None]) & valid[:, None], final[:, None], out)
     return RejectionOutput(num_acc, out, jnp.where(valid, num_acc + 1, 0).astype(jnp.int32))
 
 
-def _probs_arg(draft_probs, temperature):
+def _temperatures(temperature, r: int):
+    """(mode, per-request temperatures f32[R]) from a Python number (static) or a traced scalar / ``[R]`` array."""
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        mode = "greedy" if temperature == 0 else "sample"
+        return mode, jnp.full((r,), float(temperature), jnp.float32)
+    t = jnp.asarray(temperature, jnp.float32)
+    if t.ndim == 0:
+        t = jnp.broadcast_to(t, (r,))
+    if t.shape != (r,):
+        raise ValueError(f"temperature must be a number, a scalar or f32[R={r}], got shape {t.shape}")
+    return "mixed", t
+
+
+def _probs_arg(draft_probs, mode):
     """Greedy never reads the draft distributions: drop them so both call forms share one compilation."""
-    return None if temperature == 0 else draft_probs
+    return None if mode == "greedy" else draft_probs
 
 
-def _check_common(name, r, k, vocab, draft_tokens, draft_probs, seeds, positions, row_mask, temperature):
+def _check_common(name, r, k, vocab, draft_tokens, draft_probs, seeds, positions, row_mask, mode):
     if draft_tokens.shape != (r, k):
-        raise ValueError(f"draft_tokens must be int32[R={r}, K={k}] to match {name}, got {draft_tokens.shape}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if temperature > 0:
+        raise ValueError(
+            f"draft_tokens must be int32[R={r}, K={k}] to match {name}, got {draft_tokens.shape}"
+        )
+    if mode != "greedy":
         if draft_probs is None:
-            raise ValueError("draft_probs f32[R, K, V] is required when temperature > 0")
+            raise ValueError("draft_probs f32[R, K, V] is required unless temperature == 0")
         if draft_probs.shape != (r, k, vocab):
             raise ValueError(f"draft_probs must be f32[R={r}, K={k}, V={vocab}], got {draft_probs.shape}")
     for arg, val in (("seeds", seeds), ("positions", positions)):
@@ -181,7 +232,7 @@ def rejection_sample(
     seeds: jax.Array,
     positions: jax.Array,
     *,
-    temperature: float,
+    temperature: float | jax.Array,
     row_mask: jax.Array | None = None,
     inputs_are_probs: bool = False,
 ) -> RejectionOutput:
@@ -192,35 +243,44 @@ def rejection_sample(
         (logits, or probabilities when ``inputs_are_probs``); rows beyond ``num_verified[r]`` are ignored.
       draft_tokens: ``int32[R, K]`` drafts; only the first ``num_verified[r]`` matter.
       draft_probs: ``f32[R, K, V]`` the (temperature-scaled, Markov-corrected) distributions the drafts were
-        sampled from; ignored (may be ``None``) when greedy.
+        sampled from; not read (may be ``None``) when greedy.
       num_verified: ``int32[R]`` verified drafts per request, ``0..K`` (the allocator's caps).
       seeds: ``int32[R]`` per-request seeds. positions: ``int32[R]`` absolute position of each anchor.
-      temperature: static; ``0`` is greedy. Applied to logits, not to probabilities.
+      temperature: a Python number (static: ``0`` compiles the greedy rule alone), or a traced scalar or
+        ``f32[R]`` (per request; ``<= 0`` is greedy for that request). Applied to logits, not probabilities.
       row_mask: ``bool[R]``, False for padding rows (they emit nothing: counts 0, tokens -1).
-      inputs_are_probs: static; ``target_logits`` already holds probabilities.
+      inputs_are_probs: static; ``target_logits`` already holds (temperature-scaled) probabilities.
 
     Returns:
       :class:`RejectionOutput` ``(num_accepted int32[R], output_tokens int32[R, K+1], num_emitted int32[R])``.
+
+    Raises:
+      ValueError: shapes that do not fit ``[R, K+1, V]``, a negative static temperature, missing draft_probs.
     """
     target_logits, draft_tokens = jnp.asarray(target_logits), jnp.asarray(draft_tokens)
     draft_probs = None if draft_probs is None else jnp.asarray(draft_probs)
-    if target_logits.ndim != 3:
-        raise ValueError(f"target_logits must be f32[R, K+1, V], got shape {target_logits.shape}")
+    if target_logits.ndim != 3 or target_logits.shape[1] < 1:
+        raise ValueError(f"target_logits must be f32[R, K+1, V] with K >= 0, got shape {target_logits.shape}")
     r, k1, vocab = target_logits.shape
-    if k1 < 1:
-        raise ValueError(f"target_logits must have K+1 >= 1 rows per request, got shape {target_logits.shape}")
     k = k1 - 1
-    _check_common("target_logits", r, k, vocab, draft_tokens, draft_probs, seeds, positions, row_mask,
-                  temperature)
+    mode, req_t = _temperatures(temperature, r)
+    _check_common("target_logits", r, k, vocab, draft_tokens, draft_probs, seeds, positions, row_mask, mode)
     if jnp.shape(num_verified) != (r,):
         raise ValueError(f"num_verified must be int32[R={r}], got shape {jnp.shape(num_verified)}")
     valid = jnp.ones((r,), bool) if row_mask is None else jnp.asarray(row_mask, bool)
-    row_start = jnp.arange(r, dtype=jnp.int32) * k1
     return _core(
-        target_logits.reshape(r * k1, vocab), row_start, jnp.asarray(num_verified, jnp.int32), valid,
-        jnp.asarray(draft_tokens, jnp.int32), _probs_arg(draft_probs, temperature),
-        jnp.asarray(seeds, jnp.int32), jnp.asarray(positions, jnp.int32),
-        temperature=float(temperature), inputs_are_probs=bool(inputs_are_probs),
+        target_logits.reshape(r * k1, vocab),
+        jnp.arange(r, dtype=jnp.int32) * k1,
+        jnp.asarray(num_verified, jnp.int32),
+        valid,
+        draft_tokens.astype(jnp.int32),
+        _probs_arg(draft_probs, mode),
+        jnp.asarray(seeds, jnp.int32),
+        jnp.asarray(positions, jnp.int32),
+        req_t,
+        jnp.repeat(req_t, k1),
+        mode=mode,
+        inputs_are_probs=bool(inputs_are_probs),
     )
 
 
@@ -232,7 +292,7 @@ def rejection_sample_packed(
     seeds: jax.Array,
     positions: jax.Array,
     *,
-    temperature: float,
+    temperature: float | jax.Array,
     row_mask: jax.Array | None = None,
     inputs_are_probs: bool = False,
 ) -> RejectionOutput:
@@ -253,45 +313,66 @@ def rejection_sample_packed(
     draft_probs = None if draft_probs is None else jnp.asarray(draft_probs)
     if packed_logits.ndim != 2:
         raise ValueError(f"packed_logits must be f32[T, V], got shape {packed_logits.shape}")
-    _, vocab = packed_logits.shape
+    num_tokens, vocab = packed_logits.shape
     if query_start_loc.ndim != 1 or query_start_loc.shape[0] < 1:
         raise ValueError(f"query_start_loc must be int32[R+1], got shape {query_start_loc.shape}")
     r = query_start_loc.shape[0] - 1
     if draft_tokens.ndim != 2:
         raise ValueError(f"draft_tokens must be int32[R, K], got shape {draft_tokens.shape}")
     k = draft_tokens.shape[1]
-    _check_common("query_start_loc", r, k, vocab, draft_tokens, draft_probs, seeds, positions, row_mask,
-                  temperature)
-    qsl = jnp.asarray(query_start_loc, jnp.int32)
+    mode, req_t = _temperatures(temperature, r)
+    _check_common("query_start_loc", r, k, vocab, draft_tokens, draft_probs, seeds, positions, row_mask, mode)
+    qsl = query_start_loc.astype(jnp.int32)
     q_len = query_lens(qsl)
     valid = q_len > 0
     if row_mask is not None:
         valid = valid & jnp.asarray(row_mask, bool)
+    owner = token_to_request(qsl, num_tokens)  # -1 for padding slots
+    flat_t = jnp.where(owner >= 0, req_t[jnp.maximum(owner, 0)], 1.0)
     return _core(
-        packed_logits, qsl[:-1], q_len - 1, valid, jnp.asarray(draft_tokens, jnp.int32),
-        _probs_arg(draft_probs, temperature), jnp.asarray(seeds, jnp.int32), jnp.asarray(positions, jnp.int32),
-        temperature=float(temperature), inputs_are_probs=bool(inputs_are_probs),
+        packed_logits,
+        qsl[:-1],
+        q_len - 1,
+        valid,
+        draft_tokens.astype(jnp.int32),
+        _probs_arg(draft_probs, mode),
+        jnp.asarray(seeds, jnp.int32),
+        jnp.asarray(positions, jnp.int32),
+        req_t,
+        flat_t,
+        mode=mode,
+        inputs_are_probs=bool(inputs_are_probs),
     )
 
 
-@functools.partial(jax.jit, static_argnames=("temperature",))
+@functools.partial(jax.jit, static_argnames=("mode",))
+def _sample_rows(logits, seeds, positions, temps, *, mode):
+    top = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if mode == "greedy":
+        return top
+    keys = _keys(seeds, positions[:, None], STREAM_RESAMPLE)[:, 0]
+    safe = jnp.where(temps <= 0.0, 1.0, temps)
+    sampled = _categorical(keys, logits.astype(jnp.float32) / safe[:, None])
+    return jnp.where(temps <= 0.0, top, sampled)
+
+
 def sample_tokens(
-    logits: jax.Array, seeds: jax.Array, positions: jax.Array, *, temperature: float
+    logits: jax.Array, seeds: jax.Array, positions: jax.Array, *, temperature: float | jax.Array
 ) -> jax.Array:
     """One token per row of ``logits f32[R, V]``: argmax when greedy, else a sample of ``softmax(logits / T)``.
 
     ``positions int32[R]`` is the absolute position of the token being sampled; the key is
     ``(seed, position, STREAM_RESAMPLE)``, the same one a bonus token at that position would use.
+    ``temperature`` as in :func:`rejection_sample`. Returns ``int32[R]``.
     """
+    logits = jnp.asarray(logits)
     if logits.ndim != 2:
         raise ValueError(f"logits must be f32[R, V], got shape {logits.shape}")
     r = logits.shape[0]
     for arg, val in (("seeds", seeds), ("positions", positions)):
         if jnp.shape(val) != (r,):
             raise ValueError(f"{arg} must be int32[R={r}], got shape {jnp.shape(val)}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if temperature == 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    keys = _keys(jnp.asarray(seeds), jnp.asarray(positions, jnp.int32)[:, None], STREAM_RESAMPLE)[:, 0]
-    return _categorical(keys, logits.astype(jnp.float32) / temperature)
+    mode, temps = _temperatures(temperature, r)
+    return _sample_rows(
+        logits, jnp.asarray(seeds, jnp.int32), jnp.asarray(positions, jnp.int32), temps, mode=mode
+    )

@@ -69,9 +69,9 @@ def test_arbitrary_floats_match_reference_and_rows_are_prefixes(problem):
     # The winners as a set, from the survival the device computed: every row's winners are a prefix.
     a = np.asarray(survival(conf, sched))
     r, k = conf.shape
-    order = sorted(
-        ((-float(a[i, j]), j, i) for i in range(r) for j in range(k) if j < sched[i])
-    )[: max(budget, 0)]
+    order = sorted((-float(a[i, j]), j, i) for i in range(r) for j in range(k) if j < sched[i])[
+        : max(budget, 0)
+    ]
     won = np.zeros((r, k), bool)
     for _, j, i in order:
         won[i, j] = True

@@ -15,7 +15,12 @@ STAIRCASE = CostTable.from_measurements({8: 1.0, 16: 1.3, 32: 2.5}, {4: 0.2})
 
 
 def _kw(**over):
-    kw = dict(num_sampling_rows=4, num_non_draft_tokens=4, cost_table=STAIRCASE, max_total_logit_rows=1000)
+    kw = {
+        "num_sampling_rows": 4,
+        "num_non_draft_tokens": 4,
+        "cost_table": STAIRCASE,
+        "max_total_logit_rows": 1000,
+    }
     kw.update(over)
     return kw
 
@@ -102,7 +107,12 @@ def test_matches_brute_force(data, r, k, costs):
     if table.is_flat:
         return
     b = choose_budget(
-        conf, sched, num_sampling_rows=r, num_non_draft_tokens=r, cost_table=table, max_total_logit_rows=max_rows
+        conf,
+        sched,
+        num_sampling_rows=r,
+        num_non_draft_tokens=r,
+        cost_table=table,
+        max_total_logit_rows=max_rows,
     )
     assert b == _brute_force(conf, sched, table, r, r, max_rows)
     assert 0 <= b <= min(int(sched.sum()), max(0, max_rows - r))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from spec_decode.cost_table import (
@@ -38,8 +40,8 @@ def test_linear_extrapolation_above_largest_bucket():
     assert t.verify_cost(24) == pytest.approx(3.0)
     assert t.verify_cost(160) == pytest.approx(20.0)
     assert t.draft_cost(6) == pytest.approx(3.0)  # one bucket: proportional
-    costs = [t.verify_cost(n) for n in range(0, 100)]
-    assert all(b >= a for a, b in zip(costs, costs[1:]))
+    costs = [t.verify_cost(n) for n in range(100)]
+    assert all(b >= a for a, b in itertools.pairwise(costs))
 
 
 def test_flatness():
@@ -102,7 +104,7 @@ def test_profiler_times_real_jitted_functions(tmp_path):
     )
     assert table.verify_buckets == (8, 16, 32, 64)
     assert all(s > 0 for s in table.verify_seconds)
-    assert all(b >= a for a, b in zip(table.verify_seconds, table.verify_seconds[1:]))
+    assert all(b >= a for a, b in itertools.pairwise(table.verify_seconds))
     # 640^3 versus 16^3 multiply-adds: the largest bucket is clearly slower than the smallest.
     assert table.verify_seconds[-1] > 5 * table.verify_seconds[0]
     assert table.draft_cost(4) > table.draft_cost(1)
@@ -115,8 +117,6 @@ def test_profiler_times_real_jitted_functions(tmp_path):
 
 
 def test_vectorised_lookup_matches_scalar():
-    import numpy as np
-
     t = CostTable.from_measurements({8: 1.0, 16: 1.3, 48: 2.5}, {4: 0.2, 16: 0.5})
     ns = np.arange(0, 120)
     np.testing.assert_allclose(t.verify_costs(ns), [t.verify_cost(int(n)) for n in ns])

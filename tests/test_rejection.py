@@ -95,8 +95,9 @@ def _draft(draft_table, seeds, anchor, pos, k, temperature):
 
 
 @functools.partial(jax.jit, static_argnames=("k", "temperature", "length", "draft_temperature"))
-def _rollout(target, draft_table, conf, policy_ids, bias, seed_offset, *, k, temperature, length,
-             draft_temperature):
+def _rollout(
+    target, draft_table, conf, policy_ids, bias, seed_offset, *, k, temperature, length, draft_temperature
+):
     num_rows = policy_ids.shape[0]
     seeds = jnp.arange(num_rows, dtype=jnp.int32) * 7919 + 13 + seed_offset
     policy_key = jax.random.key(99)
@@ -135,7 +136,16 @@ def _rollout(target, draft_table, conf, policy_ids, bias, seed_offset, *, k, tem
 
 
 def speculative_rollout(
-    target, draft_table, conf, policy_ids, bias=0.0, seed_offset=0, *, k, temperature, length,
+    target,
+    draft_table,
+    conf,
+    policy_ids,
+    bias=0.0,
+    seed_offset=0,
+    *,
+    k,
+    temperature,
+    length,
     draft_temperature=None,
 ):
     """Each row: speculative steps from (ANCHOR, START) until `length` tokens are out. Returns [N, length].
@@ -145,8 +155,16 @@ def speculative_rollout(
     the target's first distribution. One compilation per (shapes, k, temperature, length).
     """
     return _rollout(
-        target, draft_table, conf, jnp.asarray(policy_ids, jnp.int32), jnp.float32(bias), jnp.int32(seed_offset),
-        k=k, temperature=temperature, length=length, draft_temperature=draft_temperature,
+        target,
+        draft_table,
+        conf,
+        jnp.asarray(policy_ids, jnp.int32),
+        jnp.float32(bias),
+        jnp.int32(seed_offset),
+        k=k,
+        temperature=temperature,
+        length=length,
+        draft_temperature=draft_temperature,
     )
 
 
@@ -159,7 +177,7 @@ def chi_square(samples: np.ndarray, joint: np.ndarray) -> tuple[float, float]:
     """(statistic, p-value) of the sampled tuples against the exact joint law; impossible cells must be empty."""
     v = joint.shape[0]
     flat = np.ravel_multi_index(tuple(samples.T), joint.shape)
-    observed = np.bincount(flat, minlength=v ** joint.ndim).astype(np.float64)
+    observed = np.bincount(flat, minlength=v**joint.ndim).astype(np.float64)
     expected = joint.reshape(-1) * len(samples)
     assert observed[expected == 0].sum() == 0, "emitted a tuple the target gives probability 0"
     live = expected > 0
@@ -201,7 +219,9 @@ def test_chi_square_rejects_a_1pct_bias(vocab, k, temperature, seed):
     # N * 1e-4 * (1 - p_mode) / p_mode = 40..90, far above the 1e-3 critical values (df 24..63).
     target, draft, conf = make_models(vocab, seed)
     policies = _mixed_policies(NUM_SAMPLES)
-    toks = speculative_rollout(target, draft, conf, policies, 0.01, k=k, temperature=temperature, length=L_TOKENS)
+    toks = speculative_rollout(
+        target, draft, conf, policies, 0.01, k=k, temperature=temperature, length=L_TOKENS
+    )
     stat, p_value = chi_square(np.asarray(toks), target_joint(target, temperature, L_TOKENS))
     assert p_value < ALPHA, (stat, p_value)
 
@@ -223,8 +243,9 @@ def test_greedy_emits_exactly_the_target_argmax_sequence():
     draft = jnp.where(jnp.isinf(draft), draft, target + 0.3 * draft)
     policies = jnp.arange(rows, dtype=jnp.int32) % 5  # the greedy rule does not care how drafts were chosen
     toks = np.asarray(
-        speculative_rollout(target, draft, conf, policies, k=k, temperature=0.0, length=length,
-                            draft_temperature=1.0)
+        speculative_rollout(
+            target, draft, conf, policies, k=k, temperature=0.0, length=length, draft_temperature=1.0
+        )
     )
     t = np.asarray(target)
     expected, prev = [], ANCHOR
@@ -247,14 +268,28 @@ def test_greedy_single_step_rules():
     logits = jnp.full((3, 3, 4), -1.0)
     logits = logits.at[:, 0, 2].set(1.0).at[:, 1, 3].set(1.0).at[:, 2, 0].set(1.0)  # argmax rows: 2, 3, 0
     drafts = jnp.array([[2, 3], [2, 1], [0, 3]], jnp.int32)
-    out = rejection_sample(logits, drafts, None, jnp.array([2, 2, 2]), jnp.zeros(3, jnp.int32),
-                           jnp.zeros(3, jnp.int32), temperature=0.0)
+    out = rejection_sample(
+        logits,
+        drafts,
+        None,
+        jnp.array([2, 2, 2]),
+        jnp.zeros(3, jnp.int32),
+        jnp.zeros(3, jnp.int32),
+        temperature=0.0,
+    )
     np.testing.assert_array_equal(out.num_accepted, [2, 1, 0])
     np.testing.assert_array_equal(out.output_tokens, [[2, 3, 0], [2, 3, -1], [2, -1, -1]])
     np.testing.assert_array_equal(out.num_emitted, [3, 2, 1])
     # Fewer verified drafts: the bonus comes from the last verified row.
-    out = rejection_sample(logits, drafts, None, jnp.array([1, 0, 1]), jnp.zeros(3, jnp.int32),
-                           jnp.zeros(3, jnp.int32), temperature=0.0)
+    out = rejection_sample(
+        logits,
+        drafts,
+        None,
+        jnp.array([1, 0, 1]),
+        jnp.zeros(3, jnp.int32),
+        jnp.zeros(3, jnp.int32),
+        temperature=0.0,
+    )
     np.testing.assert_array_equal(out.output_tokens, [[2, 3, -1], [2, -1, -1], [2, -1, -1]])
 
 
@@ -265,8 +300,9 @@ def test_padding_rows_emit_nothing_and_rows_are_independent():
     mask = jnp.array([True, False, True, True, True, True, True, True])
     for temperature in (0.0, 0.8):
         full = rejection_sample(logits, drafts, dprobs, nv, seeds, pos, temperature=temperature)
-        masked = rejection_sample(logits, drafts, dprobs, nv, seeds, pos, temperature=temperature,
-                                  row_mask=mask)
+        masked = rejection_sample(
+            logits, drafts, dprobs, nv, seeds, pos, temperature=temperature, row_mask=mask
+        )
         assert int(masked.num_emitted[1]) == 0 and int(masked.num_accepted[1]) == 0
         np.testing.assert_array_equal(masked.output_tokens[1], [-1] * 4)
         for r in (0, 2, 3, 4, 5, 6, 7):  # other rows do not depend on the padding row
@@ -281,11 +317,11 @@ def test_padding_rows_emit_nothing_and_rows_are_independent():
             a = int(full.num_accepted[r])
             assert a <= int(nv[r]) and int(full.num_emitted[r]) == a + 1
             np.testing.assert_array_equal(o[r, :a], np.asarray(drafts)[r, :a])
-            assert 0 <= o[r, a] < 6 and np.all(o[r, a + 1:] == -1)
+            assert 0 <= o[r, a] < 6 and np.all(o[r, a + 1 :] == -1)
 
 
 def test_packed_layout_matches_padded_layout():
-    r, k, vocab = 8, 3, 6
+    r, vocab = 8, 6
     logits, drafts, dprobs = _case(seed=3)
     nv = np.array([3, 0, 2, 1, 0, 3, 1, 0])
     is_pad = np.array([False, False, False, False, True, False, False, True])  # zero-length padding rows
@@ -293,13 +329,22 @@ def test_packed_layout_matches_padded_layout():
     qsl = np.concatenate([[0], np.cumsum(q_len)]).astype(np.int32)
     packed = np.zeros((32, vocab), np.float32) + 1e9  # padding slots hold garbage
     for i in range(r):
-        packed[qsl[i]:qsl[i + 1]] = np.asarray(logits)[i, : q_len[i]]
+        packed[qsl[i] : qsl[i + 1]] = np.asarray(logits)[i, : q_len[i]]
     seeds, pos = jnp.arange(r, dtype=jnp.int32) + 100, jnp.arange(r, dtype=jnp.int32) * 4
     for temperature in (0.0, 0.8):
-        a = rejection_sample(logits, drafts, dprobs, jnp.asarray(nv), seeds, pos, temperature=temperature,
-                             row_mask=jnp.asarray(~is_pad))
-        b = rejection_sample_packed(jnp.asarray(packed), jnp.asarray(qsl), drafts, dprobs, seeds, pos,
-                                    temperature=temperature)
+        a = rejection_sample(
+            logits,
+            drafts,
+            dprobs,
+            jnp.asarray(nv),
+            seeds,
+            pos,
+            temperature=temperature,
+            row_mask=jnp.asarray(~is_pad),
+        )
+        b = rejection_sample_packed(
+            jnp.asarray(packed), jnp.asarray(qsl), drafts, dprobs, seeds, pos, temperature=temperature
+        )
         for x, y in zip(a, b):
             np.testing.assert_array_equal(x, y)
         assert int(b.num_emitted[4]) == 0 and int(b.num_emitted[7]) == 0
@@ -327,8 +372,16 @@ def test_probability_inputs_match_logits():
     nv = jnp.array([3, 2, 1, 0] * 2, jnp.int32)
     seeds, pos = jnp.arange(8, dtype=jnp.int32), jnp.arange(8, dtype=jnp.int32)
     a = rejection_sample(logits, drafts, dprobs, nv, seeds, pos, temperature=0.8)
-    b = rejection_sample(jax.nn.softmax(logits / 0.8, axis=-1), drafts, dprobs, nv, seeds, pos, temperature=0.8,
-                         inputs_are_probs=True)
+    b = rejection_sample(
+        jax.nn.softmax(logits / 0.8, axis=-1),
+        drafts,
+        dprobs,
+        nv,
+        seeds,
+        pos,
+        temperature=0.8,
+        inputs_are_probs=True,
+    )
     np.testing.assert_array_equal(a.num_accepted, b.num_accepted)
     np.testing.assert_array_equal(a.output_tokens, b.output_tokens)
 
@@ -336,8 +389,15 @@ def test_probability_inputs_match_logits():
 def test_identical_draft_and_target_accept_everything():
     logits, drafts, _ = _case(seed=4)
     probs = jax.nn.softmax(logits / 0.8, axis=-1)
-    out = rejection_sample(logits, drafts, probs[:, :3], jnp.full((8,), 3, jnp.int32),
-                           jnp.arange(8, dtype=jnp.int32), jnp.zeros(8, jnp.int32), temperature=0.8)
+    out = rejection_sample(
+        logits,
+        drafts,
+        probs[:, :3],
+        jnp.full((8,), 3, jnp.int32),
+        jnp.arange(8, dtype=jnp.int32),
+        jnp.zeros(8, jnp.int32),
+        temperature=0.8,
+    )
     np.testing.assert_array_equal(out.num_accepted, np.full(8, 3))  # p_t(x) = p_d(x) => u * p < p always
 
 
@@ -345,8 +405,9 @@ def test_sample_tokens():
     logits = jnp.log(jnp.array([[0.1, 0.6, 0.3]] * 4096))
     greedy = sample_tokens(logits, jnp.zeros(4096, jnp.int32), jnp.zeros(4096, jnp.int32), temperature=0.0)
     assert np.all(np.asarray(greedy) == 1)
-    toks = sample_tokens(logits, jnp.arange(4096, dtype=jnp.int32), jnp.full((4096,), 7, jnp.int32),
-                         temperature=1.0)
+    toks = sample_tokens(
+        logits, jnp.arange(4096, dtype=jnp.int32), jnp.full((4096,), 7, jnp.int32), temperature=1.0
+    )
     freq = np.bincount(np.asarray(toks), minlength=3) / 4096
     np.testing.assert_allclose(freq, [0.1, 0.6, 0.3], atol=0.03)
 
@@ -369,4 +430,38 @@ def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="temperature"):
         rejection_sample(logits, drafts, dprobs, z, z, z, temperature=-1.0)
     with pytest.raises(ValueError, match="query_start_loc"):
-        rejection_sample_packed(logits[0], jnp.zeros((2, 2), jnp.int32), drafts, dprobs, z, z, temperature=1.0)
+        rejection_sample_packed(
+            logits[0], jnp.zeros((2, 2), jnp.int32), drafts, dprobs, z, z, temperature=1.0
+        )
+
+
+def test_per_request_temperatures_match_the_static_paths():
+    logits, drafts, dprobs = _case(seed=6)
+    nv = jnp.array([3, 2, 1, 0, 3, 3, 2, 1], jnp.int32)
+    seeds, pos = jnp.arange(8, dtype=jnp.int32) + 40, jnp.arange(8, dtype=jnp.int32) * 2
+    temps = jnp.array([0.0, 0.8, 0.0, 0.8, 0.8, 0.0, 0.8, -1.0])  # <= 0: greedy for that request
+    greedy = rejection_sample(logits, drafts, None, nv, seeds, pos, temperature=0.0)
+    sampled = rejection_sample(logits, drafts, dprobs, nv, seeds, pos, temperature=0.8)
+    mixed = rejection_sample(logits, drafts, dprobs, nv, seeds, pos, temperature=temps)
+    pick = np.asarray(temps) <= 0
+    for g, s_, m in zip(greedy, sampled, mixed):
+        expect = np.where(pick.reshape((-1,) + (1,) * (np.ndim(g) - 1)), np.asarray(g), np.asarray(s_))
+        np.testing.assert_array_equal(m, expect)
+    # A traced scalar temperature equals the static one.
+    traced = jax.jit(lambda t: rejection_sample(logits, drafts, dprobs, nv, seeds, pos, temperature=t))(0.8)
+    np.testing.assert_array_equal(traced.output_tokens, sampled.output_tokens)
+    # The packed layout takes per-request temperatures too.
+    qsl = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(nv + 1)]).astype(jnp.int32)
+    packed = jnp.concatenate([logits[i, : int(nv[i]) + 1] for i in range(8)])
+    packed = jnp.concatenate([packed, jnp.zeros((32 - packed.shape[0], 6))])
+    via_packed = rejection_sample_packed(packed, qsl, drafts, dprobs, seeds, pos, temperature=temps)
+    np.testing.assert_array_equal(via_packed.output_tokens, mixed.output_tokens)
+    toks = sample_tokens(logits[:, 0], seeds, pos, temperature=temps)
+    np.testing.assert_array_equal(
+        np.asarray(toks)[pick], np.asarray(sample_tokens(logits[:, 0], seeds, pos, temperature=0.0))[pick]
+    )
+    np.testing.assert_array_equal(
+        np.asarray(toks)[~pick], np.asarray(sample_tokens(logits[:, 0], seeds, pos, temperature=0.8))[~pick]
+    )
+    with pytest.raises(ValueError, match="temperature"):
+        rejection_sample(logits, drafts, dprobs, nv, seeds, pos, temperature=jnp.ones(3))
