@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
@@ -60,7 +61,7 @@ def default_target_layer_ids(num_target_layers: int, num_features: int) -> tuple
     if m == 1:
         ids = [n // 2]
     else:
-        ids = [int(round(1 + i * (n - 4) / (m - 1))) for i in range(m)]
+        ids = [round(1 + i * (n - 4) / (m - 1)) for i in range(m)]
     try:
         return validate_target_layer_ids(ids, n)
     except ConfigError as e:
@@ -80,7 +81,7 @@ def validate_target_layer_ids(layer_ids: Sequence[int], num_target_layers: int |
         ids.append(int(v))
     if not ids:
         raise ConfigError("target_layer_ids must not be empty")
-    if any(b <= a for a, b in zip(ids, ids[1:])):
+    if any(b <= a for a, b in itertools.pairwise(ids)):
         raise ConfigError(f"target_layer_ids must be strictly increasing, got {ids}")
     if ids[0] < -1:
         raise ConfigError(f"target_layer_ids must be >= -1 (-1 is the embedding output), got {ids}")
@@ -843,21 +844,23 @@ class DSparkDrafter(nnx.Module):
 
     # ------------------------------------------------------------------ conveniences (jitted)
     def draft(self, cache: DraftCache, anchors, anchor_positions, *, temperature=0.0, key=None,
-              return_probs: bool = True) -> DraftOutput:
+              return_probs: bool = True, validate: bool = True) -> DraftOutput:
         """One jitted draft step; see :func:`draft_step`."""
         graphdef, state = nnx.split(self)
         return draft_step(graphdef, state, cache, anchors, anchor_positions, temperature, key,
-                          return_probs=return_probs)
+                          return_probs=return_probs, validate=validate)
 
-    def append_context(self, cache: DraftCache, features, start, num_new) -> DraftCache:
+    def append_context(self, cache: DraftCache, features, start, num_new, *, validate: bool = True) -> DraftCache:
         """Jitted :func:`append_context_step`."""
         graphdef, state = nnx.split(self)
-        return append_context_step(graphdef, state, cache, features, start, num_new)
+        return append_context_step(graphdef, state, cache, features, start, num_new, validate=validate)
 
-    def append_context_packed(self, cache: DraftCache, features, query_start_loc, start, num_new) -> DraftCache:
+    def append_context_packed(self, cache: DraftCache, features, query_start_loc, start, num_new, *,
+                              validate: bool = True) -> DraftCache:
         """Jitted :func:`append_context_packed_step`."""
         graphdef, state = nnx.split(self)
-        return append_context_packed_step(graphdef, state, cache, features, query_start_loc, start, num_new)
+        return append_context_packed_step(graphdef, state, cache, features, query_start_loc, start, num_new,
+                                          validate=validate)
 
 
 def _normalise_key(key, r: int):
@@ -887,7 +890,7 @@ def _check_cache(dims, cache: DraftCache):
         raise ValueError(f"cache.lengths must be int32[R] with R = {cache.num_requests}, got {cache.lengths.shape}")
 
 
-def _check_draft_args(dims, cache: DraftCache, anchors, anchor_positions, temperature, key):
+def _check_draft_args(dims, cache: DraftCache, anchors, anchor_positions, temperature, key, validate: bool):
     anchors = jnp.asarray(anchors)
     anchor_positions = jnp.asarray(anchor_positions)
     r = cache.num_requests
@@ -901,12 +904,14 @@ def _check_draft_args(dims, cache: DraftCache, anchors, anchor_positions, temper
     if t.shape not in ((), (r,)):
         raise ValueError(f"temperature must be a scalar or f32[R] with R = {r}, got shape {t.shape}")
     _check_cache(dims, cache)
-    if not isinstance(anchors, jax.core.Tracer):
-        if anchors.size and (int(anchors.min()) < 0 or int(anchors.max()) >= dims["vocab"]):
-            raise ValueError(f"anchors hold token ids outside the vocabulary [0, {dims['vocab']})")
-    if not isinstance(anchor_positions, jax.core.Tracer) and anchor_positions.size:
-        if int(anchor_positions.min()) < 0:
-            raise ValueError("anchor_positions must be >= 0")
+    if not validate:
+        return anchors.astype(jnp.int32), anchor_positions.astype(jnp.int32)
+    if (not isinstance(anchors, jax.core.Tracer) and anchors.size
+            and (int(anchors.min()) < 0 or int(anchors.max()) >= dims["vocab"])):
+        raise ValueError(f"anchors hold token ids outside the vocabulary [0, {dims['vocab']})")
+    if (not isinstance(anchor_positions, jax.core.Tracer) and anchor_positions.size
+            and int(anchor_positions.min()) < 0):
+        raise ValueError("anchor_positions must be >= 0")
     if key is None and not isinstance(t, jax.core.Tracer) and bool(jnp.any(t > 0)):
         raise ValueError("temperature > 0 needs a PRNG key")
     return anchors.astype(jnp.int32), anchor_positions.astype(jnp.int32)
@@ -920,7 +925,7 @@ def _draft_jit(graphdef, state, cache, anchors, anchor_positions, temperature, k
 
 
 def draft_step(graphdef, state, cache: DraftCache, anchors, anchor_positions, temperature=0.0, key=None, *,
-               return_probs: bool = True) -> DraftOutput:
+               return_probs: bool = True, validate: bool = True) -> DraftOutput:
     """One drafting step for ``R`` request rows (jitted; ``graphdef`` and ``return_probs`` static).
 
     Args:
@@ -932,10 +937,13 @@ def draft_step(graphdef, state, cache: DraftCache, anchors, anchor_positions, te
       temperature: scalar or ``f32[R]``; ``<= 0`` means greedy for that row.
       key: PRNG key (one, or ``[R]``); required when any temperature is > 0.
       return_probs: also return the ``f32[R, K, V]`` draft distributions (what rejection sampling needs).
+      validate: also check VALUES (token ids in the vocabulary, positions >= 0, a key when sampling); this
+        reads the arrays back to the host, so an engine's hot loop passes False (shapes are always checked).
     Returns:
       :class:`DraftOutput` (``tokens int32[R, K]``, ``probs``, ``confidences``, ``confidence_logits``).
     """
-    anchors, anchor_positions = _check_draft_args(_state_dims(state), cache, anchors, anchor_positions, temperature, key)
+    anchors, anchor_positions = _check_draft_args(_state_dims(state), cache, anchors, anchor_positions, temperature,
+                                                  key, validate)
     # one compiled program whatever the caller passes: temperatures f32[R], always a key (greedy without one)
     r = cache.num_requests
     temps = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (r,))
@@ -948,7 +956,8 @@ def draft_step(graphdef, state, cache: DraftCache, anchors, anchor_positions, te
 
 @functools.lru_cache(maxsize=8)
 def _greedy_keys(r: int):
-    return jax.random.split(jax.random.key(0), r)
+    with jax.ensure_compile_time_eval():  # concrete even when called under an outer jit: safe to cache
+        return jax.random.split(jax.random.key(0), r)
 
 
 def _append_impl(graphdef, state, cache, features, start, num_new):
@@ -969,14 +978,14 @@ def _donate() -> bool:
     return jax.default_backend() != "cpu"  # XLA:CPU ignores donation (with a warning)
 
 
-def _check_append_args(dims, cache, features, start, num_new, max_new: int, what: str):
+def _check_append_args(dims, cache, features, start, num_new, max_new: int, what: str, validate: bool):
     _check_cache(dims, cache)
     r = cache.num_requests
     start, num_new = jnp.asarray(start), jnp.asarray(num_new)
     for name, a in (("start", start), ("num_new", num_new)):
         if a.shape != (r,) or not jnp.issubdtype(a.dtype, jnp.integer):
             raise ValueError(f"{name} must be int32[R] with R = {r}, got {a.dtype}{list(a.shape)}")
-    if not isinstance(start, jax.core.Tracer) and not isinstance(num_new, jax.core.Tracer) and r:
+    if validate and not isinstance(start, jax.core.Tracer) and not isinstance(num_new, jax.core.Tracer) and r:
         s, n = np.asarray(start), np.asarray(num_new)
         if s.min() < 0 or n.min() < 0:
             raise ValueError("start and num_new must be >= 0")
@@ -989,7 +998,8 @@ def _check_append_args(dims, cache, features, start, num_new, max_new: int, what
     return start.astype(jnp.int32), num_new.astype(jnp.int32)
 
 
-def append_context_step(graphdef, state, cache: DraftCache, features, start, num_new) -> DraftCache:
+def append_context_step(graphdef, state, cache: DraftCache, features, start, num_new, *,
+                        validate: bool = True) -> DraftCache:
     """Write target features into the draft cache, per-request padded layout (jitted, cache donated on GPU).
 
     Args:
@@ -997,6 +1007,7 @@ def append_context_step(graphdef, state, cache: DraftCache, features, start, num
         feature ``i`` belongs to absolute position ``start[r] + i``.
       start: ``int32[R]`` position of each row's first feature row.
       num_new: ``int32[R]`` how many feature rows of each row to write (``0..T``); the rest is ignored.
+      validate: check values (reads ``start`` / ``num_new`` back to the host; pass False in a hot loop).
     Returns:
       the cache with those K/V written and ``lengths = start + num_new`` for EVERY row: a row not taking part
       passes ``start = its length, num_new = 0``; ``start < length`` rolls the row back to ``start`` first.
@@ -1007,13 +1018,14 @@ def append_context_step(graphdef, state, cache: DraftCache, features, start, num
     if features.ndim != 3 or features.shape[0] != cache.num_requests or features.shape[2] != dims["feature_size"]:
         raise ValueError(f"features must be [R={cache.num_requests}, T, m*d={dims['feature_size']}], got shape "
                          f"{features.shape}")
-    start, num_new = _check_append_args(dims, cache, features, start, num_new, features.shape[1], "per row")
+    start, num_new = _check_append_args(dims, cache, features, start, num_new, features.shape[1], "per row",
+                                        validate)
     fn = _append_jit_donating if _donate() else _append_jit
     return fn(graphdef, state, cache, features, start, num_new)
 
 
 def append_context_packed_step(graphdef, state, cache: DraftCache, features, query_start_loc, start,
-                               num_new) -> DraftCache:
+                               num_new, *, validate: bool = True) -> DraftCache:
     """Like :func:`append_context_step` for the packed verify layout (SPEC section 5).
 
     ``features [T, m*d]`` packed over requests by ``query_start_loc int32[R + 1]``; packed token ``t`` of row
@@ -1028,8 +1040,9 @@ def append_context_packed_step(graphdef, state, cache: DraftCache, features, que
     qsl = jnp.asarray(query_start_loc)
     if qsl.shape != (cache.num_requests + 1,):
         raise ValueError(f"query_start_loc must be int32[R + 1] with R = {cache.num_requests}, got shape {qsl.shape}")
-    start, num_new = _check_append_args(dims, cache, features, start, num_new, features.shape[0], "in the batch")
-    if not isinstance(qsl, jax.core.Tracer) and not isinstance(num_new, jax.core.Tracer):
+    start, num_new = _check_append_args(dims, cache, features, start, num_new, features.shape[0], "in the batch",
+                                        validate)
+    if validate and not isinstance(qsl, jax.core.Tracer) and not isinstance(num_new, jax.core.Tracer):
         q_len = np.diff(np.asarray(qsl))
         if np.any(np.asarray(num_new) > q_len):
             raise ValueError(f"num_new {np.asarray(num_new).tolist()} exceeds the query lengths {q_len.tolist()}")
@@ -1048,8 +1061,8 @@ def _state_dims(state) -> dict[str, int]:
         kv_heads = attn["k_proj"]["kernel"].shape[1] // head_dim
     except (KeyError, TypeError, IndexError) as e:
         raise ValueError(f"state does not look like a split DSparkDrafter ({e!r})") from None
-    return dict(vocab=vocab, feature_size=feature_size, num_layers=len(layers), kv_heads=kv_heads,
-                head_dim=head_dim)
+    return {"vocab": vocab, "feature_size": feature_size, "num_layers": len(layers), "kv_heads": kv_heads,
+                "head_dim": head_dim}
 
 
 # ----------------------------------------------------------------------------------------------- helpers

@@ -35,7 +35,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from minimax_jax.checkpoint import CheckpointError, SafetensorsReader, Source, _concat_t, _same, _t, weight_plan
+from minimax_jax.checkpoint import (
+    CheckpointError,
+    SafetensorsReader,
+    Source,
+    _concat_t,
+    _same,
+    _t,
+    weight_plan,
+)
 from minimax_jax.config import ConfigError
 from minimax_jax.drafter import DSparkConfig, DSparkDrafter
 from minimax_jax.model import MiniMaxM3ForCausalLM
@@ -157,9 +165,9 @@ def load_drafter(path: str | os.PathLike, target: MiniMaxM3ForCausalLM, *, dtype
                                  f"found {reader.shape(n)}")
     unexpected = sorted(reader.names[n] for n in reader.names if n not in used and not _IGNORED.search(n))
     if missing or unexpected or misshaped:
-        parts = [f"drafter checkpoint at {path} does not match its config ({cfg.num_draft_layers} draft layers, "
+        parts = [(f"drafter checkpoint at {path} does not match its config ({cfg.num_draft_layers} draft layers, "
                  f"markov_rank {cfg.markov_rank} {cfg.markov_head_type or ''}, confidence head "
-                 f"{'on' if cfg.enable_confidence_head else 'off'}):"]
+                 f"{'on' if cfg.enable_confidence_head else 'off'}):")]
         if missing:
             parts.append(f"  missing ({len(missing)}): " + ", ".join(missing))
         if unexpected:

@@ -15,6 +15,7 @@ from minimax_jax.drafter import (
     default_target_layer_ids,
     draft_attention,
     draft_attention_reference,
+    draft_step,
     init_drafter,
     validate_target_layer_ids,
 )
@@ -41,8 +42,9 @@ def target():
 
 
 def make_cfg(**kw):
-    base = dict(mask_token_id=MASK, block_size=K, num_draft_layers=2, target_layer_ids=(0, 2), markov_rank=8,
-                markov_head_type="rnn", enable_confidence_head=True, confidence_head_with_markov=True)
+    base = {"mask_token_id": MASK, "block_size": K, "num_draft_layers": 2, "target_layer_ids": (0, 2),
+            "markov_rank": 8, "markov_head_type": "rnn", "enable_confidence_head": True,
+            "confidence_head_with_markov": True}
     base.update(kw)
     return DSparkConfig.for_target(TCFG, **base)
 
@@ -123,15 +125,15 @@ def test_config_round_trip_aliases_and_errors():
         return d
 
     for changes, msg in [
-        (dict(block_size=None), "missing 'block_size'"),
-        (dict(markov_head_type=None), "missing 'markov_head_type'"),
-        (dict(markov_head_type="lstm"), "markov_head_type must be one of"),
-        (dict(confidence_head_with_markov=None), "missing 'confidence_head_with_markov'"),
-        (dict(sts_temperatures=[1.0, 2.0]), "sts_temperatures has 2 entries but block_size is 4"),
-        (dict(target_layer_ids=[1, 3]), "last layer 3"),
-        (dict(layer_types=["sliding_attention"] * 2), "layer_types\\[0\\]='sliding_attention'"),
-        (dict(mask_token_id=256), "mask_token_id \\(256\\) is outside the vocabulary"),
-        (dict(num_hidden_layers=None), "num_hidden_layers"),
+        ({"block_size": None}, "missing 'block_size'"),
+        ({"markov_head_type": None}, "missing 'markov_head_type'"),
+        ({"markov_head_type": "lstm"}, "markov_head_type must be one of"),
+        ({"confidence_head_with_markov": None}, "missing 'confidence_head_with_markov'"),
+        ({"sts_temperatures": [1.0, 2.0]}, "sts_temperatures has 2 entries but block_size is 4"),
+        ({"target_layer_ids": [1, 3]}, "last layer 3"),
+        ({"layer_types": ["sliding_attention"] * 2}, "layer_types\\[0\\]='sliding_attention'"),
+        ({"mask_token_id": 256}, "mask_token_id \\(256\\) is outside the vocabulary"),
+        ({"num_hidden_layers": None}, "num_hidden_layers"),
     ]:
         with pytest.raises(ConfigError, match=msg):
             DSparkConfig.from_pretrained(broken(**changes))
@@ -276,6 +278,18 @@ def test_draft_compiles_once_per_shape(drafter, sequences):
         assert out.probs is None and out.tokens.shape == (R, K)
     assert sizes[1] == sizes[0]  # new values, same shapes: no new compilation
 
+    # an engine calls the functional entry point from inside its own jitted step (traced inputs, no host reads)
+    graphdef, state = nnx.split(drafter)
+    pos = jnp.array([5, 11, 20])
+    anchors = ids[ROWS, pos]
+
+    @jax.jit
+    def engine_step(state, cache, anchors, pos):
+        return draft_step(graphdef, state, cache, anchors, pos, validate=False).tokens
+
+    np.testing.assert_array_equal(np.asarray(engine_step(state, cache, anchors, pos)),
+                                  np.asarray(drafter.draft(cache, anchors, pos).tokens))
+
 
 # ----------------------------------------------------------------------------------------------- Markov head
 def check_teacher_forced(d, cache, anchors, pos, temps, key):
@@ -296,7 +310,7 @@ def check_teacher_forced(d, cache, anchors, pos, temps, key):
 
 def test_markov_slot_depends_on_previous_draw(target, sequences):
     """W1 = identity (rank = V), W2 maps x -> f(x) = (3x + 7) mod V: drafts must follow f from the anchor on."""
-    ids, feats = sequences
+    _ids, feats = sequences
     v = TCFG.vocab_size
     d = init_drafter(make_cfg(markov_rank=v, markov_head_type="vanilla", num_draft_layers=1), target, seed=3)
     f = (3 * np.arange(v) + 7) % v

@@ -22,12 +22,12 @@ D, V = TCFG.hidden_size, TCFG.vocab_size
 
 # (name, drafter options, MLP naming scheme written)
 CASES = {
-    "vanilla": (dict(markov_rank=8, markov_head_type="vanilla", enable_confidence_head=True,
-                     confidence_head_with_markov=True, sts_temperatures=(1.0, 1.2, 1.5, 2.0)), "minimax"),
-    "gated": (dict(markov_rank=8, markov_head_type="gated", enable_confidence_head=True,
-                   confidence_head_with_markov=True), "hf"),
-    "rnn": (dict(markov_rank=4, markov_head_type="rnn", num_draft_layers=2), "minimax"),
-    "plain": (dict(target_layer_ids=(2,), enable_confidence_head=True), "hf"),
+    "vanilla": ({"markov_rank": 8, "markov_head_type": "vanilla", "enable_confidence_head": True,
+                     "confidence_head_with_markov": True, "sts_temperatures": (1.0, 1.2, 1.5, 2.0)}, "minimax"),
+    "gated": ({"markov_rank": 8, "markov_head_type": "gated", "enable_confidence_head": True,
+                   "confidence_head_with_markov": True}, "hf"),
+    "rnn": ({"markov_rank": 4, "markov_head_type": "rnn", "num_draft_layers": 2}, "minimax"),
+    "plain": ({"target_layer_ids": (2,), "enable_confidence_head": True}, "hf"),
 }
 
 
@@ -41,7 +41,7 @@ def saved(target, tmp_path_factory):
     """name -> (drafter, directory written by save_drafter)."""
     out = {}
     for i, (name, (opts, scheme)) in enumerate(CASES.items()):
-        kw = dict(mask_token_id=V - 1, block_size=4, num_draft_layers=1, target_layer_ids=(0, 2))
+        kw = {"mask_token_id": V - 1, "block_size": 4, "num_draft_layers": 1, "target_layer_ids": (0, 2)}
         kw.update(opts)
         drafter = init_drafter(DSparkConfig.for_target(TCFG, **kw), target, seed=i)
         # non-zero norm weights and biases, so a mix-up between tensors would show
