@@ -15,3 +15,17 @@ from pallas_kernels.indexer import (  # noqa: E402
 
 __all__ += ["IndexerLaunchConfig", "index_block_scores_reference", "indexer_launch_config", "ragged_index_topk",
             "ragged_index_topk_reference"]
+
+from pallas_kernels.paged_attention import (  # noqa: E402
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
+from pallas_kernels.sparse_attention import (  # noqa: E402
+    AttentionLaunchConfig,
+    attention_launch_config,
+    ragged_sparse_attention,
+    ragged_sparse_attention_reference,
+)
+
+__all__ += ["AttentionLaunchConfig", "attention_launch_config", "ragged_paged_attention",
+            "ragged_paged_attention_reference", "ragged_sparse_attention", "ragged_sparse_attention_reference"]
