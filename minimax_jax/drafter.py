@@ -48,6 +48,7 @@ from minimax_jax.calibration import apply_sts
 from minimax_jax.config import DENSE_MLP, FULL_ATTENTION, ConfigError, MiniMaxM3Config
 from minimax_jax.layers import DenseMLP, Linear, RMSNorm, apply_rope, rope_cos_sin
 from minimax_jax.model import MiniMaxM3ForCausalLM, check_input_ids
+from pallas_kernels.metadata import token_to_request
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 
@@ -832,8 +833,6 @@ class DSparkDrafter(nnx.Module):
     def append_context_packed_impl(self, cache: DraftCache, features, query_start_loc: jax.Array,
                                    start: jax.Array, num_new: jax.Array) -> DraftCache:
         """Traceable body of :meth:`append_context_packed` (packed ragged layout)."""
-        from pallas_kernels.metadata import token_to_request
-
         features = self._concat_features(features)
         t = features.shape[0]
         req = token_to_request(query_start_loc, t)
