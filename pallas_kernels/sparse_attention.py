@@ -1,15 +1,16 @@
 """Ragged block-sparse (MSA) attention over a paged KV cache: one Pallas (Triton) kernel, its jnp reference.
 
-Contract (SPEC sections 3-5). Packed queries ``q: [T, H_q, D]``; paged caches ``k_cache, v_cache:
-[H_kv, P, page, D]``; ``block_tables: int32[R, max_blocks]`` map a request's logical block to a physical page;
-``seq_lens: int32[R]`` include this step's tokens; ``query_start_loc: int32[R + 1]`` (request ``r`` owns packed
-tokens ``[qsl[r], qsl[r + 1])``, zero-length padding rows allowed, slots at or beyond ``qsl[R]`` are padding);
-``block_indices: int32[T, H_kv, topk]`` logical block ids per (token, KV group), left-packed, ``-1`` padded.
+Contract (SPEC sections 3-5). Packed queries ``q: [T, H_q, D]``; paged caches ``k_cache, v_cache: [H_kv, P,
+page, D]``; ``block_tables: int32[R, max_blocks]`` map a request's logical block to a physical page;
+``seq_lens: int32[R]`` include this step's tokens; ``query_start_loc: int32[R + 1]`` (request ``r`` owns
+packed tokens ``[qsl[r], qsl[r + 1])``, zero-length padding rows allowed, slots at or beyond ``qsl[R]`` are
+padding); ``block_indices: int32[T, H_kv, topk]`` logical block ids per (token, KV group), left-packed, ``-1``
+padded.
 
-Token ``t`` of request ``r`` (absolute position ``pos``) and query head ``qh`` of KV group
-``g = qh // (H_q // H_kv)`` attend to the keys ``{j : j // page in block_indices[t, g], j <= pos}`` with softmax
-scale ``scale``; the softmax runs online in fp32 and the output has q's dtype. Padding slots and tokens without a
-visible selected key get exact zeros (never NaN). Every token keeps its own selection and causal limit.
+Token ``t`` of request ``r`` (absolute position ``pos``) and query head ``qh`` of KV group ``g = qh // (H_q //
+H_kv)`` attend to the keys ``{j : j // page in block_indices[t, g], j <= pos}`` with softmax scale ``scale``;
+the softmax runs online in fp32 and the output has q's dtype. Padding slots and tokens without a visible
+selected key get exact zeros (never NaN). Every token keeps its own selection and causal limit.
 
 Algorithm (docs/kernels/sparse_attention.md has the bytes and FLOP model). One program owns one *request tile*
 (up to ``block_q`` consecutive tokens of one request) and one KV head; its query tile is ``block_q x group``
@@ -29,8 +30,8 @@ are gathered into registers once, so the walk has no dependent scalar load and t
 Reads: a ``-1`` slot, a block at or past ``cdiv(pos_last + 1, page)`` of the tile, a padding tile and a
 zero-length row never touch ``block_tables`` or the caches; only physical pages named by a request's own table
 entries for its visible blocks are read. The dense variant (``ragged_paged_attention`` in
-``paged_attention.py``) reuses this kernel with ``dense=True``: it walks blocks ``0 .. cdiv(pos_last + 1, page)``
-with the causal mask only.
+``paged_attention.py``) reuses this kernel with ``dense=True``: it walks blocks ``0 .. cdiv(pos_last + 1,
+page)`` with the causal mask only.
 """
 
 from __future__ import annotations
@@ -49,10 +50,10 @@ from pallas_kernels import platform as _platform
 from pallas_kernels.metadata import token_positions, token_to_request
 
 __all__ = [
-    "AttentionLaunchConfig",
-    "ChipPolicy",
     "CHIP_POLICIES",
     "MASK_VALUE",
+    "AttentionLaunchConfig",
+    "ChipPolicy",
     "attention_launch_config",
     "ragged_sparse_attention",
     "ragged_sparse_attention_reference",
@@ -77,14 +78,14 @@ def _dot(a, b, *, contract_b: int):
     return jax.lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-
 def _locate_tile(tile, seg_start, seg_len, seg_seq, *, num_rows: int, block_q: int):
     """The request tile ``tile`` of the ragged batch, from per-segment vectors (used in-kernel and in jnp).
 
-    Segments are the ``R`` request rows plus the padding tail ``[qsl[R], T)``; each is cut into ``block_q``-token
-    tiles, in order. ``seg_start, seg_len, seg_seq: int32[S_pow2]`` (start token, tokens, seq_len; zeros past
-    segment ``R``). Returns scalars ``(req, tok0, ntok, pos0)``: ``req`` is -1 for padding-tail tiles (which only
-    write zeros) and for tiles past the last one (``ntok == 0``, which do nothing).
+    Segments are the ``R`` request rows plus the padding tail ``[qsl[R], T)``; each is cut into
+    ``block_q``-token tiles, in order. ``seg_start, seg_len, seg_seq: int32[S_pow2]`` (start token, tokens,
+    seq_len; zeros past segment ``R``). Returns scalars ``(req, tok0, ntok, pos0)``: ``req`` is -1 for
+    padding-tail tiles (which only write zeros) and for tiles past the last one (``ntok == 0``, which do
+    nothing).
     """
     seg_tiles = (seg_len + block_q - 1) // block_q
     ends = jnp.cumsum(seg_tiles, axis=0)
@@ -143,7 +144,9 @@ def _ragged_attention_kernel(
     seg_end = plgpu.load(qsl_ref.at[jnp.where(in_row, seg + 1, 0)], mask=in_row, other=num_tokens)
     seg_len = jnp.where(in_seg, jnp.clip(seg_end - seg_start, 0, num_tokens), 0)
     seg_seq = plgpu.load(seq_ref.at[jnp.where(in_row, seg, 0)], mask=in_row, other=0)
-    req, tok0, ntok, pos0 = _locate_tile(tile, seg_start, seg_len, seg_seq, num_rows=num_rows, block_q=block_q)
+    req, tok0, ntok, pos0 = _locate_tile(
+        tile, seg_start, seg_len, seg_seq, num_rows=num_rows, block_q=block_q
+    )
     live = req >= 0
     req_c = jnp.maximum(req, 0)
 
@@ -176,7 +179,9 @@ def _ragged_attention_kernel(
         n_slot = n % topk_pow2
         ent_ok = (n_tok < ntok) & (n_slot < topk) & live
         blocks = plgpu.load(
-            sel_ref.at[jnp.where(ent_ok, tok0 + n_tok, 0), jnp.where(ent_ok, n_slot, 0)], mask=ent_ok, other=-1
+            sel_ref.at[jnp.where(ent_ok, tok0 + n_tok, 0), jnp.where(ent_ok, n_slot, 0)],
+            mask=ent_ok,
+            other=-1,
         )
         blocks = jnp.where(ent_ok & (blocks >= 0) & (blocks < n_visible), blocks, -1)
         # First occurrence of each block id in the list (vectorised compare against all earlier entries).
@@ -273,17 +278,23 @@ def _merge_splits_kernel(
     ok = r < num
     rr = jnp.where(ok, r, 0)
     d = jax.lax.broadcasted_iota(jnp.int32, (head_dim,), 0)
-    lses = [plgpu.load(lse_ref.at[jnp.full_like(rr, s), rr], mask=ok, other=MASK_VALUE) for s in range(num_splits)]
+    lses = [
+        plgpu.load(lse_ref.at[jnp.full_like(rr, s), rr], mask=ok, other=MASK_VALUE) for s in range(num_splits)
+    ]
     m = functools.reduce(jnp.maximum, lses)
     acc = jnp.zeros((block_rows, head_dim), jnp.float32)
     den = jnp.zeros((block_rows,), jnp.float32)
     for s in range(num_splits):
         w = jnp.where(lses[s] > 0.5 * MASK_VALUE, jnp.exp2(lses[s] - m), 0.0)
-        o = plgpu.load(o_ref.at[jnp.full_like(rr, s)[:, None], rr[:, None], d[None, :]], mask=ok[:, None], other=0.0)
+        o = plgpu.load(
+            o_ref.at[jnp.full_like(rr, s)[:, None], rr[:, None], d[None, :]], mask=ok[:, None], other=0.0
+        )
         acc = acc + w[:, None] * o
         den = den + w
     out = acc / jnp.where(den > 0, den, 1.0)[:, None]  # rows no split saw stay exact zeros
-    plgpu.store(out_ref.at[jnp.where(ok, r, num)[:, None], d[None, :]], out.astype(out_ref.dtype), mask=ok[:, None])
+    plgpu.store(
+        out_ref.at[jnp.where(ok, r, num)[:, None], d[None, :]], out.astype(out_ref.dtype), mask=ok[:, None]
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -312,14 +323,28 @@ CHIP_POLICIES: dict[str, ChipPolicy] = {
     # Hopper (H100 / H200): 132 SMs, 32-wide warps, 227 KiB of shared memory per block. 128-row tiles: 8 warps
     # (two warpgroups of 64 rows), 3 stages of 64-key K/V tiles = 96 KiB + the 32 KiB query tile.
     "cuda": ChipPolicy(
-        num_cores=132, num_warps_large=8, num_warps_small=4, num_stages_large=3, num_stages_small=3,
-        block_k_large=64, block_k_small=64, smem_bytes=200 * 1024, max_splits=16,
+        num_cores=132,
+        num_warps_large=8,
+        num_warps_small=4,
+        num_stages_large=3,
+        num_stages_small=3,
+        block_k_large=64,
+        block_k_small=64,
+        smem_bytes=200 * 1024,
+        max_splits=16,
     ),
     # CDNA3 (MI300X, gfx942): 304 CUs, 64-wide wavefronts (4 warps = 256 lanes), 64 KiB LDS per CU.
     # Not measured yet: conservative 2-stage, 32-key tiles.
     "rocm": ChipPolicy(
-        num_cores=304, num_warps_large=4, num_warps_small=4, num_stages_large=2, num_stages_small=2,
-        block_k_large=32, block_k_small=32, smem_bytes=64 * 1024, max_splits=16,
+        num_cores=304,
+        num_warps_large=4,
+        num_warps_small=4,
+        num_stages_large=2,
+        num_stages_small=2,
+        block_k_large=32,
+        block_k_small=32,
+        smem_bytes=64 * 1024,
+        max_splits=16,
     ),
 }
 
@@ -420,7 +445,10 @@ def attention_launch_config(
     if block_k is None:
         block_k = min(page, policy.block_k_large if large else policy.block_k_small)
         q_bytes = rows * head_dim * itemsize
-        while block_k > 16 and q_bytes + max(num_stages, 1) * 2 * block_k * head_dim * itemsize > policy.smem_bytes:
+        while (
+            block_k > 16
+            and q_bytes + max(num_stages, 1) * 2 * block_k * head_dim * itemsize > policy.smem_bytes
+        ):
             block_k //= 2
     return AttentionLaunchConfig(
         block_q=int(block_q),
@@ -454,7 +482,8 @@ def _tile_table(query_start_loc, seq_lens, num_tokens: int, block_q: int, num_ti
 
 
 def check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_indices):
-    """Static shape/dtype validation shared by the sparse and dense entry points (ValueError naming shapes)."""
+    """Static shape/dtype validation shared by the sparse and dense entry points (ValueError naming
+    shapes)."""
     if q.ndim != 3:
         raise ValueError(f"q must be [T, H_q, D], got shape {q.shape}")
     if k_cache.ndim != 4:
@@ -477,7 +506,11 @@ def check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_st
         raise ValueError(f"seq_lens must be [R]={num_rows}, got shape {seq_lens.shape}")
     if query_start_loc.shape != (num_rows + 1,):
         raise ValueError(f"query_start_loc must be [R + 1]={num_rows + 1}, got shape {query_start_loc.shape}")
-    for name, a in (("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+    for name, a in (
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+        ("query_start_loc", query_start_loc),
+    ):
         if not jnp.issubdtype(a.dtype, jnp.integer):
             raise ValueError(f"{name} must be int32, got {a.dtype}")
     if block_indices is not None:
@@ -489,7 +522,9 @@ def check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_st
         if not jnp.issubdtype(block_indices.dtype, jnp.integer):
             raise ValueError(f"block_indices must be int32, got {block_indices.dtype}")
     if not jnp.issubdtype(q.dtype, jnp.floating) or k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"q ({q.dtype}) must be floating and k/v caches ({k_cache.dtype}, {v_cache.dtype}) match")
+        raise ValueError(
+            f"q ({q.dtype}) must be floating and k/v caches ({k_cache.dtype}, {v_cache.dtype}) match"
+        )
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "interpret", "poison"))
@@ -622,7 +657,9 @@ def ragged_attention_pallas(
     return out.reshape(num_tokens, num_q_heads, head_dim)
 
 
-def _call(kernel, *, grid, in_specs, out_specs, out_shape, args, poison, interpret, num_warps, num_stages, name):
+def _call(
+    kernel, *, grid, in_specs, out_specs, out_shape, args, poison, interpret, num_warps, num_stages, name
+):
     """``pl.pallas_call`` with the Triton compiler params; with ``poison`` the float outputs start as NaN."""
     in_specs, args = list(in_specs), list(args)
     aliases = {}
@@ -844,6 +881,8 @@ def ragged_sparse_attention_reference(
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.where(visible.reshape(num_tokens, num_kv_heads, 1, topk * page), jnp.exp(s - m), 0.0)
     den = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("tgjn,tgnd->tgjd", p, v.reshape(num_tokens, num_kv_heads, topk * page, head_dim), precision=hi)
+    o = jnp.einsum(
+        "tgjn,tgnd->tgjd", p, v.reshape(num_tokens, num_kv_heads, topk * page, head_dim), precision=hi
+    )
     o = o / jnp.where(den > 0, den, 1.0)
     return o.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)

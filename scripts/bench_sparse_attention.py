@@ -1,6 +1,7 @@
 """Benchmark: ragged block-sparse attention (and dense paged attention) at M3 TP1 shapes.
 
-M3 TP1: 64 query / 4 KV heads of 128, topk 16, page 128, bf16. Sizes are ``requests x query tokens x context``:
+M3 TP1: 64 query / 4 KV heads of 128, topk 16, page 128, bf16. Sizes are ``requests x query tokens x
+context``:
 512x8x4K (verification, K = 7), 512x1x4K (decode), 1x8x32K (one long request, verification).
 
 Selections are realistic rather than uniform: per (request, KV head) shared block scores plus small per-token
@@ -9,11 +10,11 @@ mostly agree and the per-request union is what a real indexer would give. The un
 
 Per size and launch variant a row reports: time (median of back-to-back replays, rotating cache copies so the
 L2 does not serve repeated runs; for the latency-bound sizes also ``time_ms_loop``, calls chained in one
-jitted loop, which removes Python dispatch), unique bytes (what the kernel must read: each union block's K and V once per
-(request tile, KV head), plus q, output and metadata), the per-token bytes a per-token kernel would read, the
-saving, achieved bytes/s and % of the measured HBM copy rate, executed tensor-core TFLOP/s (union blocks x
-query-tile rows) and useful TFLOP/s (selected visible keys only), the jnp reference under jit and the ratio,
-and parity against the reference (max / mean abs error on bf16 outputs vs an fp32 reference).
+jitted loop, which removes Python dispatch), unique bytes (what the kernel must read: each union block's K and
+V once per (request tile, KV head), plus q, output and metadata), the per-token bytes a per-token kernel would
+read, the saving, achieved bytes/s and % of the measured HBM copy rate, executed tensor-core TFLOP/s (union
+blocks x query-tile rows) and useful TFLOP/s (selected visible keys only), the jnp reference under jit and the
+ratio, and parity against the reference (max / mean abs error on bf16 outputs vs an fp32 reference).
 
 ``run(...) -> list[dict]`` is the library entry point (``scripts/bench_kernels.py`` imports it); ``main()``
 prints a table and writes JSON.
@@ -24,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import math
 import sys
 import time
 
@@ -41,15 +41,15 @@ from pallas_kernels.sparse_attention import (
 )
 from scripts import bench_common
 
-M3 = dict(num_q_heads=64, num_kv_heads=4, head_dim=128, page=128, topk=16)
+M3 = {"num_q_heads": 64, "num_kv_heads": 4, "head_dim": 128, "page": 128, "topk": 16}
 
 SIZES = {
-    "512x8x4K": dict(num_requests=512, q_len=8, context=4096),
-    "512x1x4K": dict(num_requests=512, q_len=1, context=4096),
-    "1x8x32K": dict(num_requests=1, q_len=8, context=32768),
+    "512x8x4K": {"num_requests": 512, "q_len": 8, "context": 4096},
+    "512x1x4K": {"num_requests": 512, "q_len": 1, "context": 4096},
+    "1x8x32K": {"num_requests": 1, "q_len": 8, "context": 32768},
 }
-# Copy-rate probe size: 1 GiB is far past the L2 (~60 MB); back-to-back timing keeps ``reps`` outputs alive, so
-# 4 GiB x 20 outputs does not fit beside XLA's preallocated pool on a 141 GB H200 (it ran out of memory).
+# Copy-rate probe size: 1 GiB is far past the L2 (~60 MB); back-to-back timing keeps ``reps`` outputs alive,
+# so 4 GiB x 20 outputs does not fit beside XLA's preallocated pool on a 141 GB H200 (it ran out of memory).
 COPY_BYTES = 1 << 30
 # Targets (issue 6) and the per-token split-K kernel other engines use, both measured on an H200.
 TARGET_MS = {"512x8x4K": 0.75, "512x1x4K": 0.55, "1x8x32K": 0.040}
@@ -81,7 +81,8 @@ def make_inputs(
     copies: int = 1,
     dtype=jnp.bfloat16,
 ) -> Inputs:
-    """Every request has ``context`` tokens including its ``q_len`` new ones; pages are a random permutation."""
+    """Every request has ``context`` tokens including its ``q_len`` new ones; pages are a random
+    permutation."""
     max_blocks = -(-context // page)
     num_pages = num_requests * max_blocks
     num_tokens = num_requests * q_len
@@ -120,7 +121,7 @@ def make_inputs(
 def bytes_and_flops(inp: Inputs, *, block_q: int, dense: bool) -> dict:
     """The bytes model (docs/kernels/sparse_attention.md) evaluated on the actual selections."""
     q = inp.q
-    num_tokens, num_q_heads, head_dim = q.shape
+    _num_tokens, num_q_heads, head_dim = q.shape
     k_cache = inp.caches[0][0]
     num_kv_heads, _, page, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -145,8 +146,11 @@ def bytes_and_flops(inp: Inputs, *, block_q: int, dense: bool) -> dict:
         useful = np.sum(useful_keys) * num_q_heads
         union_sizes = np.asarray(tiles)
     else:
-        counts = np.asarray(union_block_counts(inp.query_start_loc, inp.seq_lens, inp.block_indices, page=page,
-                                               block_q=block_q))
+        counts = np.asarray(
+            union_block_counts(
+                inp.query_start_loc, inp.seq_lens, inp.block_indices, page=page, block_q=block_q
+            )
+        )
         union_sizes = counts[counts > 0]
         union_blocks = counts
         sel = np.asarray(inp.block_indices)[: qsl[-1]]
@@ -158,16 +162,16 @@ def bytes_and_flops(inp: Inputs, *, block_q: int, dense: bool) -> dict:
     unique_kv = int(np.sum(union_blocks)) * block_kv_bytes
     io = 2 * q.size * q.dtype.itemsize + inp.block_indices.size * 4 + inp.block_tables.size * 4
     executed_flops = int(np.sum(union_blocks)) * rows * page * head_dim * 4
-    return dict(
-        union_mean=float(np.mean(union_sizes)) if len(union_sizes) else 0.0,
-        union_max=int(np.max(union_sizes)) if len(union_sizes) else 0,
-        unique_bytes=unique_kv + io,
-        unique_kv_bytes=unique_kv,
-        per_token_kv_bytes=int(per_token) * block_kv_bytes,
-        sharing_saving=(int(per_token) * block_kv_bytes) / max(unique_kv, 1),
-        executed_flops=executed_flops,
-        useful_flops=int(useful) * head_dim * 4,
-    )
+    return {
+        "union_mean": float(np.mean(union_sizes)) if len(union_sizes) else 0.0,
+        "union_max": int(np.max(union_sizes)) if len(union_sizes) else 0,
+        "unique_bytes": unique_kv + io,
+        "unique_kv_bytes": unique_kv,
+        "per_token_kv_bytes": int(per_token) * block_kv_bytes,
+        "sharing_saving": (int(per_token) * block_kv_bytes) / max(unique_kv, 1),
+        "executed_flops": executed_flops,
+        "useful_flops": int(useful) * head_dim * 4,
+    }
 
 
 def _attn_fn(dense: bool, implementation: str, scale: float, variant: dict):
@@ -190,7 +194,8 @@ def _arg_sets(inp: Inputs, dense: bool):
 
 def time_in_loop(fn, arg_sets, *, iters: int = 50) -> float:
     """Seconds per call with ``iters`` calls chained inside one jitted ``fori_loop`` (no Python dispatch per
-    call; each call's q depends on the previous output through ``+ 0 * out[0, 0, 0]``, which XLA cannot fold)."""
+    call; each call's q depends on the previous output through ``+ 0 * out[0, 0, 0]``, which XLA cannot
+    fold)."""
 
     def many(*args):
         def body(_, out):
@@ -211,11 +216,11 @@ def time_in_loop(fn, arg_sets, *, iters: int = 50) -> float:
 
 def _errors(out, ref) -> dict:
     d = jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))
-    return dict(
-        max_abs_err=float(jnp.max(d)),
-        mean_abs_err=float(jnp.mean(d)),
-        nan=bool(jnp.any(jnp.isnan(out.astype(jnp.float32)))),
-    )
+    return {
+        "max_abs_err": float(jnp.max(d)),
+        "mean_abs_err": float(jnp.mean(d)),
+        "nan": bool(jnp.any(jnp.isnan(out.astype(jnp.float32)))),
+    }
 
 
 def run(
@@ -243,7 +248,9 @@ def run(
     jobs = [(s, False) for s in sizes] + [(s, True) for s in (dense_sizes or ())]
     for name, dense in jobs:
         shape = SIZES[name]
-        n_copies = copies if copies is not None else (16 if shape["num_requests"] * shape["context"] <= 65536 else 2)
+        n_copies = (
+            copies if copies is not None else (16 if shape["num_requests"] * shape["context"] <= 65536 else 2)
+        )
         inp = make_inputs(jax.random.PRNGKey(seed), **shape, **M3, noise=noise, copies=n_copies)
         scale = M3["head_dim"] ** -0.5
         arg_sets = _arg_sets(inp, dense)
@@ -256,14 +263,23 @@ def run(
             except Exception as e:  # noqa: BLE001  (an OOM must not lose the other rows)
                 log(f"[{name}] reference failed: {type(e).__name__}: {str(e)[:200]}")
         policy = attention_launch_config(
-            backend=None, num_tokens=inp.q.shape[0], num_requests=shape["num_requests"],
-            num_q_heads=M3["num_q_heads"], num_kv_heads=M3["num_kv_heads"], topk=M3["topk"],
-            max_blocks=inp.block_tables.shape[1], dense=dense, page=M3["page"], head_dim=M3["head_dim"],
+            backend=None,
+            num_tokens=inp.q.shape[0],
+            num_requests=shape["num_requests"],
+            num_q_heads=M3["num_q_heads"],
+            num_kv_heads=M3["num_kv_heads"],
+            topk=M3["topk"],
+            max_blocks=inp.block_tables.shape[1],
+            dense=dense,
+            page=M3["page"],
+            head_dim=M3["head_dim"],
             itemsize=inp.q.dtype.itemsize,
         )
         loop_timing = inp.q.shape[0] * shape["context"] <= 8 * 32768  # latency-bound sizes
         for variant in [{}] + list(variants.get(("paged:" if dense else "") + name, [])):
-            cfg = dataclasses.replace(policy, **{k: v for k, v in variant.items() if k in dataclasses.asdict(policy)})
+            cfg = dataclasses.replace(
+                policy, **{k: v for k, v in variant.items() if k in dataclasses.asdict(policy)}
+            )
             row = dict(
                 kernel="paged" if dense else "sparse",
                 size=name,
@@ -311,32 +327,61 @@ def run(
 
 
 COLUMNS = [
-    "kernel", "size", "variant", "cfg_block_q", "cfg_num_splits", "cfg_num_warps", "cfg_num_stages", "cfg_block_k",
-    "time_ms", "time_ms_loop", "target_ms", "union_mean", "unique_bytes", "pct_hbm", "tflops_executed", "tflops_useful", "sharing_saving",
-    "ref_ms", "speedup_vs_ref", "max_abs_err", "mean_abs_err", "error",
+    "kernel",
+    "size",
+    "variant",
+    "cfg_block_q",
+    "cfg_num_splits",
+    "cfg_num_warps",
+    "cfg_num_stages",
+    "cfg_block_k",
+    "time_ms",
+    "time_ms_loop",
+    "target_ms",
+    "union_mean",
+    "unique_bytes",
+    "pct_hbm",
+    "tflops_executed",
+    "tflops_useful",
+    "sharing_saving",
+    "ref_ms",
+    "speedup_vs_ref",
+    "max_abs_err",
+    "mean_abs_err",
+    "error",
 ]
 
 
 def _one_line(row: dict) -> str:
-    keys = ["kernel", "size", "variant", "time_ms", "pct_hbm", "tflops_executed", "union_mean", "max_abs_err", "error"]
+    keys = [
+        "kernel",
+        "size",
+        "variant",
+        "time_ms",
+        "pct_hbm",
+        "tflops_executed",
+        "union_mean",
+        "max_abs_err",
+        "error",
+    ]
     return " ".join(f"{k}={bench_common._fmt(row.get(k))}" for k in keys if row.get(k) is not None)
 
 
 DEFAULT_SWEEP = {
     "512x8x4K": [
-        dict(num_stages=4, block_k=32),
-        dict(num_stages=4, block_k=64),
-        dict(num_stages=2, block_k=128),
-        dict(block_q=1),  # one token per tile: per-token reads, checks the bytes model
+        {"num_stages": 4, "block_k": 32},
+        {"num_stages": 4, "block_k": 64},
+        {"num_stages": 2, "block_k": 128},
+        {"block_q": 1},  # one token per tile: per-token reads, checks the bytes model
     ],
     "512x1x4K": [
-        dict(num_stages=4, block_k=32),
-        dict(num_stages=2, block_k=128),
-        dict(num_stages=3, block_k=128),
-        dict(num_stages=4, block_k=64),
+        {"num_stages": 4, "block_k": 32},
+        {"num_stages": 2, "block_k": 128},
+        {"num_stages": 3, "block_k": 128},
+        {"num_stages": 4, "block_k": 64},
     ],
-    "1x8x32K": [dict(num_splits=8), dict(num_splits=32), dict(num_stages=4, block_k=32)],
-    "paged:1x8x32K": [dict(num_splits=32)],
+    "1x8x32K": [{"num_splits": 8}, {"num_splits": 32}, {"num_stages": 4, "block_k": 32}],
+    "paged:1x8x32K": [{"num_splits": 32}],
 }
 
 
@@ -364,8 +409,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     hbm_batched = measure_copy_bandwidth_batched()
     hbm = max(hbm_single, hbm_batched)
     env.update(hbm_copy_single=hbm_single, hbm_copy_batched=hbm_batched)
-    print(f"# {env}  copy bandwidth {hbm_single / 1e12:.3f} TB/s (synchronised calls), "
-          f"{hbm_batched / 1e12:.3f} TB/s (back-to-back)", flush=True)
+    print(
+        f"# {env}  copy bandwidth {hbm_single / 1e12:.3f} TB/s (synchronised calls), "
+        f"{hbm_batched / 1e12:.3f} TB/s (back-to-back)",
+        flush=True,
+    )
     rows = run(
         [s for s in a.sizes.split(",") if s],
         DEFAULT_SWEEP if a.sweep else None,
@@ -376,7 +424,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         hbm_bytes_per_s=hbm,
     )
     if a.json:
-        bench_common.write_json(a.json, dict(environment=env, hbm_copy_bytes_per_s=hbm, rows=rows))
+        bench_common.write_json(a.json, {"environment": env, "hbm_copy_bytes_per_s": hbm, "rows": rows})
     bench_common.print_table(rows, COLUMNS)
     return rows
 

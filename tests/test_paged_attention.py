@@ -1,16 +1,16 @@
 """Ragged dense paged attention (dense layers): Pallas kernel (interpret) == jnp reference == naive oracle.
 
-Uses the batch builder of test_sparse_attention.py: NaN pages behind unused table entries, stale finite data past
-``seq_len`` in a request's last page, NaN queries in padding slots, shuffled page tables, zero-length rows.
+Uses the batch builder of test_sparse_attention.py: NaN pages behind unused table entries, stale finite data
+past ``seq_len`` in a request's last page, NaN queries in padding slots, shuffled page tables, zero-length
+rows.
 """
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from pallas_kernels import sparse_attention as sa
 from pallas_kernels.paged_attention import ragged_paged_attention, ragged_paged_attention_reference
@@ -29,7 +29,9 @@ def test_reference_matches_naive_oracle():
 
 def test_dense_equals_sparse_with_every_block_selected():
     rng = np.random.default_rng(22)
-    batch = make_batch(rng, q_lens=[3, 1], seq_lens=[30, 12], page=4, dim=16, kv_heads=1, group=2, pad_slots=1)
+    batch = make_batch(
+        rng, q_lens=[3, 1], seq_lens=[30, 12], page=4, dim=16, kv_heads=1, group=2, pad_slots=1
+    )
     t, h_kv = batch["block_indices"].shape[:2]
     nb = batch["block_tables"].shape[1]
     everything = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (t, h_kv, nb))
@@ -51,8 +53,9 @@ def test_kernel_matches_oracle_verify_batch(dtype, page, dim, group, block_q, nu
     rng = np.random.default_rng(hash((dtype, page, dim, group)) % 2**32)
     batch = make_batch(rng, **VERIFY, page=page, dim=dim, kv_heads=2, group=group, dtype=dtype)
     scale = dim**-0.5
-    config = AttentionLaunchConfig(block_q=block_q, num_splits=num_splits, num_warps=4, num_stages=2,
-                                   block_k=page // 2)
+    config = AttentionLaunchConfig(
+        block_q=block_q, num_splits=num_splits, num_warps=4, num_stages=2, block_k=page // 2
+    )
     out = sa.ragged_attention_pallas(
         *args_of(batch, dense=True), None, scale=scale, config=config, interpret=True, poison=True
     )
@@ -63,8 +66,9 @@ def test_kernel_matches_oracle_verify_batch(dtype, page, dim, group, block_q, nu
 def test_prefill_chunk_public_entry_point():
     """A 19-token prefill chunk (continuing a 40-token context) beside decode rows, default launch policy."""
     rng = np.random.default_rng(23)
-    batch = make_batch(rng, q_lens=[19, 1, 0], seq_lens=[59, 7, 0], page=8, dim=16, kv_heads=2, group=2,
-                       pad_slots=4)
+    batch = make_batch(
+        rng, q_lens=[19, 1, 0], seq_lens=[59, 7, 0], page=8, dim=16, kv_heads=2, group=2, pad_slots=4
+    )
     out = ragged_paged_attention(*args_of(batch, dense=True), scale=0.25)
     assert_close(out, oracle(batch, 0.25, dense=True), "f32", 20)
     ref = ragged_paged_attention(*args_of(batch, dense=True), scale=0.25, implementation="reference")
@@ -94,6 +98,12 @@ def test_lowers_for_gpu(platform):
             S((num_rows,), jnp.int32),
             S((num_rows + 1,), jnp.int32),
         )
-        text = lower_for_gpu(ragged_paged_attention, *shapes, platform=platform, scale=128**-0.5,
-                             interpret=False, backend=platform)
+        text = lower_for_gpu(
+            ragged_paged_attention,
+            *shapes,
+            platform=platform,
+            scale=128**-0.5,
+            interpret=False,
+            backend=platform,
+        )
         assert "triton" in text.lower() and "ragged_paged_attention_bq" in text

@@ -1,21 +1,20 @@
 """Ragged block-sparse attention: Pallas kernel (interpret mode) == jnp reference == a naive per-token oracle.
 
-Small shapes (page 4..16, D 16..32, groups of 2..4) keep interpret mode fast. Every batch is built to catch the
-classic failures: shuffled page tables whose unused entries point at NaN pages (a read through a -1 slot, past a
-request's own rows or through an unused entry turns the output NaN), stale finite garbage in the slots past
-``seq_len`` of a request's last page (a missing causal mask shows up as a large error), NaN queries and garbage
-selections in padding slots, contexts that are not a multiple of the page, q lengths 1..8 with zero-length rows,
--1 tails and prefill chunks. Output buffers are poisoned with NaN before the kernel runs where the test asks for
-it (``poison=``, aliased into the kernel), so an unwritten row is caught.
+Small shapes (page 4..16, D 16..32, groups of 2..4) keep interpret mode fast. Every batch is built to catch
+the classic failures: shuffled page tables whose unused entries point at NaN pages (a read through a -1 slot,
+past a request's own rows or through an unused entry turns the output NaN), stale finite garbage in the slots
+past ``seq_len`` of a request's last page (a missing causal mask shows up as a large error), NaN queries and
+garbage selections in padding slots, contexts that are not a multiple of the page, q lengths 1..8 with
+zero-length rows, -1 tails and prefill chunks. Output buffers are poisoned with NaN before the kernel runs
+where the test asks for it (``poison=``, aliased into the kernel), so an unwritten row is caught.
 """
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from pallas_kernels import sparse_attention as sa
 from pallas_kernels.platform import lower_for_gpu
@@ -27,9 +26,9 @@ from pallas_kernels.sparse_attention import (
     union_block_counts,
 )
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Oracle and batch builder (shared with test_paged_attention.py).
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 def naive_attention(q, kc, vc, bt, seq_lens, qsl, sel, *, scale):
@@ -76,7 +75,8 @@ def make_batch(
     neg_tail_prob=0.2,
     spare_pages=3,
 ):
-    """A ragged batch honouring SPEC section 5, with traps for out-of-contract reads (see module docstring)."""
+    """A ragged batch honouring SPEC section 5, with traps for out-of-contract reads (see module
+    docstring)."""
     q_lens = np.asarray(q_lens, np.int32)
     seq_lens = np.asarray(seq_lens, np.int32)
     num_rows = len(q_lens)
@@ -127,16 +127,20 @@ def make_batch(
                 if rng.random() < neg_tail_prob and k > 1:
                     k -= 1  # an extra -1 tail even though more blocks are visible
                 sel[t, g, :k] = order[:k]
-    cast = (lambda a: jnp.asarray(a, jnp.bfloat16)) if dtype == "bf16" else (lambda a: jnp.asarray(a, jnp.float32))
-    return dict(
-        q=cast(q),
-        k_cache=cast(kc),
-        v_cache=cast(vc),
-        block_tables=jnp.asarray(tables),
-        seq_lens=jnp.asarray(seq_lens),
-        query_start_loc=jnp.asarray(qsl),
-        block_indices=jnp.asarray(sel),
+    cast = (
+        (lambda a: jnp.asarray(a, jnp.bfloat16))
+        if dtype == "bf16"
+        else (lambda a: jnp.asarray(a, jnp.float32))
     )
+    return {
+        "q": cast(q),
+        "k_cache": cast(kc),
+        "v_cache": cast(vc),
+        "block_tables": jnp.asarray(tables),
+        "seq_lens": jnp.asarray(seq_lens),
+        "query_start_loc": jnp.asarray(qsl),
+        "block_indices": jnp.asarray(sel),
+    }
 
 
 ARG_ORDER = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "query_start_loc", "block_indices")
@@ -148,10 +152,19 @@ def args_of(batch, dense=False):
 
 
 def oracle(batch, scale, dense=False):
-    b = {k: np.asarray(v.astype(jnp.float32) if jnp.issubdtype(v.dtype, jnp.floating) else v) for k, v in batch.items()}
+    b = {
+        k: np.asarray(v.astype(jnp.float32) if jnp.issubdtype(v.dtype, jnp.floating) else v)
+        for k, v in batch.items()
+    }
     return naive_attention(
-        b["q"], b["k_cache"], b["v_cache"], b["block_tables"], b["seq_lens"], b["query_start_loc"],
-        None if dense else b["block_indices"], scale=scale,
+        b["q"],
+        b["k_cache"],
+        b["v_cache"],
+        b["block_tables"],
+        b["seq_lens"],
+        b["query_start_loc"],
+        None if dense else b["block_indices"],
+        scale=scale,
     )
 
 
@@ -168,12 +181,12 @@ def assert_close(out, expected, dtype, num_valid):
 
 
 # Mixed verification batch: q lengths 1..8, zero-length rows, contexts not a multiple of the page.
-VERIFY = dict(q_lens=[3, 0, 1, 8, 5, 0, 2], seq_lens=[37, 0, 9, 70, 44, 0, 23])
+VERIFY = {"q_lens": [3, 0, 1, 8, 5, 0, 2], "seq_lens": [37, 0, 9, 70, 44, 0, 23]}
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # The reference against the oracle.
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("correlated", [True, False])
@@ -199,9 +212,9 @@ def test_reference_treats_selection_as_a_set():
     assert_close(ragged_sparse_attention(*args_of(batch), scale=scale, block_q=2), expected, "f32", 2)
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # The kernel against the reference.
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -214,7 +227,9 @@ def test_reference_treats_selection_as_a_set():
         ("bf16", 16, 16, 2, 2, 4, 2, 4, 16),
     ],
 )
-def test_kernel_matches_reference_verify_batch(dtype, page, dim, kv_heads, group, topk, block_q, num_splits, block_k):
+def test_kernel_matches_reference_verify_batch(
+    dtype, page, dim, kv_heads, group, topk, block_q, num_splits, block_k
+):
     rng = np.random.default_rng(hash((dtype, page, dim, block_q)) % 2**32)
     batch = make_batch(
         rng, **VERIFY, page=page, dim=dim, kv_heads=kv_heads, group=group, topk=topk, dtype=dtype
@@ -223,9 +238,7 @@ def test_kernel_matches_reference_verify_batch(dtype, page, dim, kv_heads, group
     config = AttentionLaunchConfig(
         block_q=block_q, num_splits=num_splits, num_warps=4, num_stages=2, block_k=block_k
     )
-    out = sa.ragged_attention_pallas(
-        *args_of(batch), scale=scale, config=config, interpret=True, poison=True
-    )
+    out = sa.ragged_attention_pallas(*args_of(batch), scale=scale, config=config, interpret=True, poison=True)
     assert out.dtype == batch["q"].dtype
     ref = ragged_sparse_attention_reference(*args_of(batch), scale=scale)
     num_valid = int(batch["query_start_loc"][-1])
@@ -238,8 +251,16 @@ def test_prefill_chunk_and_decode_rows(dtype):
     """A long q_len (prefill chunk of 21 tokens, tiled by block_q) next to decode rows, public entry point."""
     rng = np.random.default_rng(7)
     batch = make_batch(
-        rng, q_lens=[21, 1, 0, 1], seq_lens=[50, 33, 0, 5], page=8, dim=16, kv_heads=2, group=2, topk=3,
-        dtype=dtype, pad_slots=5,
+        rng,
+        q_lens=[21, 1, 0, 1],
+        seq_lens=[50, 33, 0, 5],
+        page=8,
+        dim=16,
+        kv_heads=2,
+        group=2,
+        topk=3,
+        dtype=dtype,
+        pad_slots=5,
     )
     scale = 0.3
     out = ragged_sparse_attention(*args_of(batch), scale=scale, block_q=4, num_splits=2)
@@ -247,10 +268,12 @@ def test_prefill_chunk_and_decode_rows(dtype):
 
 
 def test_default_policy_and_no_padding_slots():
-    """Default launch settings; T == qsl[R] (no padding tail); a token whose selection is all -1 gets zeros."""
+    """Default launch settings; T == qsl[R] (no padding tail); a token whose selection is all -1 gets
+    zeros."""
     rng = np.random.default_rng(11)
-    batch = make_batch(rng, q_lens=[2, 4], seq_lens=[20, 41], page=4, dim=16, kv_heads=2, group=2, topk=4,
-                       pad_slots=0)
+    batch = make_batch(
+        rng, q_lens=[2, 4], seq_lens=[20, 41], page=4, dim=16, kv_heads=2, group=2, topk=4, pad_slots=0
+    )
     sel = np.asarray(batch["block_indices"]).copy()
     sel[3, 1] = -1  # token 3, KV group 1: nothing selected -> zero output for heads 2, 3
     batch["block_indices"] = jnp.asarray(sel)
@@ -265,17 +288,18 @@ def test_default_policy_and_no_padding_slots():
 
 def test_all_padding_batch_is_zero():
     rng = np.random.default_rng(5)
-    batch = make_batch(rng, q_lens=[0, 0], seq_lens=[0, 0], page=4, dim=16, kv_heads=1, group=2, pad_slots=4,
-                       spare_pages=2)
+    batch = make_batch(
+        rng, q_lens=[0, 0], seq_lens=[0, 0], page=4, dim=16, kv_heads=1, group=2, pad_slots=4, spare_pages=2
+    )
     out = sa.ragged_attention_pallas(
         *args_of(batch), scale=0.2, config=AttentionLaunchConfig(2, 2, 4, 2, 2), interpret=True, poison=True
     )
     assert np.all(np.asarray(out) == 0.0)
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Tiling, bytes model, policy, validation, lowering.
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("block_q", [1, 2, 8])
@@ -287,8 +311,9 @@ def test_tile_table_covers_every_slot_once(block_q):
         qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
         num_tokens = int(qsl[-1]) + int(rng.integers(0, 9))
         num_tiles = sa._num_tiles_bound(num_tokens, len(q_lens), block_q)
-        tiles = np.asarray(sa._tile_table(jnp.asarray(qsl), jnp.asarray(seq_lens, jnp.int32), num_tokens,
-                                          block_q, num_tiles))
+        tiles = np.asarray(
+            sa._tile_table(jnp.asarray(qsl), jnp.asarray(seq_lens, jnp.int32), num_tokens, block_q, num_tiles)
+        )
         owner = np.full(num_tokens, -2)
         for req, start, length, pos0 in tiles:
             assert 0 <= length <= block_q
@@ -307,8 +332,11 @@ def test_tile_table_covers_every_slot_once(block_q):
 def test_union_block_counts_match_sets():
     rng = np.random.default_rng(2)
     batch = make_batch(rng, **VERIFY, page=8, dim=16, kv_heads=2, group=2, topk=3)
-    counts = np.asarray(union_block_counts(batch["query_start_loc"], batch["seq_lens"], batch["block_indices"],
-                                           page=8, block_q=8))
+    counts = np.asarray(
+        union_block_counts(
+            batch["query_start_loc"], batch["seq_lens"], batch["block_indices"], page=8, block_q=8
+        )
+    )
     qsl, seq, sel = (np.asarray(batch[k]) for k in ("query_start_loc", "seq_lens", "block_indices"))
     expected = []
     for r in range(len(seq)):
@@ -321,9 +349,13 @@ def test_union_block_counts_match_sets():
 
 
 def test_launch_policy():
-    m3 = dict(num_q_heads=64, num_kv_heads=4, topk=16, dense=False)
+    m3 = {"num_q_heads": 64, "num_kv_heads": 4, "topk": 16, "dense": False}
     verify = attention_launch_config(backend="cuda", num_tokens=4096, num_requests=512, max_blocks=32, **m3)
-    assert (verify.block_q, verify.num_splits, verify.num_warps) == (8, 1, 8)  # 8 tokens x 16 heads = 128 rows
+    assert (verify.block_q, verify.num_splits, verify.num_warps) == (
+        8,
+        1,
+        8,
+    )  # 8 tokens x 16 heads = 128 rows
     # The query tile (32 KiB) plus num_stages double K/V buffers fit the shared-memory budget.
     assert 32768 + verify.num_stages * 2 * verify.block_k * 128 * 2 <= sa.CHIP_POLICIES["cuda"].smem_bytes
     decode = attention_launch_config(backend="cuda", num_tokens=512, num_requests=512, max_blocks=32, **m3)
@@ -332,8 +364,18 @@ def test_launch_policy():
     assert single.block_q == 8 and single.num_splits > 1
     rocm = attention_launch_config(backend="rocm", num_tokens=8, num_requests=1, max_blocks=256, **m3)
     assert rocm.num_warps <= 16 and rocm.num_splits > 1
-    override = attention_launch_config(backend="cuda", num_tokens=8, num_requests=1, max_blocks=256, block_q=2,
-                                       num_splits=3, num_warps=2, num_stages=1, block_k=32, **m3)
+    override = attention_launch_config(
+        backend="cuda",
+        num_tokens=8,
+        num_requests=1,
+        max_blocks=256,
+        block_q=2,
+        num_splits=3,
+        num_warps=2,
+        num_stages=1,
+        block_k=32,
+        **m3,
+    )
     assert override == AttentionLaunchConfig(2, 3, 2, 1, 32)
     with pytest.raises(ValueError, match="backend"):
         attention_launch_config(backend="tpu", num_tokens=8, num_requests=1, max_blocks=4, **m3)
@@ -375,8 +417,14 @@ def test_lowers_for_gpu(platform):
             S((num_rows + 1,), jnp.int32),
             S((num_tokens, 4, 16), jnp.int32),
         )
-        text = lower_for_gpu(ragged_sparse_attention, *shapes, platform=platform, scale=128**-0.5,
-                             interpret=False, backend=platform)
+        text = lower_for_gpu(
+            ragged_sparse_attention,
+            *shapes,
+            platform=platform,
+            scale=128**-0.5,
+            interpret=False,
+            backend=platform,
+        )
         assert "triton" in text.lower() and "ragged_sparse_attention_bq" in text
         if num_rows == 1:  # split-K: the merge kernel is there too
             assert "ragged_sparse_attention_merge_splits" in text
