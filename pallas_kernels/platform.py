@@ -41,10 +41,18 @@ def resolve_interpret(interpret: bool | None) -> bool:
 
 
 def gpu_platform_name() -> str | None:
-    """``"cuda"`` or ``"rocm"`` for the default device, ``None`` off GPU."""
+    """``"cuda"`` or ``"rocm"`` for the default device, ``None`` off GPU.
+
+    JAX reports both as platform ``"gpu"``; the client's platform version names the runtime.
+    """
     if not on_gpu():
         return None
-    return jax.devices()[0].client.platform if hasattr(jax.devices()[0], "client") else jax.default_backend()
+    backend = jax.default_backend()
+    if backend in ("cuda", "rocm"):
+        return backend
+    dev = jax.devices()[0]
+    text = f"{getattr(dev.client, 'platform_version', '')} {getattr(dev, 'device_kind', '')}".lower()
+    return "rocm" if ("rocm" in text or "hip" in text or "gfx" in text) else "cuda"
 
 
 # Abstract GPUs used by the deviceless lowering check: one NVIDIA Hopper and one AMD CDNA3 part.

@@ -383,13 +383,7 @@ def _detect_backend() -> str:
     jax reports the platform of a CUDA device as plain ``"gpu"``; the platform version / device kind tell.
     """
     name = _platform.gpu_platform_name()
-    if name in CHIP_POLICIES:
-        return name
-    if name is None:
-        return "cuda"
-    dev = jax.devices()[0]
-    text = f"{getattr(dev.client, 'platform_version', '')} {getattr(dev, 'device_kind', '')}".lower()
-    return "rocm" if ("rocm" in text or "gfx" in text or "hip" in text) else "cuda"
+    return name if name in CHIP_POLICIES else "cuda"
 
 
 def attention_launch_config(

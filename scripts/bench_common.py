@@ -35,34 +35,87 @@ def time_fn(fn: Callable, arg_sets: Sequence[tuple], *, warmup: int = 3, iters: 
     return statistics.median(samples)
 
 
-def time_fn_batched(fn: Callable, arg_sets: Sequence[tuple], *, reps: int = 20, warmup: int = 2) -> float:
-    """Median per-call seconds when ``reps`` calls are queued back to back and synchronised once.
+def time_stats(fn: Callable, arg_sets: Sequence[tuple], *, reps: int = 20, samples: int = 7,
+               warmup: int = 2) -> dict:
+    """Per-call seconds of ``reps`` back-to-back calls synchronised once: median, min and max of ``samples``.
 
     Hides per-call host dispatch (a few microseconds) that ``time_fn`` would include; use it for kernels whose
     run time is comparable to dispatch latency.
     """
     for i in range(warmup):
         jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
-    samples = []
-    for _ in range(5):
+    ts = []
+    for _ in range(samples):
         t0 = time.perf_counter()
-        outs = [fn(*arg_sets[i % len(arg_sets)]) for i in range(reps)]
-        jax.block_until_ready(outs)
-        samples.append((time.perf_counter() - t0) / reps)
-    return statistics.median(samples)
+        jax.block_until_ready([fn(*arg_sets[i % len(arg_sets)]) for i in range(reps)])
+        ts.append((time.perf_counter() - t0) / reps)
+    return {"median": statistics.median(ts), "min": min(ts), "max": max(ts)}
 
 
-def measure_copy_bandwidth(nbytes: int = 4 << 30) -> float:
-    """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written.
+def time_fn_batched(fn: Callable, arg_sets: Sequence[tuple], *, reps: int = 20, warmup: int = 2) -> float:
+    """Median per-call seconds of back-to-back calls (see :func:`time_stats`)."""
+    return time_stats(fn, arg_sets, reps=reps, samples=5, warmup=warmup)["median"]
 
-    Copies are queued back to back and synchronised once (``time_fn_batched``): synchronising every call
-    under-reads the ceiling by 25-30% on an H200 (2.9-3.2 TB/s instead of about 4.2 TB/s).
+
+def time_stats_one_call(fn: Callable, arg_sets: Sequence[tuple], *, reps: int = 20, samples: int = 7) -> dict:
+    """Like :func:`time_stats`, but all ``arg_sets`` run inside ONE jitted call, so host dispatch (tens of
+    microseconds per jitted call) is paid once per ``len(arg_sets)`` kernel calls; seconds per kernel call."""
+    n = len(arg_sets)
+    if n == 1:
+        return time_stats(fn, arg_sets, reps=reps, samples=samples)
+    multi = jax.jit(lambda sets: [fn(*a) for a in sets])
+    t = time_stats(multi, [(list(arg_sets),)], reps=max(1, reps // n) + 1, samples=samples)
+    return {k: v / n for k, v in t.items()}
+
+
+def measure_copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy rate in bytes/s (bytes read plus bytes written) of a jnp ``x + 1``.
+
+    Copies are queued back to back and synchronised once: synchronising every call under-reads the ceiling by
+    25-30% on an H200. ``reps`` outputs stay alive, so keep ``nbytes`` around 1 GiB (4 GiB x 20 outputs ran out
+    of memory beside XLA's preallocated pool).
     """
     n = nbytes // 4
     xs = [jnp.arange(n, dtype=jnp.float32) + i for i in range(2)]
     copy = jax.jit(lambda x: x + 1.0)  # one read, one write per element
-    t = time_fn_batched(copy, [(x,) for x in xs], reps=20, warmup=3)
+    t = time_stats(copy, [(x,) for x in xs], reps=10, samples=5, warmup=3)["median"]
     return 2 * n * 4 / t
+
+
+def measure_bandwidths(nbytes: int = 1 << 30) -> dict:
+    """HBM ceilings in bytes/s: a jnp copy, a jnp read-only reduction and, when PyTorch sees a GPU, a torch
+    device-to-device copy timed with CUDA events. ``hbm_ceiling`` picks the copy rate to quote against."""
+    out = {"jnp_copy": measure_copy_bandwidth(nbytes)}
+    n = nbytes // 4
+    xs = [jnp.arange(n, dtype=jnp.float32) + i for i in range(2)]
+    t = time_stats(jax.jit(lambda x: jnp.sum(x)), [(x,) for x in xs], reps=10, samples=5)["median"]
+    out["jnp_read"] = n * 4 / t
+    del xs
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            a = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+            b = torch.empty_like(a)
+            for _ in range(3):
+                b.copy_(a)
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                b.copy_(a)
+            stop.record()
+            torch.cuda.synchronize()
+            out["torch_copy"] = 2 * a.numel() * 20 / (start.elapsed_time(stop) / 1e3)
+            del a, b
+            torch.cuda.empty_cache()
+    except Exception as e:  # noqa: BLE001  (torch is optional)
+        out["torch_error"] = repr(e)[:200]
+    return out
+
+
+def hbm_ceiling(bandwidths: dict) -> float:
+    """The copy rate (read + write bytes/s) that percentages of HBM bandwidth are quoted against."""
+    return max(v for k, v in bandwidths.items() if k.endswith("_copy"))
 
 
 def environment() -> dict:

@@ -33,7 +33,15 @@ from pallas_kernels.indexer import (
     ragged_index_topk,
     ragged_index_topk_reference,
 )
-from scripts.bench_common import environment, measure_copy_bandwidth, print_table, time_fn_batched, write_json
+from scripts.bench_common import (
+    environment,
+    hbm_ceiling,
+    measure_bandwidths,
+    print_table,
+    time_fn_batched,
+    time_stats_one_call,
+    write_json,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,63 +172,6 @@ def check_parity(out, ref, pooled, *, local_blocks: int = 1) -> dict:
     }
 
 
-def time_samples(fn, arg_sets, *, reps: int = 20, samples: int = 7, warmup: int = 2) -> dict:
-    """Per-call seconds of ``reps`` back-to-back calls synchronised once: median, min, max of ``samples``."""
-    for i in range(warmup):
-        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
-    ts = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        jax.block_until_ready([fn(*arg_sets[i % len(arg_sets)]) for i in range(reps)])
-        ts.append((time.perf_counter() - t0) / reps)
-    return {"median": float(np.median(ts)), "min": float(min(ts)), "max": float(max(ts))}
-
-
-def time_per_call(fn, arg_sets, *, reps: int = 20, samples: int = 7) -> dict:
-    """Like ``time_samples`` but all ``arg_sets`` run inside ONE jitted call, so host dispatch (tens of
-    microseconds per jitted call) is paid once per ``len(arg_sets)`` kernel calls; seconds per kernel call."""
-    n = len(arg_sets)
-    if n == 1:
-        return time_samples(fn, arg_sets, reps=reps, samples=samples)
-    multi = jax.jit(lambda sets: [fn(*a) for a in sets])
-    t = time_samples(multi, [(list(arg_sets),)], reps=max(1, reps // n) + 1, samples=samples)
-    return {k: v / n for k, v in t.items()}
-
-
-def measure_bandwidths(nbytes: int = 4 << 30) -> dict:
-    """HBM ceilings, bytes/s: ``bench_common.measure_copy_bandwidth`` (per-call synchronised), a jnp copy
-    timed back to back, a read-only reduction and, when PyTorch is present, ``torch`` device-to-device
-    copies."""
-    out = {"bench_common_copy": measure_copy_bandwidth(min(nbytes, 2 << 30))}
-    n = nbytes // 4
-    xs = [jnp.arange(n, dtype=jnp.float32) + i for i in range(2)]
-    t = time_samples(jax.jit(lambda x: x + 1.0), [(x,) for x in xs], reps=10, samples=5)
-    out["jnp_copy"] = 2 * n * 4 / t["median"]
-    t = time_samples(jax.jit(lambda x: jnp.sum(x)), [(x,) for x in xs], reps=10, samples=5)
-    out["jnp_read"] = n * 4 / t["median"]
-    del xs
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            a = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
-            b = torch.empty_like(a)
-            for _ in range(3):
-                b.copy_(a)
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(20):
-                b.copy_(a)
-            stop.record()
-            torch.cuda.synchronize()
-            out["torch_copy"] = 2 * a.numel() * 20 / (start.elapsed_time(stop) / 1e3)
-            del a, b
-            torch.cuda.empty_cache()
-    except Exception as e:  # noqa: BLE001
-        out["torch_error"] = repr(e)[:200]
-    return out
-
-
 def run(
     cases=None,
     *,
@@ -236,8 +187,8 @@ def run(
     variants = SERVING_VARIANTS if variants is None else variants
     bandwidths = {}
     if copy_bandwidth is None:
-        bandwidths = measure_bandwidths(4 << 30 if jax.default_backend() != "cpu" else 1 << 24)
-        copy_bandwidth = max(v for k, v in bandwidths.items() if k.endswith("copy"))
+        bandwidths = measure_bandwidths(1 << 30 if jax.default_backend() != "cpu" else 1 << 24)
+        copy_bandwidth = hbm_ceiling(bandwidths)
     log(
         f"HBM copy bandwidth: {copy_bandwidth / 1e9:.1f} GB/s on {environment()['device']}; all (GB/s): "
         + json.dumps({k: round(v / 1e9, 1) if isinstance(v, float) else v for k, v in bandwidths.items()})
@@ -286,7 +237,7 @@ def run(
                 row["compile_s"] = time.perf_counter() - t0
                 if check:
                     row.update(check_parity(out, ref_out, pooled))
-                ts = time_per_call(fn, sets, reps=20)
+                ts = time_stats_one_call(fn, sets, reps=20)
                 t = ts["median"]
                 row.update(
                     time_us=t * 1e6,

@@ -48,6 +48,8 @@ SIZES = {
     "512x1x4K": {"num_requests": 512, "q_len": 1, "context": 4096},
     "1x8x32K": {"num_requests": 1, "q_len": 8, "context": 32768},
 }
+# Tiny size for a CPU smoke run of the whole bench path (interpret mode), not a measurement.
+QUICK_SIZES = {"2x4x512": {"num_requests": 2, "q_len": 4, "context": 512}}
 # Copy-rate probe size: 1 GiB is far past the L2 (~60 MB); back-to-back timing keeps ``reps`` outputs alive,
 # so 4 GiB x 20 outputs does not fit beside XLA's preallocated pool on a 141 GB H200 (it ran out of memory).
 COPY_BYTES = 1 << 30
@@ -247,7 +249,7 @@ def run(
     rows = []
     jobs = [(s, False) for s in sizes] + [(s, True) for s in (dense_sizes or ())]
     for name, dense in jobs:
-        shape = SIZES[name]
+        shape = {**SIZES, **QUICK_SIZES}[name]
         n_copies = (
             copies if copies is not None else (16 if shape["num_requests"] * shape["context"] <= 65536 else 2)
         )
@@ -385,15 +387,6 @@ DEFAULT_SWEEP = {
 }
 
 
-def measure_copy_bandwidth_batched(nbytes: int = COPY_BYTES) -> float:
-    """Copy rate (bytes read + written per second) of a large bf16 ``x + 1`` timed back to back."""
-    n = nbytes // 2
-    xs = [jnp.full((n,), i, jnp.bfloat16) for i in range(2)]
-    fn = jax.jit(lambda x: x + jnp.bfloat16(1))
-    sec = bench_common.time_fn_batched(fn, [(x,) for x in xs], reps=10)
-    return 2 * n * 2 / sec
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default=",".join(SIZES), help="comma-separated subset of " + ",".join(SIZES))
@@ -405,15 +398,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--json", default=None, help="write rows and environment here")
     a = p.parse_args(argv)
     env = bench_common.environment()
-    hbm_single = bench_common.measure_copy_bandwidth(COPY_BYTES)
-    hbm_batched = measure_copy_bandwidth_batched()
-    hbm = max(hbm_single, hbm_batched)
-    env.update(hbm_copy_single=hbm_single, hbm_copy_batched=hbm_batched)
-    print(
-        f"# {env}  copy bandwidth {hbm_single / 1e12:.3f} TB/s (synchronised calls), "
-        f"{hbm_batched / 1e12:.3f} TB/s (back-to-back)",
-        flush=True,
-    )
+    bandwidths = bench_common.measure_bandwidths(COPY_BYTES)
+    hbm = bench_common.hbm_ceiling(bandwidths)
+    env.update(bandwidths_Bps=bandwidths)
+    print(f"# {env}  HBM copy ceiling {hbm / 1e12:.3f} TB/s", flush=True)
     rows = run(
         [s for s in a.sizes.split(",") if s],
         DEFAULT_SWEEP if a.sweep else None,
