@@ -179,9 +179,11 @@ def indexer_launch_config(
     nb_p2 = _next_pow2(max_blocks)
     select_rows = max(1, min(m, pol.select_elems // nb_p2))
     select_num_warps = min(4, max(1, select_rows * nb_p2 // pol.select_elems))
+    # The dot's N is page x pages_per_step and must be >= 16: small pages are scored several at a time.
+    pages_per_step = max(1, 16 // page_p2)
     return IndexerLaunchConfig(
         block_q=block_q,
-        pages_per_step=1,
+        pages_per_step=pages_per_step,
         num_splits=num_splits,
         num_warps=num_warps,
         num_stages=pol.num_stages,
