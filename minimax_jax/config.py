@@ -170,21 +170,7 @@ class MiniMaxM3Config:
     @classmethod
     def from_pretrained(cls, path_or_dict: str | os.PathLike | Mapping[str, Any]) -> MiniMaxM3Config:
         """Read a MiniMax-M3 ``config.json`` (a directory, the file, or an already-parsed dict)."""
-        if isinstance(path_or_dict, Mapping):
-            raw = dict(path_or_dict)
-        else:
-            path = os.fspath(path_or_dict)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"no config.json at {path}")
-            with open(path) as f:
-                try:
-                    raw = json.load(f)
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"{path} is not valid JSON: {e}") from None
-            if not isinstance(raw, dict):
-                raise ConfigError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+        raw = read_config_json(path_or_dict)
         return cls(**_normalise(raw))
 
     def to_dict(self) -> dict[str, Any]:
@@ -234,6 +220,25 @@ class MiniMaxM3Config:
 
 
 # ---------------------------------------------------------------------- parsing
+def read_config_json(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
+    """A ``config.json`` as a dict: from a directory, the file itself, or an already-parsed mapping."""
+    if isinstance(path_or_dict, Mapping):
+        return dict(path_or_dict)
+    path = os.fspath(path_or_dict)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json at {path}")
+    with open(path) as f:
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+    return raw
+
+
 _FIELDS = {f.name for f in dataclasses.fields(MiniMaxM3Config)}
 
 _LEGACY_SPARSE_KEYS = {

@@ -45,7 +45,7 @@ from flax import nnx
 
 from minimax_jax.attention import MASK_VALUE, Attention, grouped_attention
 from minimax_jax.calibration import apply_sts
-from minimax_jax.config import DENSE_MLP, FULL_ATTENTION, ConfigError, MiniMaxM3Config
+from minimax_jax.config import DENSE_MLP, FULL_ATTENTION, ConfigError, MiniMaxM3Config, read_config_json
 from minimax_jax.layers import DenseMLP, Linear, RMSNorm, apply_rope, rope_cos_sin
 from minimax_jax.model import MiniMaxM3ForCausalLM, check_input_ids
 from pallas_kernels.metadata import token_to_request
@@ -280,7 +280,7 @@ class DSparkConfig:
         ``dense_intermediate_size`` (else ``intermediate_size``). Without ``target_layer_ids`` the default
         formula is used, which needs ``num_target_layers`` and ``num_target_features``.
         """
-        raw = _read_json(path_or_dict)
+        raw = read_config_json(path_or_dict)
         text = raw.get("text_config")
         if text is not None:
             if not isinstance(text, Mapping):
@@ -375,24 +375,6 @@ class DSparkConfig:
             path = os.path.join(path, "config.json")
         with open(path, "w") as f:
             json.dump(self.to_dict(), f, indent=2)
-
-
-def _read_json(path_or_dict) -> dict[str, Any]:
-    if isinstance(path_or_dict, Mapping):
-        return dict(path_or_dict)
-    path = os.fspath(path_or_dict)
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no config.json at {path}")
-    with open(path) as f:
-        try:
-            raw = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path} must hold a JSON object, got {type(raw).__name__}")
-    return raw
 
 
 def _lookup(text: Mapping[str, Any], name: str, aliases: Sequence[str]):
