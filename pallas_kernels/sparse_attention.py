@@ -14,24 +14,29 @@ selected key get exact zeros (never NaN). Every token keeps its own selection an
 
 Algorithm (docs/kernels/sparse_attention.md has the bytes and FLOP model). One program owns one *request tile*
 (up to ``block_q`` consecutive tokens of one request) and one KV head; its query tile is ``block_q x group``
-rows (e.g. 8 tokens x 16 heads = 128 rows) that share every K/V load. The program flattens the tile's
-``[block_q, topk]`` selection list, drops ``-1`` slots, blocks past the tile's last position and repeats of an
-earlier entry (one vectorised ``N x N`` compare), and walks the resulting *union* of blocks, reading each
-selected page once per (request tile, KV head). Per block it applies, in registers, each row's own selection
-("did my token pick this block") and causal limit. Split-K: ``num_splits`` programs share one tile's union
-(balanced contiguous ranges) and write fp32 partial outputs with a base-2 log-sum-exp; a small Pallas merge
-kernel combines them. With ``num_splits == 1`` the kernel writes the final output directly.
+rows (e.g. 8 tokens x 16 heads = 128 rows) that share every K/V load. Two or three kernels, no XLA glue:
 
-Launch cost matters at small batches, so the whole call is one or two kernels and no XLA glue: each program
-finds its own tokens by a search over ``query_start_loc`` (``_locate_tile``), and the union's physical pages
-are gathered into registers once, so the walk has no dependent scalar load and the compiler can prefetch K/V
-``num_stages - 1`` steps ahead. ``block_k`` cuts a page into smaller key steps to fit more stages.
+1. Pre-pass (``_tile_union_kernel``, one program per (tile, KV head)): finds the tile's tokens by a search over
+   ``query_start_loc`` (``_locate_tile``) and writes the tile table. Sparse: it flattens the tile's ``[block_q,
+   topk]`` selection list, drops ``-1`` slots and blocks past the tile's last position, keeps the first
+   occurrence of every block id (one vectorised ``N x N`` compare) and writes the resulting *union* as dense
+   int32 rows -- physical page, logical block, token bitmask (bit i: token i of the tile selected the block) --
+   plus two counts. "Full" blocks (selected by every token of the tile and wholly at or before its first
+   position) come first, the rest after them.
+2. The walk (``_ragged_attention_kernel``): per step one scalar load of the page id from those rows (the
+   standard paged-attention indirect load, which Triton's software pipeliner prefetches ``num_stages - 2``
+   steps ahead), a ``block_k``-key K/V slice, ``S = Q K^T``, online softmax, ``acc += P V``. Full blocks run
+   with no mask at all; the others apply each row's own selection (``(mask >> token) & 1``) and causal limit
+   in registers. Dense mode walks blocks ``0 .. cdiv(pos_last + 1, page)`` of the request's block table with
+   the causal mask only on the blocks past the tile's first position.
+3. Split-K: ``num_splits`` programs share one tile's walk (balanced contiguous step ranges) and write fp32
+   partial outputs with a base-2 log-sum-exp; a small Pallas merge kernel combines them. With
+   ``num_splits == 1`` the walk writes the final output directly.
 
 Reads: a ``-1`` slot, a block at or past ``cdiv(pos_last + 1, page)`` of the tile, a padding tile and a
 zero-length row never touch ``block_tables`` or the caches; only physical pages named by a request's own table
 entries for its visible blocks are read. The dense variant (``ragged_paged_attention`` in
-``paged_attention.py``) reuses this kernel with ``dense=True``: it walks blocks ``0 .. cdiv(pos_last + 1,
-page)`` with the causal mask only.
+``paged_attention.py``) reuses both kernels with ``dense=True``.
 """
 
 from __future__ import annotations
@@ -66,6 +71,8 @@ _LOG2E = math.log2(math.e)
 # Entries of one tile's flattened selection list (block_q * topk, padded to a power of 2). The in-register
 # dedupe is an N x N compare, so N is capped.
 MAX_SELECTION_ENTRIES = 256
+# Tokens per sparse tile: a union block's token mask is one int32.
+MAX_SPARSE_BLOCK_Q = 32
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -104,40 +111,33 @@ def _locate_tile(tile, seg_start, seg_len, seg_seq, *, num_rows: int, block_q: i
     return req, tok_start + local, ntok, pos0
 
 
-def _ragged_attention_kernel(
+def _tile_union_kernel(
     qsl_ref,  # [R + 1] int32
     seq_ref,  # [R] int32
-    q_ref,  # [T * H_q, D]
-    k_ref,  # [P, page, D]        (this program's KV head)
-    v_ref,  # [P, page, D]        (this program's KV head)
-    tables_ref,  # [R, max_blocks] int32
-    *refs,  # sparse: sel_ref [T, topk] int32 (this KV head); then outputs:
-    #   num_splits == 1: o_ref [T * H_q, D] (q dtype)
-    #   num_splits  > 1: o_ref [T * H_q, D] f32 (this split), lse_ref [T * H_q] f32 (this split, base 2)
-    group: int,
-    num_q_heads: int,
+    *refs,  # sparse: tables_ref [R, max_blocks] int32, sel_ref [T, topk] int32 (this KV head); then outputs:
+    #   tile_ref [num_tiles, 4] int32: (request row or -1, first token, tokens, first position) per tile
+    #   sparse: counts_ref [2] int32 (this tile, KV head): (full blocks, union blocks)
+    #   sparse: union_ref [3, U] int32 (this tile, KV head): rows (physical page, logical block, token mask)
     num_tokens: int,
     num_rows: int,
     block_q: int,
-    block_k: int,
-    rows: int,
     topk: int,
     topk_pow2: int,
-    num_splits: int,
+    page: int,
     max_blocks: int,
-    scale: float,
+    union_size: int,
     dense: bool,
 ):
+    """Pre-pass, one program per (request tile, KV head): find the tile, then (sparse) write the union of its
+    tokens' selections as dense arrays, so the attention walk only does scalar loads (module docstring)."""
     if dense:
-        sel_ref, out_refs = None, refs
+        (tile_ref,) = refs
     else:
-        sel_ref, *out_refs = refs
+        tables_ref, sel_ref, tile_ref, counts_ref, union_ref = refs
     tile = pl.program_id(0)
     head = pl.program_id(1)
-    split = pl.program_id(2)
-    _, page, head_dim = k_ref.shape
 
-    # Which tokens this program owns: a search over query_start_loc on the device (no host lengths).
+    # Which tokens the tile owns: a search over query_start_loc on the device (no host lengths).
     seg = jax.lax.broadcasted_iota(jnp.int32, (_next_pow2(num_rows + 1),), 0)
     in_seg, in_row = seg <= num_rows, seg < num_rows
     seg_start = plgpu.load(qsl_ref.at[jnp.where(in_seg, seg, 0)], mask=in_seg, other=0)
@@ -147,6 +147,93 @@ def _ragged_attention_kernel(
     req, tok0, ntok, pos0 = _locate_tile(
         tile, seg_start, seg_len, seg_seq, num_rows=num_rows, block_q=block_q
     )
+    four = jax.lax.broadcasted_iota(jnp.int32, (4,), 0)
+    info = jnp.where(four == 0, req, jnp.where(four == 1, tok0, jnp.where(four == 2, ntok, pos0)))
+    first_head = head == 0
+    # Only KV head 0 writes the tile's row; the other heads point one past the end (dropped).
+    plgpu.store(
+        tile_ref.at[jnp.zeros_like(four) + tile, jnp.where(first_head, four, 4)],
+        info,
+        mask=(four >= 0) & first_head,
+    )
+    if dense:
+        return
+
+    live = req >= 0
+    req_c = jnp.maximum(req, 0)
+    # Blocks visible to the tile's last token; nothing at or past this bound is ever read.
+    n_visible = jnp.where(live, jnp.minimum((pos0 + ntok - 1 + page) // page, max_blocks), 0)
+    # The tile's flattened selection list, entry n = (token n // topk_pow2, slot n % topk_pow2).
+    n_entries = block_q * topk_pow2
+    n = jax.lax.broadcasted_iota(jnp.int32, (n_entries,), 0)
+    n_tok = n // topk_pow2
+    n_slot = n % topk_pow2
+    ent_ok = (n_tok < ntok) & (n_slot < topk) & live
+    blocks = plgpu.load(
+        sel_ref.at[jnp.where(ent_ok, tok0 + n_tok, 0), jnp.where(ent_ok, n_slot, 0)], mask=ent_ok, other=-1
+    )
+    blocks = jnp.where(ent_ok & (blocks >= 0) & (blocks < n_visible), blocks, -1)
+    valid = blocks >= 0
+    # Pairwise compares of the list: which entries name the same block, which come earlier in the list, which
+    # belong to the same token.
+    same = (blocks[:, None] == blocks[None, :]) & valid[:, None]  # [N, N]
+    n_col = jax.lax.broadcasted_iota(jnp.int32, (n_entries, n_entries), 1)
+    n_row = jax.lax.broadcasted_iota(jnp.int32, (n_entries, n_entries), 0)
+    earlier = same & (n_col < n_row)
+    first = valid & (jnp.max(earlier.astype(jnp.int32), axis=1) == 0)  # first occurrence in the list
+    same_tok = (n_col // topk_pow2) == (n_row // topk_pow2)
+    repeat_in_tok = jnp.max((earlier & same_tok).astype(jnp.int32), axis=1) > 0
+    # Token mask of a block: bit i set when token i of the tile selected it (a repeat inside one token's list
+    # adds nothing, so the sum of distinct powers of 2 is an OR).
+    bit = jnp.where(valid & ~repeat_in_tok, jnp.left_shift(1, n_tok), 0)
+    token_mask = jnp.sum(jnp.where(same, bit[None, :], 0), axis=1)
+    # "Full" blocks need no mask at all: every token selected them and their last key is at or before the
+    # tile's first position. They go first in the union, the others (masked walk) after them.
+    all_tokens = jnp.where(ntok >= 32, -1, jnp.left_shift(1, jnp.minimum(ntok, 31)) - 1)
+    full = first & (token_mask == all_tokens) & ((blocks + 1) * page <= pos0 + 1)
+    part = first & ~full
+    full_i, part_i = full.astype(jnp.int32), part.astype(jnp.int32)
+    n_full = jnp.sum(full_i)
+    n_union = n_full + jnp.sum(part_i)
+    rank = jnp.where(full, jnp.cumsum(full_i, axis=0) - full_i, n_full + jnp.cumsum(part_i, axis=0) - part_i)
+    phys = plgpu.load(
+        tables_ref.at[jnp.zeros_like(blocks) + req_c, jnp.where(first, blocks, 0)], mask=first, other=0
+    )
+    # Entries that are not first occurrences point one past the end (masked on GPU, dropped by interpret mode).
+    slot = jnp.where(first, rank, union_size)
+    for row, value in enumerate((phys, blocks, token_mask)):
+        plgpu.store(union_ref.at[jnp.full_like(slot, row), slot], value, mask=first)
+    two = jax.lax.broadcasted_iota(jnp.int32, (2,), 0)
+    plgpu.store(counts_ref.at[two], jnp.where(two == 0, n_full, n_union))
+
+
+def _ragged_attention_kernel(
+    tile_ref,  # [4] int32 (this tile): request row or -1, first token, tokens, first position
+    q_ref,  # [T * H_q, D]
+    k_ref,  # [P, page, D]        (this program's KV head)
+    v_ref,  # [P, page, D]        (this program's KV head)
+    index_ref,  # dense: block tables [R, max_blocks] int32; sparse: union [3, U] int32 (this tile, KV head)
+    *refs,  # sparse: counts_ref [2] int32 (this tile, KV head); then outputs:
+    #   num_splits == 1: o_ref [T * H_q, D] (q dtype)
+    #   num_splits  > 1: o_ref [T * H_q, D] f32 (this split), lse_ref [T * H_q] f32 (this split, base 2)
+    group: int,
+    num_q_heads: int,
+    block_k: int,
+    rows: int,
+    num_splits: int,
+    max_blocks: int,
+    scale: float,
+    dense: bool,
+):
+    if dense:
+        counts_ref, out_refs = None, refs
+    else:
+        counts_ref, *out_refs = refs
+    head = pl.program_id(1)
+    split = pl.program_id(2)
+    _, page, head_dim = k_ref.shape
+
+    req, tok0, ntok, pos0 = tile_ref[0], tile_ref[1], tile_ref[2], tile_ref[3]
     live = req >= 0
     req_c = jnp.maximum(req, 0)
 
@@ -160,94 +247,66 @@ def _ragged_attention_kernel(
     d = jax.lax.broadcasted_iota(jnp.int32, (head_dim,), 0)
     q = plgpu.load(q_ref.at[q_rows[:, None], d[None, :]], mask=row_valid[:, None], other=0)  # [rows, D]
 
-    # Blocks visible to the tile's last token; nothing at or past this bound is ever read.
-    n_visible = jnp.where(live, jnp.minimum((pos0 + ntok - 1 + page) // page, max_blocks), 0)
-
     if dense:
-        n_blocks = n_visible
-        # The request's block-table row in registers, so the walk has no dependent scalar load.
-        bidx = jax.lax.broadcasted_iota(jnp.int32, (_next_pow2(max_blocks),), 0)
-        b_ok = (bidx < n_visible) & live
-        table_row = plgpu.load(
-            tables_ref.at[jnp.zeros_like(bidx) + req_c, jnp.where(b_ok, bidx, 0)], mask=b_ok, other=0
-        )
+        # Blocks 0 .. n_total of the request; the first n_full lie at or before the tile's first position.
+        n_total = jnp.where(live, jnp.minimum((pos0 + ntok - 1 + page) // page, max_blocks), 0)
+        n_full = jnp.where(live, jnp.minimum((pos0 + 1) // page, n_total), 0)
     else:
-        # The tile's flattened selection list, entry n = (token n // topk_pow2, slot n % topk_pow2).
-        n_entries = block_q * topk_pow2
-        n = jax.lax.broadcasted_iota(jnp.int32, (n_entries,), 0)
-        n_tok = n // topk_pow2
-        n_slot = n % topk_pow2
-        ent_ok = (n_tok < ntok) & (n_slot < topk) & live
-        blocks = plgpu.load(
-            sel_ref.at[jnp.where(ent_ok, tok0 + n_tok, 0), jnp.where(ent_ok, n_slot, 0)],
-            mask=ent_ok,
-            other=-1,
-        )
-        blocks = jnp.where(ent_ok & (blocks >= 0) & (blocks < n_visible), blocks, -1)
-        # First occurrence of each block id in the list (vectorised compare against all earlier entries).
-        n_col = jax.lax.broadcasted_iota(jnp.int32, (n_entries, n_entries), 1)
-        n_row = jax.lax.broadcasted_iota(jnp.int32, (n_entries, n_entries), 0)
-        seen_before = (blocks[:, None] == blocks[None, :]) & (n_col < n_row)
-        first = (blocks >= 0) & (jnp.max(seen_before.astype(jnp.int32), axis=1) == 0)
-        first_i = first.astype(jnp.int32)
-        rank = jnp.cumsum(first_i, axis=0) - first_i  # position of a first occurrence in the union
-        n_blocks = jnp.sum(first_i)
-        # Physical pages of the union, gathered once: the walk then has no dependent scalar load, so the
-        # compiler can prefetch K/V pages (num_stages - 1) steps ahead.
-        phys = plgpu.load(
-            tables_ref.at[jnp.zeros_like(blocks) + req_c, jnp.where(first, blocks, 0)], mask=first, other=0
-        )
-        # Each row's own selection, for the per-row "did my token pick this block" test.
-        slot = jax.lax.broadcasted_iota(jnp.int32, (topk_pow2,), 0)
-        sel_ok = row_valid[:, None] & (slot[None, :] < topk) & live
-        sel_rows = plgpu.load(
-            sel_ref.at[row_tok[:, None], jnp.where(slot < topk, slot, 0)[None, :]], mask=sel_ok, other=-1
-        )  # [rows, topk_pow2]
+        n_full, n_total = counts_ref[0], counts_ref[1]
 
-    # The walk: union block u in [0, n_blocks), sub-tile of block_k keys; a balanced share per split.
+    # The walk: block u of the union (dense: of the request), sub-step of block_k keys; split s takes a
+    # balanced contiguous share of the steps. Steps of full blocks run without any mask.
     parts = page // block_k
-    n_steps = n_blocks * parts
+    n_steps = n_total * parts
     lo = (split * n_steps) // num_splits
     hi = ((split + 1) * n_steps) // num_splits
+    mid = jnp.clip(n_full * parts, lo, hi)
     key_iota = jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-    qk_scale = scale * _LOG2E
+    qk_scale = scale * _LOG2E  # scores in the log2 domain
 
-    def body(step, carry):
-        acc, m_prev, l_prev = carry
+    def load_kv(step):
         u, part = (step, 0) if parts == 1 else (step // parts, step % parts)
-        if dense:
-            b = u
-            page_id = jnp.sum(jnp.where(bidx == u, table_row, 0))
-            limit = row_pos
-        else:
-            pick = first & (rank == u)
-            b = jnp.sum(jnp.where(pick, blocks, 0))
-            page_id = jnp.sum(jnp.where(pick, phys, 0))
-            picked = jnp.max((sel_rows == b).astype(jnp.int32), axis=1)
-            limit = jnp.where(picked > 0, row_pos, -1)
+        page_id = index_ref[req_c, u] if dense else index_ref[0, u]
         if parts == 1:
-            kb = k_ref[page_id]  # [block_k, D]
-            vb = v_ref[page_id]  # [block_k, D]
-            key0 = b * page
+            return u, 0, k_ref[page_id], v_ref[page_id]  # [block_k, D] each
+        off = pl.multiple_of(part * block_k, block_k)
+        return u, off, k_ref[page_id, pl.ds(off, block_k), :], v_ref[page_id, pl.ds(off, block_k), :]
+
+    def update(carry, s, vb, visible):
+        acc, m_prev, l_prev = carry
+        if visible is None:  # the scale folds into one multiply-add per score
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1) * qk_scale)
+            p = jnp.exp2(s * qk_scale - m_next[:, None])
         else:
-            off = pl.multiple_of(part * block_k, block_k)
-            kb = k_ref[page_id, pl.ds(off, block_k), :]  # [block_k, D]
-            vb = v_ref[page_id, pl.ds(off, block_k), :]  # [block_k, D]
-            key0 = b * page + off
-        s = _dot(q, kb, contract_b=1) * qk_scale  # [rows, block_k], log2 domain
-        visible = (key0 + key_iota)[None, :] <= limit[:, None]
-        s = jnp.where(visible, s, MASK_VALUE)
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+            s = jnp.where(visible, s * qk_scale, MASK_VALUE)
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+            # A row with no visible key so far has m_next == MASK_VALUE, where exp2(s - m_next) would be 1.
+            p = jnp.where(visible, jnp.exp2(s - m_next[:, None]), 0.0)
         alpha = jnp.exp2(m_prev - m_next)
-        p = jnp.where(visible, jnp.exp2(s - m_next[:, None]), 0.0)
         l_next = l_prev * alpha + jnp.sum(p, axis=1)
         acc = acc * alpha[:, None] + _dot(p.astype(vb.dtype), vb, contract_b=0)
         return acc, m_next, l_next
 
+    def full_step(step, carry):
+        _, _, kb, vb = load_kv(step)
+        return update(carry, _dot(q, kb, contract_b=1), vb, None)
+
+    def masked_step(step, carry):
+        u, off, kb, vb = load_kv(step)
+        if dense:
+            b, limit = u, row_pos
+        else:
+            b = index_ref[1, u]
+            picked = jnp.bitwise_and(jnp.right_shift(index_ref[2, u], tok_local), 1) > 0
+            limit = jnp.where(picked, row_pos, -1)
+        visible = (b * page + off + key_iota)[None, :] <= limit[:, None]
+        return update(carry, _dot(q, kb, contract_b=1), vb, visible)
+
     acc = jnp.zeros((rows, head_dim), jnp.float32)
     m_i = jnp.full((rows,), MASK_VALUE, jnp.float32)
     l_i = jnp.zeros((rows,), jnp.float32)
-    acc, m_i, l_i = jax.lax.fori_loop(lo, hi, body, (acc, m_i, l_i))
+    carry = jax.lax.fori_loop(lo, mid, full_step, (acc, m_i, l_i))
+    acc, m_i, l_i = jax.lax.fori_loop(mid, hi, masked_step, carry)
 
     has_keys = l_i > 0.0
     out = acc / jnp.where(has_keys, l_i, 1.0)[:, None]
@@ -356,6 +415,7 @@ class AttentionLaunchConfig:
     num_warps: int
     num_stages: int
     block_k: int = 0  # keys per step (power of 2 dividing the page); 0: the whole page
+    prepass_warps: int = 4  # warps of the tile/union pre-pass kernel
 
 
 def _next_pow2(x: int) -> int:
@@ -423,7 +483,7 @@ def attention_launch_config(
         mean_q = -(-num_tokens // max(num_requests, 1))
         block_q = min(_next_pow2(mean_q), max(1, policy.max_rows // group))
         if not dense:
-            block_q = min(block_q, max(1, MAX_SELECTION_ENTRIES // topk_pow2))
+            block_q = min(block_q, max(1, MAX_SELECTION_ENTRIES // topk_pow2), MAX_SPARSE_BLOCK_Q)
         block_q = max(1, min(block_q, _next_pow2(num_tokens)))
     rows = max(16, _next_pow2(block_q * group))
     large = rows >= 64
@@ -536,8 +596,8 @@ def ragged_attention_pallas(
     interpret: bool,
     poison: bool = False,
 ):
-    """Builds the grid and BlockSpecs and runs the kernel (sparse, or dense when ``block_indices is None``),
-    then the split-K merge kernel when ``config.num_splits > 1``.
+    """Builds the grids and BlockSpecs and runs the kernels: the tile/union pre-pass, the attention walk
+    (sparse, or dense when ``block_indices is None``), then the split-K merge when ``config.num_splits > 1``.
 
     ``poison`` (tests only): start the float output buffers as NaN (aliased into the kernels) so that a row a
     kernel fails to write shows up.
@@ -552,6 +612,8 @@ def ragged_attention_pallas(
     block_k = config.block_k or page
     if block_q < 1 or block_q & (block_q - 1):
         raise ValueError(f"block_q must be a power of 2 >= 1, got {block_q}")
+    if not dense and block_q > MAX_SPARSE_BLOCK_Q:
+        raise ValueError(f"block_q must be <= {MAX_SPARSE_BLOCK_Q} (token bitmask of int32), got {block_q}")
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if block_k < 1 or block_k & (block_k - 1) or page % block_k:
@@ -565,27 +627,78 @@ def ragged_attention_pallas(
     rows = max(16, _next_pow2(block_q * group))
     num_tiles = _num_tiles_bound(num_tokens, num_rows, block_q)
     flat_rows = num_tokens * num_q_heads
+    kind = "paged" if dense else "sparse"
+    union_size = 1 if dense else min(max_blocks, block_q * topk)
+    qsl = query_start_loc.astype(jnp.int32)
+    seq = seq_lens.astype(jnp.int32)
+    tables = block_tables.astype(jnp.int32)
 
+    # 1. Pre-pass: tile table (and the sparse unions), one program per (tile, KV head).
+    heads = 1 if dense else num_kv_heads
+    pre_specs = [
+        pl.BlockSpec((num_rows + 1,), lambda i, h: (0,)),
+        pl.BlockSpec((num_rows,), lambda i, h: (0,)),
+    ]
+    pre_args = [qsl, seq]
+    pre_shapes = [jax.ShapeDtypeStruct((num_tiles, 4), jnp.int32)]
+    pre_out_specs = [pl.BlockSpec((num_tiles, 4), lambda i, h: (0, 0))]
+    if not dense:
+        pre_specs += [
+            pl.BlockSpec((num_rows, max_blocks), lambda i, h: (0, 0)),
+            pl.BlockSpec((num_tokens, None, topk), lambda i, h: (0, h, 0)),
+        ]
+        pre_args += [tables, block_indices.astype(jnp.int32)]
+        pre_shapes += [
+            jax.ShapeDtypeStruct((num_tiles, num_kv_heads, 2), jnp.int32),
+            jax.ShapeDtypeStruct((num_tiles, num_kv_heads, 3, union_size), jnp.int32),
+        ]
+        pre_out_specs += [
+            pl.BlockSpec((None, None, 2), lambda i, h: (i, h, 0)),
+            pl.BlockSpec((None, None, 3, union_size), lambda i, h: (i, h, 0, 0)),
+        ]
+    pre = _call(
+        functools.partial(
+            _tile_union_kernel,
+            num_tokens=num_tokens,
+            num_rows=num_rows,
+            block_q=block_q,
+            topk=topk,
+            topk_pow2=topk_pow2,
+            page=page,
+            max_blocks=max_blocks,
+            union_size=union_size,
+            dense=dense,
+        ),
+        grid=(num_tiles, heads),
+        in_specs=pre_specs,
+        out_specs=pre_out_specs,
+        out_shape=pre_shapes,
+        args=pre_args,
+        poison=False,
+        interpret=interpret,
+        num_warps=config.prepass_warps,
+        num_stages=1,
+        name=f"ragged_{kind}_attention_tiles_bq{block_q}",
+    )
+
+    # 2. The attention walk.
     grid = (num_tiles, num_kv_heads, num_splits)
     in_specs = [
-        pl.BlockSpec((num_rows + 1,), lambda i, h, s: (0,)),
-        pl.BlockSpec((num_rows,), lambda i, h, s: (0,)),
+        pl.BlockSpec((None, 4), lambda i, h, s: (i, 0)),
         pl.BlockSpec((flat_rows, head_dim), lambda i, h, s: (0, 0)),
         pl.BlockSpec((None, num_pages, page, head_dim), lambda i, h, s: (h, 0, 0, 0)),
         pl.BlockSpec((None, num_pages, page, head_dim), lambda i, h, s: (h, 0, 0, 0)),
-        pl.BlockSpec((num_rows, max_blocks), lambda i, h, s: (0, 0)),
     ]
-    args = [
-        query_start_loc.astype(jnp.int32),
-        seq_lens.astype(jnp.int32),
-        q.reshape(flat_rows, head_dim),
-        k_cache,
-        v_cache,
-        block_tables.astype(jnp.int32),
-    ]
-    if not dense:
-        in_specs.append(pl.BlockSpec((num_tokens, None, topk), lambda i, h, s: (0, h, 0)))
-        args.append(block_indices.astype(jnp.int32))
+    args = [pre[0], q.reshape(flat_rows, head_dim), k_cache, v_cache]
+    if dense:
+        in_specs.append(pl.BlockSpec((num_rows, max_blocks), lambda i, h, s: (0, 0)))
+        args.append(tables)
+    else:
+        in_specs += [
+            pl.BlockSpec((None, None, 3, union_size), lambda i, h, s: (i, h, 0, 0)),
+            pl.BlockSpec((None, None, 2), lambda i, h, s: (i, h, 0)),
+        ]
+        args += [pre[2], pre[1]]
     if num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((flat_rows, head_dim), q.dtype)]
         out_specs = [pl.BlockSpec((flat_rows, head_dim), lambda i, h, s: (0, 0))]
@@ -602,19 +715,13 @@ def ragged_attention_pallas(
         _ragged_attention_kernel,
         group=group,
         num_q_heads=num_q_heads,
-        num_tokens=num_tokens,
-        num_rows=num_rows,
-        block_q=block_q,
         block_k=block_k,
         rows=rows,
-        topk=topk,
-        topk_pow2=topk_pow2,
         num_splits=num_splits,
         max_blocks=max_blocks,
         scale=float(scale),
         dense=dense,
     )
-    kind = "paged" if dense else "sparse"
     outs = _call(
         kernel,
         grid=grid,
