@@ -67,6 +67,8 @@ __all__ = [
 
 # Large-but-finite: exp2(MASK_VALUE - m) underflows to 0 and MASK_VALUE - MASK_VALUE stays finite.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+# Subtracted instead of a row's max when the row skips a block: exp2(score - _SKIP_ROW) is exactly 0.
+_SKIP_ROW = 0.5 * float(np.finfo(np.float32).max)
 _LOG2E = math.log2(math.e)
 # Entries of one tile's flattened selection list (block_q * topk, padded to a power of 2). The in-register
 # dedupe is an N x N compare, so N is capped.
@@ -116,7 +118,7 @@ def _tile_union_kernel(
     seq_ref,  # [R] int32
     *refs,  # sparse: tables_ref [R, max_blocks] int32, sel_ref [T, topk] int32 (this KV head); then outputs:
     #   tile_ref [num_tiles, 4] int32: (request row or -1, first token, tokens, first position) per tile
-    #   sparse: counts_ref [2] int32 (this tile, KV head): (full blocks, union blocks)
+    #   sparse: counts_ref [2] int32 (this tile, KV head): (past blocks, union blocks)
     #   sparse: union_ref [3, U] int32 (this tile, KV head): rows (physical page, logical block, token mask)
     num_tokens: int,
     num_rows: int,
@@ -187,15 +189,16 @@ def _tile_union_kernel(
     # adds nothing, so the sum of distinct powers of 2 is an OR).
     bit = jnp.where(valid & ~repeat_in_tok, jnp.left_shift(1, n_tok), 0)
     token_mask = jnp.sum(jnp.where(same, bit[None, :], 0), axis=1)
-    # "Full" blocks need no mask at all: every token selected them and their last key is at or before the
-    # tile's first position. They go first in the union, the others (masked walk) after them.
-    all_tokens = jnp.where(ntok >= 32, -1, jnp.left_shift(1, jnp.minimum(ntok, 31)) - 1)
-    full = first & (token_mask == all_tokens) & ((blocks + 1) * page <= pos0 + 1)
-    part = first & ~full
-    full_i, part_i = full.astype(jnp.int32), part.astype(jnp.int32)
-    n_full = jnp.sum(full_i)
-    n_union = n_full + jnp.sum(part_i)
-    rank = jnp.where(full, jnp.cumsum(full_i, axis=0) - full_i, n_full + jnp.cumsum(part_i, axis=0) - part_i)
+    # "Past" blocks end at or before the tile's first position: no causal mask, only the per-row selection
+    # test. They go first in the union, the (at most cdiv(block_q, page) + 1) causal blocks after them.
+    past = first & ((blocks + 1) * page <= pos0 + 1)
+    causal = first & ~past
+    past_i, causal_i = past.astype(jnp.int32), causal.astype(jnp.int32)
+    n_past = jnp.sum(past_i)
+    n_union = n_past + jnp.sum(causal_i)
+    rank = jnp.where(
+        past, jnp.cumsum(past_i, axis=0) - past_i, n_past + jnp.cumsum(causal_i, axis=0) - causal_i
+    )
     phys = plgpu.load(
         tables_ref.at[jnp.zeros_like(blocks) + req_c, jnp.where(first, blocks, 0)], mask=first, other=0
     )
@@ -204,7 +207,7 @@ def _tile_union_kernel(
     for row, value in enumerate((phys, blocks, token_mask)):
         plgpu.store(union_ref.at[jnp.full_like(slot, row), slot], value, mask=first)
     two = jax.lax.broadcasted_iota(jnp.int32, (2,), 0)
-    plgpu.store(counts_ref.at[two], jnp.where(two == 0, n_full, n_union))
+    plgpu.store(counts_ref.at[two], jnp.where(two == 0, n_past, n_union))
 
 
 def _ragged_attention_kernel(
@@ -248,19 +251,20 @@ def _ragged_attention_kernel(
     q = plgpu.load(q_ref.at[q_rows[:, None], d[None, :]], mask=row_valid[:, None], other=0)  # [rows, D]
 
     if dense:
-        # Blocks 0 .. n_total of the request; the first n_full lie at or before the tile's first position.
+        # Blocks 0 .. n_total of the request; the first n_past end at or before the tile's first position.
         n_total = jnp.where(live, jnp.minimum((pos0 + ntok - 1 + page) // page, max_blocks), 0)
-        n_full = jnp.where(live, jnp.minimum((pos0 + 1) // page, n_total), 0)
+        n_past = jnp.where(live, jnp.minimum((pos0 + 1) // page, n_total), 0)
     else:
-        n_full, n_total = counts_ref[0], counts_ref[1]
+        n_past, n_total = counts_ref[0], counts_ref[1]
 
     # The walk: block u of the union (dense: of the request), sub-step of block_k keys; split s takes a
-    # balanced contiguous share of the steps. Steps of full blocks run without any mask.
+    # balanced contiguous share of the steps. Past blocks need no causal mask (dense: no mask at all; sparse:
+    # one per-row selection bit); only the causal blocks at the end apply a mask per score.
     parts = page // block_k
     n_steps = n_total * parts
     lo = (split * n_steps) // num_splits
     hi = ((split + 1) * n_steps) // num_splits
-    mid = jnp.clip(n_full * parts, lo, hi)
+    mid = jnp.clip(n_past * parts, lo, hi)
     key_iota = jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
     qk_scale = scale * _LOG2E  # scores in the log2 domain
 
@@ -272,41 +276,51 @@ def _ragged_attention_kernel(
         off = pl.multiple_of(part * block_k, block_k)
         return u, off, k_ref[page_id, pl.ds(off, block_k), :], v_ref[page_id, pl.ds(off, block_k), :]
 
-    def update(carry, s, vb, visible):
+    def picked_rows(u):
+        """Rows whose token selected union block u (bit token of its mask)."""
+        return jnp.bitwise_and(jnp.right_shift(index_ref[2, u], tok_local), 1) > 0
+
+    def past_step(step, carry):
         acc, m_prev, l_prev = carry
-        if visible is None:  # the scale folds into one multiply-add per score
-            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1) * qk_scale)
-            p = jnp.exp2(s * qk_scale - m_next[:, None])
+        u, _, kb, vb = load_kv(step)
+        s = _dot(q, kb, contract_b=1)  # [rows, block_k]
+        m_blk = jnp.maximum(m_prev, jnp.max(s, axis=1) * qk_scale)
+        if dense:
+            m_next = m_exp = m_blk
         else:
-            s = jnp.where(visible, s * qk_scale, MASK_VALUE)
-            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-            # A row with no visible key so far has m_next == MASK_VALUE, where exp2(s - m_next) would be 1.
-            p = jnp.where(visible, jnp.exp2(s - m_next[:, None]), 0.0)
+            # A row that did not pick the block keeps its state: its max subtracts a huge value instead, so
+            # its probabilities are exactly 0 (no per-score mask), and alpha is 1.
+            picked = picked_rows(u)
+            m_next = jnp.where(picked, m_blk, m_prev)
+            m_exp = jnp.where(picked, m_next, _SKIP_ROW)
+        p = jnp.exp2(s * qk_scale - m_exp[:, None])  # one multiply-add per score
         alpha = jnp.exp2(m_prev - m_next)
         l_next = l_prev * alpha + jnp.sum(p, axis=1)
         acc = acc * alpha[:, None] + _dot(p.astype(vb.dtype), vb, contract_b=0)
         return acc, m_next, l_next
 
-    def full_step(step, carry):
-        _, _, kb, vb = load_kv(step)
-        return update(carry, _dot(q, kb, contract_b=1), vb, None)
-
-    def masked_step(step, carry):
+    def causal_step(step, carry):
+        acc, m_prev, l_prev = carry
         u, off, kb, vb = load_kv(step)
         if dense:
             b, limit = u, row_pos
         else:
-            b = index_ref[1, u]
-            picked = jnp.bitwise_and(jnp.right_shift(index_ref[2, u], tok_local), 1) > 0
-            limit = jnp.where(picked, row_pos, -1)
-        visible = (b * page + off + key_iota)[None, :] <= limit[:, None]
-        return update(carry, _dot(q, kb, contract_b=1), vb, visible)
+            b, limit = index_ref[1, u], jnp.where(picked_rows(u), row_pos, -1)
+        visible = (b * page + off + key_iota)[None, :] <= limit[:, None]  # [rows, block_k]
+        s = jnp.where(visible, _dot(q, kb, contract_b=1) * qk_scale, MASK_VALUE)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        # A row with no visible key so far has m_next == MASK_VALUE, where exp2(s - m_next) would be 1.
+        p = jnp.where(visible, jnp.exp2(s - m_next[:, None]), 0.0)
+        alpha = jnp.exp2(m_prev - m_next)
+        l_next = l_prev * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.astype(vb.dtype), vb, contract_b=0)
+        return acc, m_next, l_next
 
     acc = jnp.zeros((rows, head_dim), jnp.float32)
     m_i = jnp.full((rows,), MASK_VALUE, jnp.float32)
     l_i = jnp.zeros((rows,), jnp.float32)
-    carry = jax.lax.fori_loop(lo, mid, full_step, (acc, m_i, l_i))
-    acc, m_i, l_i = jax.lax.fori_loop(mid, hi, masked_step, carry)
+    carry = jax.lax.fori_loop(lo, mid, past_step, (acc, m_i, l_i))
+    acc, m_i, l_i = jax.lax.fori_loop(mid, hi, causal_step, carry)
 
     has_keys = l_i > 0.0
     out = acc / jnp.where(has_keys, l_i, 1.0)[:, None]
