@@ -390,16 +390,20 @@ class ChipPolicy:
     max_splits: int  # split-K cap (partial outputs cost T * H_q * D * 4 bytes per split)
     max_rows: int = 128  # query rows per program (block_q * group)
     merge_rows: int = 32  # rows per program of the split-K merge kernel
+    prepass_warps_large: int = 8  # pre-pass with >= 128 selection-list entries (block_q * topk)
+    prepass_warps_small: int = 4
 
 
 CHIP_POLICIES: dict[str, ChipPolicy] = {
     # Hopper (H100 / H200): 132 SMs, 32-wide warps, 227 KiB of shared memory per block. 128-row tiles: 8 warps
-    # (two warpgroups of 64 rows), 3 stages of 64-key K/V tiles = 96 KiB + the 32 KiB query tile.
+    # (two warpgroups of 64 rows). With the page id loaded in the walk, Triton's pipeliner puts the id load,
+    # the K/V copy and the math in separate stages: 5 stages keep two 64-key K/V tiles in flight (3 buffers,
+    # 96 KiB + the 32 KiB query tile), 3 stages only one.
     "cuda": ChipPolicy(
         num_cores=132,
         num_warps_large=8,
         num_warps_small=4,
-        num_stages_large=3,
+        num_stages_large=5,
         num_stages_small=3,
         block_k_large=64,
         block_k_small=64,
@@ -418,6 +422,8 @@ CHIP_POLICIES: dict[str, ChipPolicy] = {
         block_k_small=32,
         smem_bytes=64 * 1024,
         max_splits=16,
+        prepass_warps_large=4,
+        prepass_warps_small=4,
     ),
 }
 
@@ -518,12 +524,14 @@ def attention_launch_config(
             and q_bytes + max(num_stages, 1) * 2 * block_k * head_dim * itemsize > policy.smem_bytes
         ):
             block_k //= 2
+    entries = block_q * (1 if dense else topk_pow2)
     return AttentionLaunchConfig(
         block_q=int(block_q),
         num_splits=int(num_splits),
         num_warps=int(num_warps),
         num_stages=int(num_stages),
         block_k=int(min(block_k, page)),
+        prepass_warps=policy.prepass_warps_large if entries >= 128 else policy.prepass_warps_small,
     )
 
 
@@ -595,6 +603,73 @@ def check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_st
         )
 
 
+def _tile_union_prepass(
+    query_start_loc,
+    seq_lens,
+    block_tables,
+    block_indices,
+    *,
+    num_tokens: int,
+    page: int,
+    config: AttentionLaunchConfig,
+    interpret: bool,
+):
+    """Runs ``_tile_union_kernel``: ``[tiles int32[num_tiles, 4]]``; sparse also ``counts int32[num_tiles,
+    H_kv, 2]`` and ``union int32[num_tiles, H_kv, 3, U]``, ``U = min(max_blocks, block_q * topk)``."""
+    num_rows, max_blocks = block_tables.shape
+    dense = block_indices is None
+    block_q = config.block_q
+    num_tiles = _num_tiles_bound(num_tokens, num_rows, block_q)
+    num_kv_heads, topk = (1, 1) if dense else block_indices.shape[1:]
+    topk_pow2 = _next_pow2(topk)
+    union_size = min(max_blocks, block_q * topk)
+    pre_specs = [
+        pl.BlockSpec((num_rows + 1,), lambda i, h: (0,)),
+        pl.BlockSpec((num_rows,), lambda i, h: (0,)),
+    ]
+    pre_args = [query_start_loc.astype(jnp.int32), seq_lens.astype(jnp.int32)]
+    pre_shapes = [jax.ShapeDtypeStruct((num_tiles, 4), jnp.int32)]
+    pre_out_specs = [pl.BlockSpec((num_tiles, 4), lambda i, h: (0, 0))]
+    if not dense:
+        pre_specs += [
+            pl.BlockSpec((num_rows, max_blocks), lambda i, h: (0, 0)),
+            pl.BlockSpec((num_tokens, None, topk), lambda i, h: (0, h, 0)),
+        ]
+        pre_args += [block_tables.astype(jnp.int32), block_indices.astype(jnp.int32)]
+        pre_shapes += [
+            jax.ShapeDtypeStruct((num_tiles, num_kv_heads, 2), jnp.int32),
+            jax.ShapeDtypeStruct((num_tiles, num_kv_heads, 3, union_size), jnp.int32),
+        ]
+        pre_out_specs += [
+            pl.BlockSpec((None, None, 2), lambda i, h: (i, h, 0)),
+            pl.BlockSpec((None, None, 3, union_size), lambda i, h: (i, h, 0, 0)),
+        ]
+    return _call(
+        functools.partial(
+            _tile_union_kernel,
+            num_tokens=num_tokens,
+            num_rows=num_rows,
+            block_q=block_q,
+            topk=topk,
+            topk_pow2=topk_pow2,
+            page=page,
+            max_blocks=max_blocks,
+            union_size=union_size,
+            dense=dense,
+        ),
+        grid=(num_tiles, num_kv_heads),
+        in_specs=pre_specs,
+        out_specs=pre_out_specs,
+        out_shape=pre_shapes,
+        args=pre_args,
+        poison=False,
+        interpret=interpret,
+        num_warps=config.prepass_warps,
+        num_stages=1,
+        name=f"ragged_{'paged' if dense else 'sparse'}_attention_tiles_bq{block_q}",
+    )
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "config", "interpret", "poison"))
 def ragged_attention_pallas(
     q,
@@ -642,58 +717,20 @@ def ragged_attention_pallas(
     num_tiles = _num_tiles_bound(num_tokens, num_rows, block_q)
     flat_rows = num_tokens * num_q_heads
     kind = "paged" if dense else "sparse"
-    union_size = 1 if dense else min(max_blocks, block_q * topk)
-    qsl = query_start_loc.astype(jnp.int32)
-    seq = seq_lens.astype(jnp.int32)
     tables = block_tables.astype(jnp.int32)
 
-    # 1. Pre-pass: tile table (and the sparse unions), one program per (tile, KV head).
-    heads = 1 if dense else num_kv_heads
-    pre_specs = [
-        pl.BlockSpec((num_rows + 1,), lambda i, h: (0,)),
-        pl.BlockSpec((num_rows,), lambda i, h: (0,)),
-    ]
-    pre_args = [qsl, seq]
-    pre_shapes = [jax.ShapeDtypeStruct((num_tiles, 4), jnp.int32)]
-    pre_out_specs = [pl.BlockSpec((num_tiles, 4), lambda i, h: (0, 0))]
-    if not dense:
-        pre_specs += [
-            pl.BlockSpec((num_rows, max_blocks), lambda i, h: (0, 0)),
-            pl.BlockSpec((num_tokens, None, topk), lambda i, h: (0, h, 0)),
-        ]
-        pre_args += [tables, block_indices.astype(jnp.int32)]
-        pre_shapes += [
-            jax.ShapeDtypeStruct((num_tiles, num_kv_heads, 2), jnp.int32),
-            jax.ShapeDtypeStruct((num_tiles, num_kv_heads, 3, union_size), jnp.int32),
-        ]
-        pre_out_specs += [
-            pl.BlockSpec((None, None, 2), lambda i, h: (i, h, 0)),
-            pl.BlockSpec((None, None, 3, union_size), lambda i, h: (i, h, 0, 0)),
-        ]
-    pre = _call(
-        functools.partial(
-            _tile_union_kernel,
-            num_tokens=num_tokens,
-            num_rows=num_rows,
-            block_q=block_q,
-            topk=topk,
-            topk_pow2=topk_pow2,
-            page=page,
-            max_blocks=max_blocks,
-            union_size=union_size,
-            dense=dense,
-        ),
-        grid=(num_tiles, heads),
-        in_specs=pre_specs,
-        out_specs=pre_out_specs,
-        out_shape=pre_shapes,
-        args=pre_args,
-        poison=False,
+    # 1. Pre-pass: tile table (and the sparse unions); 2. the walk; 3. the split-K merge.
+    pre = _tile_union_prepass(
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        block_indices,
+        num_tokens=num_tokens,
+        page=page,
+        config=config,
         interpret=interpret,
-        num_warps=config.prepass_warps,
-        num_stages=1,
-        name=f"ragged_{kind}_attention_tiles_bq{block_q}",
     )
+    union_size = 1 if dense else pre[2].shape[-1]
 
     # 2. The attention walk.
     grid = (num_tiles, num_kv_heads, num_splits)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib.util
 import sys
 import time
 
@@ -32,7 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import sparse_attention as _sa
 from pallas_kernels.paged_attention import ragged_paged_attention, ragged_paged_attention_reference
+from pallas_kernels.platform import resolve_interpret
 from pallas_kernels.sparse_attention import (
     attention_launch_config,
     ragged_sparse_attention,
@@ -216,6 +219,50 @@ def time_in_loop(fn, arg_sets, *, iters: int = 50) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
+def _time_prepass(inp: Inputs, cfg, dense: bool) -> dict:
+    """Seconds per call of the tile/union pre-pass kernel alone (back to back, and chained in one loop)."""
+    fn = jax.jit(
+        functools.partial(
+            _sa._tile_union_prepass,
+            num_tokens=inp.q.shape[0],
+            page=inp.caches[0][0].shape[2],
+            config=cfg,
+            interpret=resolve_interpret(None),
+        )
+    )
+    sel = None if dense else inp.block_indices
+    args = (inp.query_start_loc, inp.seq_lens, inp.block_tables, sel)
+    jax.block_until_ready(fn(*args))
+
+    def many(qsl, *rest):
+        def body(_, carry):
+            # A dependency XLA cannot fold away (tile rows are >= -1), so the calls stay in the loop.
+            return fn(qsl + (carry[0][0, 0] == -12345).astype(qsl.dtype), *rest)
+
+        return jax.lax.fori_loop(0, 50, body, fn(qsl, *rest))
+
+    many = jax.jit(many)
+    jax.block_until_ready(many(*args))
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        jax.block_until_ready(many(*args))
+        samples.append((time.perf_counter() - t0) / 51)
+    return {
+        "batched": bench_common.time_fn_batched(fn, [args], reps=20),
+        "loop": sorted(samples)[len(samples) // 2],
+    }
+
+
+def _load_module(path: str):
+    name = "baseline_" + path.rsplit("/", 1)[-1].removesuffix(".py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _errors(out, ref) -> dict:
     d = jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))
     return {
@@ -236,10 +283,15 @@ def run(
     reps: int = 20,
     hbm_bytes_per_s: float | None = None,
     seed: int = 0,
+    baseline=None,
     log=print,
 ) -> list[dict]:
     """Time the kernel (policy default plus ``variants[size]`` launch overrides; ``variants["paged:" + size]``
-    for the dense kernel) at each size; see module doc."""
+    for the dense kernel) at each size; see module doc.
+
+    Also a ``prepass`` row per size (the tile/union pre-pass kernel alone, default launch) and, with
+    ``baseline`` (a module with the same entry points, e.g. an earlier version of the kernel file), a
+    ``baseline`` row timing its default launch on the same inputs."""
     sizes = list(SIZES) if sizes is None else sizes
     variants = variants or {}
     if hbm_bytes_per_s is None:
@@ -278,7 +330,12 @@ def run(
             itemsize=inp.q.dtype.itemsize,
         )
         loop_timing = inp.q.shape[0] * shape["context"] <= 8 * 32768  # latency-bound sizes
-        for variant in [{}] + list(variants.get(("paged:" if dense else "") + name, [])):
+        jobs_here = [{}] + list(variants.get(("paged:" if dense else "") + name, []))
+        jobs_here.append({"_prepass": True})
+        if hasattr(baseline, "ragged_paged_attention" if dense else "ragged_sparse_attention"):
+            jobs_here.append({"_baseline": True})
+        for variant in jobs_here:
+            special = next((k for k in variant if k.startswith("_")), None)
             cfg = dataclasses.replace(
                 policy, **{k: v for k, v in variant.items() if k in dataclasses.asdict(policy)}
             )
@@ -287,7 +344,9 @@ def run(
                 size=name,
                 **shape,
                 noise=noise,
-                variant="default" if not variant else ",".join(f"{k}={v}" for k, v in variant.items()),
+                variant=special[1:]
+                if special
+                else ("default" if not variant else ",".join(f"{k}={v}" for k, v in variant.items())),
                 **{f"cfg_{k}": v for k, v in dataclasses.asdict(cfg).items()},
                 target_ms=None if dense else TARGET_MS.get(name),
                 per_token_kernel_ms=None if dense else PER_TOKEN_KERNEL_MS.get(name),
@@ -297,7 +356,17 @@ def run(
             )
             row.update(bytes_and_flops(inp, block_q=cfg.block_q, dense=dense))
             try:
-                fn = _attn_fn(dense, "pallas", scale, variant)
+                if special == "_prepass":
+                    t = _time_prepass(inp, cfg, dense)
+                    row.update(time_ms=1e3 * t["batched"], time_ms_loop=1e3 * t["loop"])
+                    log(_one_line(row))
+                    rows.append(row)
+                    continue
+                if special == "_baseline":
+                    base = baseline.ragged_paged_attention if dense else baseline.ragged_sparse_attention
+                    fn = functools.partial(base, scale=scale, implementation="pallas")
+                else:
+                    fn = _attn_fn(dense, "pallas", scale, variant)
                 t0 = time.perf_counter()
                 out = jax.block_until_ready(fn(*arg_sets[0]))
                 row["compile_s"] = time.perf_counter() - t0
@@ -369,22 +438,62 @@ def _one_line(row: dict) -> str:
     return " ".join(f"{k}={bench_common._fmt(row.get(k))}" for k in keys if row.get(k) is not None)
 
 
+# Launch variants (each a dict of ``ragged_sparse_attention`` overrides) timed by ``--sweep``.
+_Q4 = {"block_q": 4, "num_warps": 4}  # 64-row tiles (4 tokens x 16 heads): two programs per SM
 DEFAULT_SWEEP = {
     "512x8x4K": [
-        {"num_stages": 4, "block_k": 32},
-        {"num_stages": 4, "block_k": 64},
-        {"num_stages": 2, "block_k": 128},
+        {"num_stages": 3},
+        {"num_stages": 4},
+        {"num_stages": 5},
+        {"block_k": 32, "num_stages": 5},
+        {"block_k": 128, "num_stages": 2},
+        {"block_k": 128, "num_stages": 3},
+        {"block_k": 128, "num_stages": 4},
+        {**_Q4, "block_k": 64, "num_stages": 3},
+        {**_Q4, "block_k": 64, "num_stages": 4},
+        {**_Q4, "block_k": 64, "num_stages": 5},
+        {**_Q4, "block_k": 32, "num_stages": 4},
+        {**_Q4, "block_k": 32, "num_stages": 5},
         {"block_q": 1},  # one token per tile: per-token reads, checks the bytes model
     ],
     "512x1x4K": [
-        {"num_stages": 4, "block_k": 32},
-        {"num_stages": 2, "block_k": 128},
-        {"num_stages": 3, "block_k": 128},
-        {"num_stages": 4, "block_k": 64},
+        {"num_stages": 3},
+        {"num_stages": 5},
+        {"block_k": 128, "num_stages": 2},
+        {"block_k": 128, "num_stages": 3},
+        {"block_k": 32, "num_stages": 5},
     ],
-    "1x8x32K": [{"num_splits": 8}, {"num_splits": 32}, {"num_stages": 4, "block_k": 32}],
+    "1x8x32K": [
+        {"num_splits": 8},
+        {"num_splits": 32},
+        {"num_stages": 3},
+        {"num_stages": 5},
+        {**_Q4, "num_splits": 16},
+    ],
+    "paged:512x8x4K": [{"num_stages": 5}, {**_Q4, "num_stages": 3}],
+    "paged:512x1x4K": [{"num_stages": 5}],
     "paged:1x8x32K": [{"num_splits": 32}],
 }
+
+
+def _baseline(sparse_path: str | None, dense_path: str | None):
+    """A namespace with an earlier version's ``ragged_sparse_attention`` / ``ragged_paged_attention``."""
+    if not sparse_path:
+        return None
+    import types
+
+    sparse = _load_module(sparse_path)
+    ns = types.SimpleNamespace(ragged_sparse_attention=sparse.ragged_sparse_attention)
+    if dense_path:
+        # The earlier paged_attention.py imports its kernel from pallas_kernels.sparse_attention: point that
+        # name at the earlier module while it loads.
+        saved = sys.modules.get("pallas_kernels.sparse_attention")
+        sys.modules["pallas_kernels.sparse_attention"] = sparse
+        try:
+            ns.ragged_paged_attention = _load_module(dense_path).ragged_paged_attention
+        finally:
+            sys.modules["pallas_kernels.sparse_attention"] = saved
+    return ns
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -396,6 +505,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--no-reference", action="store_true")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--json", default=None, help="write rows and environment here")
+    p.add_argument("--baseline", default=None, help="path of an earlier sparse_attention.py to time beside")
+    p.add_argument(
+        "--baseline-dense", default=None, help="path of an earlier paged_attention.py (dense rows)"
+    )
     a = p.parse_args(argv)
     env = bench_common.environment()
     bandwidths = bench_common.measure_bandwidths(COPY_BYTES)
@@ -410,6 +523,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         reference=not a.no_reference,
         reps=a.reps,
         hbm_bytes_per_s=hbm,
+        baseline=_baseline(a.baseline, a.baseline_dense),
     )
     if a.json:
         bench_common.write_json(a.json, {"environment": env, "hbm_copy_bytes_per_s": hbm, "rows": rows})
