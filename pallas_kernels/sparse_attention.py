@@ -75,6 +75,9 @@ _LOG2E = math.log2(math.e)
 MAX_SELECTION_ENTRIES = 256
 # Tokens per sparse tile: a union block's token mask is one int32.
 MAX_SPARSE_BLOCK_Q = 32
+# The pre-pass compares the tile's [block_q, topk] selections against this many (selection, block id) pairs
+# per step of its walk over block ids.
+_PREPASS_CHUNK_ELEMENTS = 8192
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -128,6 +131,7 @@ def _tile_union_kernel(
     page: int,
     max_blocks: int,
     union_size: int,
+    chunk: int,
     dense: bool,
 ):
     """Pre-pass, one program per (request tile, KV head): find the tile, then (sparse) write the union of its
@@ -165,47 +169,38 @@ def _tile_union_kernel(
     req_c = jnp.maximum(req, 0)
     # Blocks visible to the tile's last token; nothing at or past this bound is ever read.
     n_visible = jnp.where(live, jnp.minimum((pos0 + ntok - 1 + page) // page, max_blocks), 0)
-    # The tile's flattened selection list, entry n = (token n // topk_pow2, slot n % topk_pow2).
-    n_entries = block_q * topk_pow2
-    n = jax.lax.broadcasted_iota(jnp.int32, (n_entries,), 0)
-    n_tok = n // topk_pow2
-    n_slot = n % topk_pow2
-    ent_ok = (n_tok < ntok) & (n_slot < topk) & live
-    blocks = plgpu.load(
-        sel_ref.at[jnp.where(ent_ok, tok0 + n_tok, 0), jnp.where(ent_ok, n_slot, 0)], mask=ent_ok, other=-1
-    )
-    blocks = jnp.where(ent_ok & (blocks >= 0) & (blocks < n_visible), blocks, -1)
-    valid = blocks >= 0
-    # Pairwise compares of the list: which entries name the same block, which come earlier in the list, which
-    # belong to the same token.
-    same = (blocks[:, None] == blocks[None, :]) & valid[:, None]  # [N, N]
-    n_col = jax.lax.broadcasted_iota(jnp.int32, (n_entries, n_entries), 1)
-    n_row = jax.lax.broadcasted_iota(jnp.int32, (n_entries, n_entries), 0)
-    earlier = same & (n_col < n_row)
-    first = valid & (jnp.max(earlier.astype(jnp.int32), axis=1) == 0)  # first occurrence in the list
-    same_tok = (n_col // topk_pow2) == (n_row // topk_pow2)
-    repeat_in_tok = jnp.max((earlier & same_tok).astype(jnp.int32), axis=1) > 0
-    # Token mask of a block: bit i set when token i of the tile selected it (a repeat inside one token's list
-    # adds nothing, so the sum of distinct powers of 2 is an OR).
-    bit = jnp.where(valid & ~repeat_in_tok, jnp.left_shift(1, n_tok), 0)
-    token_mask = jnp.sum(jnp.where(same, bit[None, :], 0), axis=1)
-    # "Past" blocks end at or before the tile's first position: no causal mask, only the per-row selection
-    # test. They go first in the union, the (at most cdiv(block_q, page) + 1) causal blocks after them.
-    past = first & ((blocks + 1) * page <= pos0 + 1)
-    causal = first & ~past
-    past_i, causal_i = past.astype(jnp.int32), causal.astype(jnp.int32)
-    n_past = jnp.sum(past_i)
-    n_union = n_past + jnp.sum(causal_i)
-    rank = jnp.where(
-        past, jnp.cumsum(past_i, axis=0) - past_i, n_past + jnp.cumsum(causal_i, axis=0) - causal_i
-    )
-    phys = plgpu.load(
-        tables_ref.at[jnp.zeros_like(blocks) + req_c, jnp.where(first, blocks, 0)], mask=first, other=0
-    )
-    # Entries that are not first occurrences point one past the end (masked on GPU, dropped by interpret mode).
-    slot = jnp.where(first, rank, union_size)
-    for row, value in enumerate((phys, blocks, token_mask)):
-        plgpu.store(union_ref.at[jnp.full_like(slot, row), slot], value, mask=first)
+    # The tile's selections [block_q, topk_pow2]; -1 for padding, -1 slots and blocks past the last position.
+    t = jax.lax.broadcasted_iota(jnp.int32, (block_q, topk_pow2), 0)
+    j = jax.lax.broadcasted_iota(jnp.int32, (block_q, topk_pow2), 1)
+    ok = (t < ntok) & (j < topk) & live
+    sel = plgpu.load(sel_ref.at[jnp.where(ok, tok0 + t, 0), jnp.where(ok, j, 0)], mask=ok, other=-1)
+    sel = jnp.where(ok & (sel >= 0) & (sel < n_visible), sel, -1)
+    tok_bit = jnp.left_shift(1, jax.lax.broadcasted_iota(jnp.int32, (block_q, 1), 0))  # [block_q, 1]
+    n_past_max = jnp.minimum((pos0 + 1) // page, n_visible)  # blocks below end at or before pos0
+    cb = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+
+    # The union in ascending block order, ``chunk`` block ids at a time: a block's token mask has bit t set
+    # when token t selected it (a repeat in one token's list counts once: "any" over its slots first). The
+    # blocks below n_past_max ("past": no causal mask needed, only the per-row selection bit) come first by
+    # construction; the at most cdiv(block_q - 1, page) + 1 causal blocks follow.
+    def chunk_step(c, carry):
+        offset, n_past = carry
+        b = c * chunk + cb  # [chunk]
+        hit = (sel[:, :, None] == b[None, None, :]).astype(jnp.int32)  # [block_q, topk_pow2, chunk]
+        token_mask = jnp.sum(jnp.max(hit, axis=1) * tok_bit, axis=0)  # [chunk]
+        present = token_mask != 0
+        present_i = present.astype(jnp.int32)
+        slot = jnp.where(present, offset + jnp.cumsum(present_i, axis=0) - present_i, union_size)
+        phys = plgpu.load(
+            tables_ref.at[jnp.zeros_like(b) + req_c, jnp.where(present, b, 0)], mask=present, other=0
+        )
+        # Slots of absent blocks point one past the end (masked on GPU, dropped by interpret mode).
+        for row, value in enumerate((phys, b, token_mask)):
+            plgpu.store(union_ref.at[jnp.full_like(slot, row), slot], value, mask=present)
+        return offset + jnp.sum(present_i), n_past + jnp.sum(present_i * (b < n_past_max))
+
+    n_chunks = (n_visible + chunk - 1) // chunk
+    n_union, n_past = jax.lax.fori_loop(0, n_chunks, chunk_step, (jnp.int32(0), jnp.int32(0)))
     two = jax.lax.broadcasted_iota(jnp.int32, (2,), 0)
     plgpu.store(counts_ref.at[two], jnp.where(two == 0, n_past, n_union))
 
@@ -390,8 +385,7 @@ class ChipPolicy:
     max_splits: int  # split-K cap (partial outputs cost T * H_q * D * 4 bytes per split)
     max_rows: int = 128  # query rows per program (block_q * group)
     merge_rows: int = 32  # rows per program of the split-K merge kernel
-    prepass_warps_large: int = 8  # pre-pass with >= 128 selection-list entries (block_q * topk)
-    prepass_warps_small: int = 4
+    prepass_warps: int = 4  # tile/union pre-pass kernel
 
 
 CHIP_POLICIES: dict[str, ChipPolicy] = {
@@ -422,8 +416,6 @@ CHIP_POLICIES: dict[str, ChipPolicy] = {
         block_k_small=32,
         smem_bytes=64 * 1024,
         max_splits=16,
-        prepass_warps_large=4,
-        prepass_warps_small=4,
     ),
 }
 
@@ -524,14 +516,13 @@ def attention_launch_config(
             and q_bytes + max(num_stages, 1) * 2 * block_k * head_dim * itemsize > policy.smem_bytes
         ):
             block_k //= 2
-    entries = block_q * (1 if dense else topk_pow2)
     return AttentionLaunchConfig(
         block_q=int(block_q),
         num_splits=int(num_splits),
         num_warps=int(num_warps),
         num_stages=int(num_stages),
         block_k=int(min(block_k, page)),
-        prepass_warps=policy.prepass_warps_large if entries >= 128 else policy.prepass_warps_small,
+        prepass_warps=policy.prepass_warps,
     )
 
 
@@ -655,6 +646,7 @@ def _tile_union_prepass(
             page=page,
             max_blocks=max_blocks,
             union_size=union_size,
+            chunk=max(1, min(_next_pow2(max_blocks), _PREPASS_CHUNK_ELEMENTS // (block_q * topk_pow2))),
             dense=dense,
         ),
         grid=(num_tiles, num_kv_heads),

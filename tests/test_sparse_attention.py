@@ -329,6 +329,70 @@ def test_tile_table_covers_every_slot_once(block_q):
         assert np.all(owner != -2), "a token not covered"
 
 
+@pytest.mark.parametrize("block_q, chunk_elements", [(4, 64), (8, 8192), (32, 256)])
+def test_union_prepass_matches_sets(block_q, chunk_elements, monkeypatch):
+    """The pre-pass writes, per (tile, KV head), the union of the tile's visible selections in ascending block
+    order with each block's token bitmask and physical page, and counts the past blocks (those ending at or
+    before the tile's first position). Small ``chunk_elements`` walks the block ids in several chunks;
+    block_q = 32 sets bit 31 of the int32 masks."""
+    monkeypatch.setattr(sa, "_PREPASS_CHUNK_ELEMENTS", chunk_elements)
+    rng = np.random.default_rng(block_q)
+    q_lens, seq_lens = (
+        ([3, 0, 1, 8, 5, 0, 2], [37, 0, 9, 70, 44, 0, 23]) if block_q < 32 else ([35, 2], [60, 9])
+    )
+    batch = make_batch(rng, q_lens=q_lens, seq_lens=seq_lens, page=4, dim=16, kv_heads=2, group=2, topk=3)
+    sel = np.array(batch["block_indices"])
+    tables = np.asarray(batch["block_tables"])
+    sel[3, 1, 1] = sel[3, 1, 0]  # a repeat inside one token's list counts once
+    num_tokens = sel.shape[0]
+    config = AttentionLaunchConfig(block_q=block_q, num_splits=1, num_warps=4, num_stages=2)
+    tiles, counts, union = (
+        np.asarray(x)
+        for x in sa._tile_union_prepass(
+            batch["query_start_loc"],
+            batch["seq_lens"],
+            batch["block_tables"],
+            jnp.asarray(sel),
+            num_tokens=num_tokens,
+            page=4,
+            config=config,
+            interpret=True,
+        )
+    )
+    expected_tiles = np.asarray(
+        sa._tile_table(batch["query_start_loc"], batch["seq_lens"], num_tokens, block_q, tiles.shape[0])
+    )
+    np.testing.assert_array_equal(tiles[:, [0, 2, 3]], expected_tiles[:, [0, 2, 3]])
+    live = tiles[:, 2] > 0
+    np.testing.assert_array_equal(tiles[live, 1], expected_tiles[live, 1])
+    for i, (req, tok0, ntok, pos0) in enumerate(tiles):
+        for g in range(sel.shape[1]):
+            if req < 0 or ntok == 0:
+                assert counts[i, g].tolist() == [0, 0]
+                continue
+            n_visible = (pos0 + ntok - 1) // 4 + 1
+            masks = {}
+            for t in range(ntok):
+                for b in sel[tok0 + t, g]:
+                    if 0 <= b < n_visible:
+                        masks[int(b)] = masks.get(int(b), 0) | (1 << t)
+            blocks = sorted(masks)
+            n = len(blocks)
+            assert counts[i, g].tolist() == [sum(b < (pos0 + 1) // 4 for b in blocks), n]
+            np.testing.assert_array_equal(union[i, g, 1, :n], blocks)
+            np.testing.assert_array_equal(union[i, g, 0, :n], tables[req, blocks])
+            expected_masks = np.asarray([masks[b] for b in blocks], np.int64).astype(np.uint32).view(np.int32)
+            np.testing.assert_array_equal(union[i, g, 2, :n], expected_masks)
+
+
+def test_block_q_32_kernel_matches_oracle():
+    """32-token tiles: the token mask uses all 32 bits of an int32 (bit 31 is the sign bit)."""
+    rng = np.random.default_rng(32)
+    batch = make_batch(rng, q_lens=[33, 1], seq_lens=[50, 7], page=4, dim=16, kv_heads=1, group=2, topk=3)
+    out = ragged_sparse_attention(*args_of(batch), scale=0.25, block_q=32, block_k=4, num_stages=2)
+    assert_close(out, oracle(batch, 0.25), "f32", 34)
+
+
 def test_union_block_counts_match_sets():
     rng = np.random.default_rng(2)
     batch = make_batch(rng, **VERIFY, page=8, dim=16, kv_heads=2, group=2, topk=3)
