@@ -59,6 +59,7 @@ __all__ = [
     "MASK_VALUE",
     "AttentionLaunchConfig",
     "ChipPolicy",
+    "TileSettings",
     "attention_launch_config",
     "ragged_sparse_attention",
     "ragged_sparse_attention_reference",
@@ -371,49 +372,58 @@ def _merge_splits_kernel(
 
 
 @dataclasses.dataclass(frozen=True)
+class TileSettings:
+    """Launch settings of the walk for query tiles of at least ``min_rows`` rows."""
+
+    min_rows: int
+    num_warps: int
+    num_stages: int
+    block_k: int  # keys per step of the walk (a power-of-2 part of a page)
+
+
+@dataclasses.dataclass(frozen=True)
 class ChipPolicy:
     """Per-chip launch settings. Retune here, not in the kernel."""
 
     num_cores: int  # SMs (NVIDIA) / CUs (AMD); the device's own count is used when it reports one
-    num_warps_large: int  # query tiles of >= 64 rows
-    num_warps_small: int  # smaller query tiles
-    num_stages_large: int
-    num_stages_small: int
-    block_k_large: int  # keys per step of the walk (a power-of-2 part of a page), large query tiles
-    block_k_small: int
+    tiles: tuple[TileSettings, ...]  # largest min_rows first: the first a tile reaches applies
     smem_bytes: int  # budget for the query tile + num_stages K/V buffers; block_k is halved to fit
     max_splits: int  # split-K cap (partial outputs cost T * H_q * D * 4 bytes per split)
-    max_rows: int = 128  # query rows per program (block_q * group)
+    max_rows_sparse: int = 128  # query rows per program (block_q * group), sparse walk
+    max_rows_dense: int = 128  # the same, dense walk
     merge_rows: int = 32  # rows per program of the split-K merge kernel
     prepass_warps: int = 4  # tile/union pre-pass kernel
 
+    def tile_settings(self, rows: int) -> TileSettings:
+        return next((t for t in self.tiles if rows >= t.min_rows), self.tiles[-1])
+
 
 CHIP_POLICIES: dict[str, ChipPolicy] = {
-    # Hopper (H100 / H200): 132 SMs, 32-wide warps, 227 KiB of shared memory per block. 128-row tiles: 8 warps
-    # (two warpgroups of 64 rows). With the page id loaded in the walk, Triton's pipeliner puts the id load,
-    # the K/V copy and the math in separate stages: 5 stages keep two 64-key K/V tiles in flight (3 buffers,
-    # 96 KiB + the 32 KiB query tile), 3 stages only one.
+    # Hopper (H100 / H200): 132 SMs, 32-wide warps, 227 KiB of shared memory per block, 64K registers per SM.
+    # H200 measurements (docs/kernels/sparse_attention.md): the sparse walk is fastest with 64-row tiles
+    # (4 tokens x 16 heads, one warpgroup, 4 warps) and 32-key steps: about 210 registers and 66 KiB of shared
+    # memory, so two programs share an SM and one's softmax overlaps the other's tensor-core work; a 128-row
+    # tile (8 warps, both warpgroups in lockstep) is 1.2x slower there. Dense tiles read every block, so the
+    # doubled L2 traffic of 64-row tiles costs more than it saves: 128 rows. With the page id loaded in the
+    # walk, Triton's pipeliner puts the id load, the K/V copy and the math in separate stages: 5 stages keep
+    # two K/V steps in flight, 3 stages one. Decode tiles (16 rows) are memory-bound.
     "cuda": ChipPolicy(
         num_cores=132,
-        num_warps_large=8,
-        num_warps_small=4,
-        num_stages_large=5,
-        num_stages_small=3,
-        block_k_large=64,
-        block_k_small=64,
+        tiles=(
+            TileSettings(min_rows=128, num_warps=8, num_stages=5, block_k=64),
+            TileSettings(min_rows=64, num_warps=4, num_stages=5, block_k=32),
+            TileSettings(min_rows=16, num_warps=4, num_stages=3, block_k=64),
+        ),
         smem_bytes=200 * 1024,
         max_splits=16,
+        max_rows_sparse=64,
+        max_rows_dense=128,
     ),
     # CDNA3 (MI300X, gfx942): 304 CUs, 64-wide wavefronts (4 warps = 256 lanes), 64 KiB LDS per CU.
     # Not measured yet: conservative 2-stage, 32-key tiles.
     "rocm": ChipPolicy(
         num_cores=304,
-        num_warps_large=4,
-        num_warps_small=4,
-        num_stages_large=2,
-        num_stages_small=2,
-        block_k_large=32,
-        block_k_small=32,
+        tiles=(TileSettings(min_rows=16, num_warps=4, num_stages=2, block_k=32),),
         smem_bytes=64 * 1024,
         max_splits=16,
     ),
@@ -480,10 +490,12 @@ def attention_launch_config(
     """Pick the launch settings; explicit arguments win over the policy.
 
     ``block_q``: the mean query length ``T / R`` rounded up to a power of 2, capped so that a tile has at most
-    ``max_rows`` query rows (and, sparse, at most MAX_SELECTION_ENTRIES list entries). Decode (1 token per
-    request) gets 1-token tiles, verification with K = 7 gets 8-token tiles (8 x 16 = 128 rows at M3 shapes).
+    ``max_rows_sparse`` / ``max_rows_dense`` query rows (and, sparse, at most MAX_SELECTION_ENTRIES list
+    entries). At M3 shapes on CUDA: decode gets 1-token tiles (16 rows), K = 7 verification 4-token sparse
+    tiles (64 rows) and 8-token dense tiles (128 rows).
+    ``num_warps``, ``num_stages``, ``block_k``: the policy's ``TileSettings`` for the tile's row count;
+    ``block_k`` is halved until the query tile and ``num_stages`` K/V buffers fit ``smem_bytes``.
     ``num_splits``: 1 when the tiles already fill the chip, else enough splits for about one program per core.
-    ``block_k``: the policy's keys per step, halved until the query tile and ``num_stages`` K/V buffers fit.
     """
     backend = backend or _detect_backend()
     if backend not in CHIP_POLICIES:
@@ -493,23 +505,24 @@ def attention_launch_config(
     topk_pow2 = _next_pow2(topk)
     if block_q is None:
         mean_q = -(-num_tokens // max(num_requests, 1))
-        block_q = min(_next_pow2(mean_q), max(1, policy.max_rows // group))
+        max_rows = policy.max_rows_dense if dense else policy.max_rows_sparse
+        block_q = min(_next_pow2(mean_q), max(1, max_rows // group))
         if not dense:
             block_q = min(block_q, max(1, MAX_SELECTION_ENTRIES // topk_pow2), MAX_SPARSE_BLOCK_Q)
         block_q = max(1, min(block_q, _next_pow2(num_tokens)))
     rows = max(16, _next_pow2(block_q * group))
-    large = rows >= 64
+    tile = policy.tile_settings(rows)
     if num_splits is None:
         programs = _num_tiles_bound(num_tokens, num_requests, block_q) * num_kv_heads
         cores = _device_cores(policy.num_cores)
         walk = max_blocks if dense else min(max_blocks, block_q * topk)
         num_splits = 1 if programs >= cores else min(policy.max_splits, -(-cores // programs), max(1, walk))
     if num_warps is None:
-        num_warps = policy.num_warps_large if large else policy.num_warps_small
+        num_warps = tile.num_warps
     if num_stages is None:
-        num_stages = policy.num_stages_large if large else policy.num_stages_small
+        num_stages = tile.num_stages
     if block_k is None:
-        block_k = min(page, policy.block_k_large if large else policy.block_k_small)
+        block_k = min(page, tile.block_k)
         q_bytes = rows * head_dim * itemsize
         while (
             block_k > 16

@@ -35,7 +35,7 @@ import numpy as np
 
 from pallas_kernels import sparse_attention as _sa
 from pallas_kernels.paged_attention import ragged_paged_attention, ragged_paged_attention_reference
-from pallas_kernels.platform import resolve_interpret
+from pallas_kernels.platform import on_gpu, resolve_interpret
 from pallas_kernels.sparse_attention import (
     attention_launch_config,
     ragged_sparse_attention,
@@ -219,6 +219,74 @@ def time_in_loop(fn, arg_sets, *, iters: int = 50) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
+def device_times(fn, arg_sets, *, calls: int = 20) -> dict | None:
+    """Device-side timing from a profiler trace of ``calls`` back-to-back calls (GPU only, else None).
+
+    ``device_us``: mean per call of the summed durations of the kernels a call launches; ``span_us``: mean
+    per call of first kernel start to last kernel end (kernels plus the gaps between them inside one call,
+    none of the host's dispatch time between calls); ``kernels``: mean microseconds per kernel name.
+    """
+    if not on_gpu():
+        return None
+    try:
+        return _device_times(fn, arg_sets, calls)
+    except Exception as e:  # noqa: BLE001  (profiling is optional: keep the timings)
+        return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+
+
+def _device_times(fn, arg_sets, calls: int) -> dict | None:
+    import glob
+    import tempfile
+
+    from jax.profiler import ProfileData
+
+    for i in range(3):
+        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            outs = [fn(*arg_sets[i % len(arg_sets)]) for i in range(calls)]
+            jax.block_until_ready(outs)
+        files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+        if not files:
+            return None
+        data = ProfileData.from_file(files[0])
+    events = []
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if "stream" in line.name.lower():
+                events += [
+                    (e.start_ns, e.duration_ns, e.name)
+                    for e in line.events
+                    if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()
+                ]
+    events.sort()
+    if not events:
+        return {"device_events": 0, "lines": [ln.name for p in data.planes for ln in p.lines][:20]}
+    if len(events) % calls:  # not one group per call: whole-trace averages only
+        return {
+            "device_us": sum(d for _, d, _ in events) / calls / 1e3,
+            "span_us": (max(s + d for s, d, _ in events) - events[0][0]) / calls / 1e3,
+            "kernels": {"events": len(events)},
+        }
+    per_call = len(events) // calls
+    spans, busy, names = [], [], {}
+    for c in range(calls):
+        group = events[c * per_call : (c + 1) * per_call]
+        spans.append(max(s + d for s, d, _ in group) - group[0][0])
+        busy.append(sum(d for _, d, _ in group))
+        for _, dur, name in group:
+            names[name] = names.get(name, 0.0) + dur / calls / 1e3
+    spans.sort()
+    busy.sort()
+    return {
+        "device_us": busy[calls // 2] / 1e3,
+        "span_us": spans[calls // 2] / 1e3,
+        "kernels": {k[:80]: round(v, 2) for k, v in names.items()},
+    }
+
+
 def _time_prepass(inp: Inputs, cfg, dense: bool) -> dict:
     """Seconds per call of the tile/union pre-pass kernel alone (back to back, and chained in one loop)."""
     fn = jax.jit(
@@ -233,6 +301,7 @@ def _time_prepass(inp: Inputs, cfg, dense: bool) -> dict:
     sel = None if dense else inp.block_indices
     args = (inp.query_start_loc, inp.seq_lens, inp.block_tables, sel)
     jax.block_until_ready(fn(*args))
+    profile = device_times(fn, [args])
 
     def many(qsl, *rest):
         def body(_, carry):
@@ -251,7 +320,21 @@ def _time_prepass(inp: Inputs, cfg, dense: bool) -> dict:
     return {
         "batched": bench_common.time_fn_batched(fn, [args], reps=20),
         "loop": sorted(samples)[len(samples) // 2],
+        "profile": profile,
     }
+
+
+def _add_profile(row: dict, profile: dict | None) -> None:
+    """Device time from the profiler: ``device_ms`` (kernels' summed durations per call) and ``span_ms``
+    (first kernel start to last kernel end per call); the per-kernel split in ``kernels_us``."""
+    if not profile:
+        return
+    if "device_us" in profile:
+        row["device_ms"] = profile["device_us"] / 1e3
+        row["span_ms"] = profile["span_us"] / 1e3
+        row["kernels_us"] = profile["kernels"]
+    else:
+        row["profile_note"] = f"unexpected trace: {profile}"
 
 
 def _load_module(path: str):
@@ -284,6 +367,8 @@ def run(
     hbm_bytes_per_s: float | None = None,
     seed: int = 0,
     baseline=None,
+    json_path: str | None = None,
+    environment: dict | None = None,
     log=print,
 ) -> list[dict]:
     """Time the kernel (policy default plus ``variants[size]`` launch overrides; ``variants["paged:" + size]``
@@ -291,12 +376,13 @@ def run(
 
     Also a ``prepass`` row per size (the tile/union pre-pass kernel alone, default launch) and, with
     ``baseline`` (a module with the same entry points, e.g. an earlier version of the kernel file), a
-    ``baseline`` row timing its default launch on the same inputs."""
+    ``baseline`` row timing its default launch on the same inputs. With ``json_path`` the rows so far are
+    rewritten there after every row (a run cut short keeps what it measured)."""
     sizes = list(SIZES) if sizes is None else sizes
     variants = variants or {}
     if hbm_bytes_per_s is None:
         hbm_bytes_per_s = bench_common.measure_copy_bandwidth(COPY_BYTES)
-    on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
+    gpu = on_gpu()
     peak_note = bench_common.device_name()
     rows = []
     jobs = [(s, False) for s in sizes] + [(s, True) for s in (dense_sizes or ())]
@@ -359,9 +445,10 @@ def run(
                 if special == "_prepass":
                     t = _time_prepass(inp, cfg, dense)
                     row.update(time_ms=1e3 * t["batched"], time_ms_loop=1e3 * t["loop"])
+                    _add_profile(row, t["profile"])
                     log(_one_line(row))
                     rows.append(row)
-                    continue
+                    continue  # (written with the next row)
                 if special == "_baseline":
                     base = baseline.ragged_paged_attention if dense else baseline.ragged_sparse_attention
                     fn = functools.partial(base, scale=scale, implementation="pallas")
@@ -384,6 +471,8 @@ def run(
                     row["speedup_vs_per_token_kernel"] = row["per_token_kernel_ms"] / row["time_ms"]
                 if loop_timing:
                     row["time_ms_loop"] = 1e3 * time_in_loop(fn, arg_sets)
+                if loop_timing or special or not variant:
+                    _add_profile(row, device_times(fn, arg_sets))
                 best = min(row["time_ms"], row.get("time_ms_loop") or row["time_ms"])
                 if row["target_ms"]:
                     row["meets_target"] = best <= row["target_ms"]
@@ -391,8 +480,11 @@ def run(
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             log(_one_line(row))
             rows.append(row)
+            if json_path:
+                payload = {"environment": environment or {}, "hbm_copy_bytes_per_s": hbm_bytes_per_s}
+                bench_common.write_json(json_path, {**payload, "rows": rows})
         del inp, arg_sets, ref_out
-        if on_gpu:
+        if gpu:
             jax.clear_caches()
     return rows
 
@@ -408,6 +500,7 @@ COLUMNS = [
     "cfg_block_k",
     "time_ms",
     "time_ms_loop",
+    "span_ms",
     "target_ms",
     "union_mean",
     "unique_bytes",
@@ -446,13 +539,11 @@ DEFAULT_SWEEP = {
         {"num_stages": 4},
         {"num_stages": 5},
         {"block_k": 32, "num_stages": 5},
-        {"block_k": 128, "num_stages": 2},
         {"block_k": 128, "num_stages": 3},
         {"block_k": 128, "num_stages": 4},
         {**_Q4, "block_k": 64, "num_stages": 3},
         {**_Q4, "block_k": 64, "num_stages": 4},
         {**_Q4, "block_k": 64, "num_stages": 5},
-        {**_Q4, "block_k": 32, "num_stages": 4},
         {**_Q4, "block_k": 32, "num_stages": 5},
         {"block_q": 1},  # one token per tile: per-token reads, checks the bytes model
     ],
@@ -524,6 +615,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         reps=a.reps,
         hbm_bytes_per_s=hbm,
         baseline=_baseline(a.baseline, a.baseline_dense),
+        json_path=a.json,
+        environment=env,
     )
     if a.json:
         bench_common.write_json(a.json, {"environment": env, "hbm_copy_bytes_per_s": hbm, "rows": rows})

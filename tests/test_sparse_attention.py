@@ -415,17 +415,20 @@ def test_union_block_counts_match_sets():
 def test_launch_policy():
     m3 = {"num_q_heads": 64, "num_kv_heads": 4, "topk": 16, "dense": False}
     verify = attention_launch_config(backend="cuda", num_tokens=4096, num_requests=512, max_blocks=32, **m3)
-    assert (verify.block_q, verify.num_splits, verify.num_warps) == (
-        8,
-        1,
-        8,
-    )  # 8 tokens x 16 heads = 128 rows
-    # The query tile (32 KiB) plus num_stages double K/V buffers fit the shared-memory budget.
-    assert 32768 + verify.num_stages * 2 * verify.block_k * 128 * 2 <= sa.CHIP_POLICIES["cuda"].smem_bytes
+    # 4 tokens x 16 heads = 64-row tiles, one warpgroup (two programs per SM), 32-key steps.
+    assert (verify.block_q, verify.num_splits, verify.num_warps, verify.block_k) == (4, 1, 4, 32)
+    # The query tile plus num_stages K/V buffers fit the shared-memory budget.
+    rows = verify.block_q * 16
+    smem = rows * 128 * 2 + verify.num_stages * 2 * verify.block_k * 128 * 2
+    assert smem <= sa.CHIP_POLICIES["cuda"].smem_bytes
+    dense = attention_launch_config(
+        backend="cuda", num_tokens=4096, num_requests=512, max_blocks=32, **{**m3, "dense": True}
+    )
+    assert (dense.block_q, dense.num_warps) == (8, 8)  # dense tiles: 128 rows, two warpgroups
     decode = attention_launch_config(backend="cuda", num_tokens=512, num_requests=512, max_blocks=32, **m3)
     assert (decode.block_q, decode.num_splits) == (1, 1)
     single = attention_launch_config(backend="cuda", num_tokens=8, num_requests=1, max_blocks=256, **m3)
-    assert single.block_q == 8 and single.num_splits > 1
+    assert single.block_q == 4 and single.num_splits > 1
     rocm = attention_launch_config(backend="rocm", num_tokens=8, num_requests=1, max_blocks=256, **m3)
     assert rocm.num_warps <= 16 and rocm.num_splits > 1
     override = attention_launch_config(
