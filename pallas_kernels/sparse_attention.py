@@ -388,7 +388,8 @@ class ChipPolicy:
     num_cores: int  # SMs (NVIDIA) / CUs (AMD); the device's own count is used when it reports one
     tiles: tuple[TileSettings, ...]  # largest min_rows first: the first a tile reaches applies
     smem_bytes: int  # budget for the query tile + num_stages K/V buffers; block_k is halved to fit
-    max_splits: int  # split-K cap (partial outputs cost T * H_q * D * 4 bytes per split)
+    max_splits_sparse: int  # split-K caps (partial outputs cost T * H_q * D * 4 bytes per split)
+    max_splits_dense: int
     max_rows_sparse: int = 128  # query rows per program (block_q * group), sparse walk
     max_rows_dense: int = 128  # the same, dense walk
     merge_rows: int = 32  # rows per program of the split-K merge kernel
@@ -400,22 +401,25 @@ class ChipPolicy:
 
 CHIP_POLICIES: dict[str, ChipPolicy] = {
     # Hopper (H100 / H200): 132 SMs, 32-wide warps, 227 KiB of shared memory per block, 64K registers per SM.
-    # H200 measurements (docs/kernels/sparse_attention.md): the sparse walk is fastest with 64-row tiles
-    # (4 tokens x 16 heads, one warpgroup, 4 warps) and 32-key steps: about 210 registers and 66 KiB of shared
-    # memory, so two programs share an SM and one's softmax overlaps the other's tensor-core work; a 128-row
-    # tile (8 warps, both warpgroups in lockstep) is 1.2x slower there. Dense tiles read every block, so the
-    # doubled L2 traffic of 64-row tiles costs more than it saves: 128 rows. With the page id loaded in the
-    # walk, Triton's pipeliner puts the id load, the K/V copy and the math in separate stages: 5 stages keep
-    # two K/V steps in flight, 3 stages one. Decode tiles (16 rows) are memory-bound.
+    # From the H200 sweeps (docs/kernels/sparse_attention.md): the sparse walk is fastest in 64-row tiles
+    # (4 tokens x 16 heads: one warpgroup, 4 warps) with 32-key steps and 3 stages: ~166 registers and 49 KiB
+    # of shared memory, so several programs share an SM and one's softmax overlaps another's tensor-core
+    # work; 128-row tiles (8 warps, both warpgroups in lockstep at every barrier) are 1.13x slower there.
+    # Dense tiles read every block, where the doubled L2 traffic of 64-row tiles costs more than it saves
+    # (1.21x slower): 128 rows, 64-key steps, 5 stages (the page-id load, the K/V copy and the math each get
+    # a pipeline stage, two K/V steps in flight). Decode tiles (16 rows) are HBM-bound; 3 stages. Split-K:
+    # the merge kernel costs more per split than a short sparse walk gains (8 splits beat 11 and 32 at
+    # 1x8x32K), the long dense walk wants more.
     "cuda": ChipPolicy(
         num_cores=132,
         tiles=(
             TileSettings(min_rows=128, num_warps=8, num_stages=5, block_k=64),
-            TileSettings(min_rows=64, num_warps=4, num_stages=5, block_k=32),
+            TileSettings(min_rows=64, num_warps=4, num_stages=3, block_k=32),
             TileSettings(min_rows=16, num_warps=4, num_stages=3, block_k=64),
         ),
         smem_bytes=200 * 1024,
-        max_splits=16,
+        max_splits_sparse=8,
+        max_splits_dense=16,
         max_rows_sparse=64,
         max_rows_dense=128,
     ),
@@ -425,7 +429,8 @@ CHIP_POLICIES: dict[str, ChipPolicy] = {
         num_cores=304,
         tiles=(TileSettings(min_rows=16, num_warps=4, num_stages=2, block_k=32),),
         smem_bytes=64 * 1024,
-        max_splits=16,
+        max_splits_sparse=16,
+        max_splits_dense=16,
     ),
 }
 
@@ -516,7 +521,8 @@ def attention_launch_config(
         programs = _num_tiles_bound(num_tokens, num_requests, block_q) * num_kv_heads
         cores = _device_cores(policy.num_cores)
         walk = max_blocks if dense else min(max_blocks, block_q * topk)
-        num_splits = 1 if programs >= cores else min(policy.max_splits, -(-cores // programs), max(1, walk))
+        max_splits = policy.max_splits_dense if dense else policy.max_splits_sparse
+        num_splits = 1 if programs >= cores else min(max_splits, -(-cores // programs), max(1, walk))
     if num_warps is None:
         num_warps = tile.num_warps
     if num_stages is None:

@@ -123,8 +123,35 @@ def make_inputs(
     return Inputs(q, caches, tables, seq_lens, qsl, block_indices)
 
 
+def _union_blocks(inp: Inputs, block_q: int, dense: bool) -> np.ndarray:
+    """Blocks each (request tile of ``block_q`` tokens, KV head) program reads, one entry per program."""
+    page = inp.caches[0][0].shape[2]
+    if not dense:
+        return np.asarray(
+            union_block_counts(
+                inp.query_start_loc, inp.seq_lens, inp.block_indices, page=page, block_q=block_q
+            )
+        )
+    # Dense: each tile reads blocks 0 .. cdiv(last pos + 1, page) once per KV head.
+    seq = np.asarray(inp.seq_lens)
+    qsl = np.asarray(inp.query_start_loc)
+    tiles = []
+    for r, s in enumerate(seq):
+        ql = int(qsl[r + 1] - qsl[r])
+        for t in range(0, ql, block_q):
+            last = int(s) - ql + min(t + block_q, ql) - 1
+            tiles += [last // page + 1] * inp.caches[0][0].shape[0]
+    return np.asarray(tiles)
+
+
 def bytes_and_flops(inp: Inputs, *, block_q: int, dense: bool) -> dict:
-    """The bytes model (docs/kernels/sparse_attention.md) evaluated on the actual selections."""
+    """The bytes model (docs/kernels/sparse_attention.md) evaluated on the actual selections.
+
+    ``unique_bytes`` is what must come from HBM: each block's K and V once per (request, KV head) -- the union
+    over all of a request's tokens -- plus q, the output and the metadata. ``tile_kv_bytes`` is what the
+    programs read: once per (request tile of ``block_q`` tokens, KV head); with several tiles per request the
+    repeats of a block are served by the L2 when the tiles run together (adjacent program ids). Executed
+    FLOPs follow the tiles (every row of a tile pays for every block of its tile's union)."""
     q = inp.q
     _num_tokens, num_q_heads, head_dim = q.shape
     k_cache = inp.caches[0][0]
@@ -137,41 +164,32 @@ def bytes_and_flops(inp: Inputs, *, block_q: int, dense: bool) -> dict:
     q_lens = qsl[1:] - qsl[:-1]
     pos = np.concatenate([s - ql + np.arange(ql) for s, ql in zip(seq, q_lens)])
     rows = max(16, 1 << max(0, block_q * group - 1).bit_length())
+    tile_blocks = _union_blocks(inp, block_q, dense)
+    request_q = min(_sa.MAX_SPARSE_BLOCK_Q, 1 << max(0, int(q_lens.max()) - 1).bit_length())
+    request_blocks = tile_blocks if request_q == block_q else _union_blocks(inp, request_q, dense)
+    union_sizes = tile_blocks[tile_blocks > 0]
     if dense:
-        # Each tile reads blocks 0 .. cdiv(last pos + 1, page) once per KV head.
-        tiles, per_token_blocks, useful_keys = [], [], []
-        for r, ql in enumerate(q_lens):
-            p = pos[qsl[r] : qsl[r + 1]]
-            for s in range(0, ql, block_q):
-                tiles.append(int(p[min(s + block_q, ql) - 1]) // page + 1)
-            per_token_blocks += [int(x) // page + 1 for x in p]
-            useful_keys += [int(x) + 1 for x in p]
-        union_blocks = np.asarray(tiles) * num_kv_heads
-        per_token = np.sum(per_token_blocks) * num_kv_heads
-        useful = np.sum(useful_keys) * num_q_heads
-        union_sizes = np.asarray(tiles)
+        per_token = int(np.sum(pos // page + 1)) * num_kv_heads
+        useful = int(np.sum(pos + 1)) * num_q_heads
     else:
-        counts = np.asarray(
-            union_block_counts(
-                inp.query_start_loc, inp.seq_lens, inp.block_indices, page=page, block_q=block_q
-            )
-        )
-        union_sizes = counts[counts > 0]
-        union_blocks = counts
         sel = np.asarray(inp.block_indices)[: qsl[-1]]
         valid = sel >= 0
         per_token = int(valid.sum())
         # Keys per (token, group): selected blocks, causal-clipped in the local block.
         kept = np.minimum((pos[:, None, None] - sel * page + 1), page) * valid
         useful = int(np.clip(kept, 0, page).sum()) * group
-    unique_kv = int(np.sum(union_blocks)) * block_kv_bytes
+    unique_kv = int(np.sum(request_blocks)) * block_kv_bytes
     io = 2 * q.size * q.dtype.itemsize + inp.block_indices.size * 4 + inp.block_tables.size * 4
-    executed_flops = int(np.sum(union_blocks)) * rows * page * head_dim * 4
+    executed_flops = int(np.sum(tile_blocks)) * rows * page * head_dim * 4
     return {
         "union_mean": float(np.mean(union_sizes)) if len(union_sizes) else 0.0,
         "union_max": int(np.max(union_sizes)) if len(union_sizes) else 0,
+        "request_union_mean": float(np.mean(request_blocks[request_blocks > 0]))
+        if request_blocks.any()
+        else 0.0,
         "unique_bytes": unique_kv + io,
         "unique_kv_bytes": unique_kv,
+        "tile_kv_bytes": int(np.sum(tile_blocks)) * block_kv_bytes,
         "per_token_kv_bytes": int(per_token) * block_kv_bytes,
         "sharing_saving": (int(per_token) * block_kv_bytes) / max(unique_kv, 1),
         "executed_flops": executed_flops,
@@ -333,6 +351,10 @@ def _add_profile(row: dict, profile: dict | None) -> None:
         row["device_ms"] = profile["device_us"] / 1e3
         row["span_ms"] = profile["span_us"] / 1e3
         row["kernels_us"] = profile["kernels"]
+        if row.get("variant") != "prepass" and row["span_ms"] > 0:
+            sec = row["span_ms"] * 1e-3
+            row["pct_hbm_span"] = 100.0 * row["unique_bytes"] / sec / row["hbm_bytes_per_s"]
+            row["tflops_executed_span"] = row["executed_flops"] / sec / 1e12
     else:
         row["profile_note"] = f"unexpected trace: {profile}"
 
@@ -505,6 +527,7 @@ COLUMNS = [
     "union_mean",
     "unique_bytes",
     "pct_hbm",
+    "pct_hbm_span",
     "tflops_executed",
     "tflops_useful",
     "sharing_saving",
@@ -531,38 +554,18 @@ def _one_line(row: dict) -> str:
     return " ".join(f"{k}={bench_common._fmt(row.get(k))}" for k in keys if row.get(k) is not None)
 
 
-# Launch variants (each a dict of ``ragged_sparse_attention`` overrides) timed by ``--sweep``.
-_Q4 = {"block_q": 4, "num_warps": 4}  # 64-row tiles (4 tokens x 16 heads): two programs per SM
+# Launch variants (each a dict of ``ragged_sparse_attention`` overrides) timed by ``--sweep``, around the CUDA
+# policy (sparse verify: 64-row tiles, 4 warps, 32-key steps, 5 stages; see CHIP_POLICIES).
+_Q8 = {"block_q": 8, "num_warps": 8, "block_k": 64, "num_stages": 5}  # 128-row tiles, one program per SM
 DEFAULT_SWEEP = {
     "512x8x4K": [
-        {"num_stages": 3},
-        {"num_stages": 4},
-        {"num_stages": 5},
-        {"block_k": 32, "num_stages": 5},
-        {"block_k": 128, "num_stages": 3},
-        {"block_k": 128, "num_stages": 4},
-        {**_Q4, "block_k": 64, "num_stages": 3},
-        {**_Q4, "block_k": 64, "num_stages": 4},
-        {**_Q4, "block_k": 64, "num_stages": 5},
-        {**_Q4, "block_k": 32, "num_stages": 5},
-        {"block_q": 1},  # one token per tile: per-token reads, checks the bytes model
+        {"num_stages": 3},  # ~166 registers, 49 KiB: three programs per SM, one K/V step in flight
+        {"num_stages": 7},  # four K/V buffers
+        {"block_k": 64, "num_stages": 3},
+        _Q8,
     ],
-    "512x1x4K": [
-        {"num_stages": 3},
-        {"num_stages": 5},
-        {"block_k": 128, "num_stages": 2},
-        {"block_k": 128, "num_stages": 3},
-        {"block_k": 32, "num_stages": 5},
-    ],
-    "1x8x32K": [
-        {"num_splits": 8},
-        {"num_splits": 32},
-        {"num_stages": 3},
-        {"num_stages": 5},
-        {**_Q4, "num_splits": 16},
-    ],
-    "paged:512x8x4K": [{"num_stages": 5}, {**_Q4, "num_stages": 3}],
-    "paged:512x1x4K": [{"num_stages": 5}],
+    "512x1x4K": [{"num_stages": 5}],
+    "1x8x32K": [{"num_splits": 8}, {"num_splits": 32}, {**_Q8, "num_splits": 16}],
     "paged:1x8x32K": [{"num_splits": 32}],
 }
 
