@@ -424,19 +424,20 @@ def run(
                 ref_ms = 1e3 * bench_common.time_fn_batched(ref_fn, arg_sets, reps=max(3, reps // 4))
             except Exception as e:  # noqa: BLE001  (an OOM must not lose the other rows)
                 log(f"[{name}] reference failed: {type(e).__name__}: {str(e)[:200]}")
-        policy = attention_launch_config(
-            backend=None,
-            num_tokens=inp.q.shape[0],
-            num_requests=shape["num_requests"],
-            num_q_heads=M3["num_q_heads"],
-            num_kv_heads=M3["num_kv_heads"],
-            topk=M3["topk"],
-            max_blocks=inp.block_tables.shape[1],
-            dense=dense,
-            page=M3["page"],
-            head_dim=M3["head_dim"],
-            itemsize=inp.q.dtype.itemsize,
-        )
+        policy_args = {
+            "backend": None,
+            "num_tokens": inp.q.shape[0],
+            "num_requests": shape["num_requests"],
+            "num_q_heads": M3["num_q_heads"],
+            "num_kv_heads": M3["num_kv_heads"],
+            "topk": M3["topk"],
+            "max_blocks": inp.block_tables.shape[1],
+            "dense": dense,
+            "page": M3["page"],
+            "head_dim": M3["head_dim"],
+            "itemsize": inp.q.dtype.itemsize,
+        }
+        policy = attention_launch_config(**policy_args)
         loop_timing = inp.q.shape[0] * shape["context"] <= 8 * 32768  # latency-bound sizes
         jobs_here = [{}] + list(variants.get(("paged:" if dense else "") + name, []))
         jobs_here.append({"_prepass": True})
@@ -444,9 +445,12 @@ def run(
             jobs_here.append({"_baseline": True})
         for variant in jobs_here:
             special = next((k for k in variant if k.startswith("_")), None)
-            cfg = dataclasses.replace(
-                policy, **{k: v for k, v in variant.items() if k in dataclasses.asdict(policy)}
-            )
+            if special == "_baseline":  # the earlier module's own launch policy
+                cfg = baseline.attention_launch_config(**policy_args)
+            else:
+                cfg = dataclasses.replace(
+                    policy, **{k: v for k, v in variant.items() if k in dataclasses.asdict(policy)}
+                )
             row = dict(
                 kernel="paged" if dense else "sparse",
                 size=name,
@@ -577,7 +581,10 @@ def _baseline(sparse_path: str | None, dense_path: str | None):
     import types
 
     sparse = _load_module(sparse_path)
-    ns = types.SimpleNamespace(ragged_sparse_attention=sparse.ragged_sparse_attention)
+    ns = types.SimpleNamespace(
+        ragged_sparse_attention=sparse.ragged_sparse_attention,
+        attention_launch_config=sparse.attention_launch_config,
+    )
     if dense_path:
         # The earlier paged_attention.py imports its kernel from pallas_kernels.sparse_attention: point that
         # name at the earlier module while it loads.
