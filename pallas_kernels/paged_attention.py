@@ -5,9 +5,10 @@ of request ``r`` at absolute position ``pos`` and query head ``qh`` of KV group 
 attend to keys ``0 .. pos`` of request ``r`` (read through ``block_tables[r]``) with softmax scale ``scale``.
 Padding slots and zero-length rows produce zeros and read nothing.
 
-The Pallas path is the sparse kernel of ``sparse_attention.py`` in its ``dense`` mode: a program owns one
-request tile (``block_q`` tokens x the group's heads) and one KV head and walks the blocks ``0 ..
-cdiv(pos_last + 1, page)`` of the tile once, with only the causal mask (no selection list, no dedupe);
+The Pallas path is the kernels of ``sparse_attention.py`` in their ``dense`` mode: the pre-pass writes only the
+tile table; a walk program owns one request tile (``block_q`` tokens x the group's heads) and one KV head and
+walks the blocks ``0 .. cdiv(pos_last + 1, page)`` of the tile once, page ids loaded from the block table in the
+walk, unmasked up to the tile's first position and with the causal mask after it (no selection list, no union);
 split-K over those blocks fills the chip when there are few tiles. Prefill chunks are tiled by ``block_q``.
 """
 

@@ -12,23 +12,25 @@ H_kv)`` attend to the keys ``{j : j // page in block_indices[t, g], j <= pos}`` 
 the softmax runs online in fp32 and the output has q's dtype. Padding slots and tokens without a visible
 selected key get exact zeros (never NaN). Every token keeps its own selection and causal limit.
 
-Algorithm (docs/kernels/sparse_attention.md has the bytes and FLOP model). One program owns one *request tile*
-(up to ``block_q`` consecutive tokens of one request) and one KV head; its query tile is ``block_q x group``
-rows (e.g. 8 tokens x 16 heads = 128 rows) that share every K/V load. Two or three kernels, no XLA glue:
+Algorithm (docs/kernels/sparse_attention.md has the bytes and FLOP model and the H200 measurements). One
+program owns one *request tile* (up to ``block_q`` consecutive tokens of one request) and one KV head; its query
+tile is ``block_q x group`` rows (e.g. 4 tokens x 16 heads = 64 rows) that share every K/V load. Two or three
+kernels, no XLA glue:
 
 1. Pre-pass (``_tile_union_kernel``, one program per (tile, KV head)): finds the tile's tokens by a search over
-   ``query_start_loc`` (``_locate_tile``) and writes the tile table. Sparse: it flattens the tile's ``[block_q,
-   topk]`` selection list, drops ``-1`` slots and blocks past the tile's last position, keeps the first
-   occurrence of every block id (one vectorised ``N x N`` compare) and writes the resulting *union* as dense
-   int32 rows -- physical page, logical block, token bitmask (bit i: token i of the tile selected the block) --
-   plus two counts. "Full" blocks (selected by every token of the tile and wholly at or before its first
-   position) come first, the rest after them.
+   ``query_start_loc`` (``_locate_tile``) and writes the tile table. Sparse: it writes the *union* of the
+   tile's visible selections (``-1`` slots and blocks past the tile's last position dropped, repeats once) in
+   ascending block order as dense int32 rows -- physical page, logical block, token bitmask (bit i: token i of
+   the tile selected the block) -- plus two counts (past blocks, union size). It walks the block ids in chunks,
+   comparing the tile's ``[block_q, topk]`` selections against ``chunk`` ids at a time.
 2. The walk (``_ragged_attention_kernel``): per step one scalar load of the page id from those rows (the
-   standard paged-attention indirect load, which Triton's software pipeliner prefetches ``num_stages - 2``
-   steps ahead), a ``block_k``-key K/V slice, ``S = Q K^T``, online softmax, ``acc += P V``. Full blocks run
-   with no mask at all; the others apply each row's own selection (``(mask >> token) & 1``) and causal limit
-   in registers. Dense mode walks blocks ``0 .. cdiv(pos_last + 1, page)`` of the request's block table with
-   the causal mask only on the blocks past the tile's first position.
+   standard paged-attention indirect load: Triton's software pipeliner gives it its own stage before the K/V
+   copy), a ``block_k``-key K/V slice, ``S = Q K^T``, online softmax, ``acc += P V``. *Past* blocks (ending at
+   or before the tile's first position) need no causal mask: a row whose token did not pick the block keeps its
+   state (its max is replaced by a huge value, so its probabilities are exactly 0), no per-score work. The at
+   most ``cdiv(block_q - 1, page) + 1`` *causal* blocks at the end apply each row's own selection bit and
+   causal limit per score. Dense mode walks blocks ``0 .. cdiv(pos_last + 1, page)`` of the request's block
+   table, unmasked up to the tile's first position.
 3. Split-K: ``num_splits`` programs share one tile's walk (balanced contiguous step ranges) and write fp32
    partial outputs with a base-2 log-sum-exp; a small Pallas merge kernel combines them. With
    ``num_splits == 1`` the walk writes the final output directly.
@@ -71,8 +73,8 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 # Subtracted instead of a row's max when the row skips a block: exp2(score - _SKIP_ROW) is exactly 0.
 _SKIP_ROW = 0.5 * float(np.finfo(np.float32).max)
 _LOG2E = math.log2(math.e)
-# Entries of one tile's flattened selection list (block_q * topk, padded to a power of 2). The in-register
-# dedupe is an N x N compare, so N is capped.
+# Entries of one tile's selection list (block_q * next_pow2(topk)). The pre-pass compares them against
+# _PREPASS_CHUNK_ELEMENTS / entries block ids at a time: the cap keeps those chunks at >= 32 ids.
 MAX_SELECTION_ENTRIES = 256
 # Tokens per sparse tile: a union block's token mask is one int32.
 MAX_SPARSE_BLOCK_Q = 32
