@@ -12,8 +12,9 @@ attention or indexing runs, so a draft token sees the drafts before it. Sparse l
 token and its position come from the device-side metadata helpers only (binary search over
 ``query_start_loc``), never from host lengths.
 
-``implementation`` selects the kernels: ``"pallas"`` (Triton on GPU, interpret mode on CPU) or ``"reference"``
-(the plain-jnp ``*_reference`` of each kernel).
+``implementation`` selects the kernels: ``"pallas"`` (Triton on GPU, interpret mode on CPU), ``"reference"``
+(the plain-jnp ``*_reference`` of each kernel) or ``"auto"`` (the default: Pallas wherever it runs, i.e. in
+interpret mode or on a GPU with pages of at least 16 tokens, the compiled Triton dots' minimum; else reference).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from minimax_jax.model import MiniMaxM3ForCausalLM
 from pallas_kernels.indexer import ragged_index_topk
 from pallas_kernels.metadata import token_positions, token_to_request
 from pallas_kernels.paged_attention import ragged_paged_attention
-from pallas_kernels.sparse_attention import ragged_sparse_attention
+from pallas_kernels.platform import resolve_interpret
+from pallas_kernels.sparse_attention import MIN_DOT_DIM, ragged_sparse_attention
 
 
 @jax.tree_util.register_dataclass
@@ -95,13 +97,24 @@ def check_batch(batch: RaggedBatch, *, vocab_size: int | None = None, num_pages:
             raise ValueError(f"input_ids holds token id {bad}, outside the vocabulary [0, {vocab_size})")
 
 
+def choose_implementation(implementation: str, page_size: int, head_dim: int, interpret: bool | None) -> str:
+    """Resolve ``"auto"``: the Pallas kernels where they run, else the plain-jnp references."""
+    if implementation not in ("auto", "pallas", "reference"):
+        raise ValueError(f"implementation must be 'auto', 'pallas' or 'reference', got {implementation!r}")
+    if implementation != "auto":
+        return implementation
+    if resolve_interpret(interpret) or min(page_size, head_dim) >= MIN_DOT_DIM:
+        return "pallas"
+    return "reference"
+
+
 def forward_ragged(
     model: MiniMaxM3ForCausalLM,
     cache: PagedCache,
     batch: RaggedBatch,
     *,
     capture_layers: Sequence[int] = (),
-    implementation: str = "pallas",
+    implementation: str = "auto",
     interpret: bool | None = None,
 ) -> tuple[jax.Array, list[jax.Array], PagedCache]:
     """Run the packed tokens through the model, writing their K/V/index-K into ``cache``.
@@ -120,7 +133,8 @@ def forward_ragged(
     slots = slot_mapping(batch.block_tables, req, pos, page_size=page, num_pages=cache.num_pages)
     valid = (req >= 0)[:, None]
     cos, sin = model.rope(jnp.maximum(pos, 0))
-    kernel_kw = dict(implementation=implementation, interpret=interpret)
+    kernel_kw = dict(implementation=choose_implementation(implementation, page, cfg.head_dim, interpret),
+                     interpret=interpret)
     meta = (batch.block_tables, batch.seq_lens, batch.query_start_loc)
 
     x = jnp.where(valid, model.embed(jnp.where(req >= 0, batch.input_ids, 0)), 0)
@@ -152,7 +166,7 @@ def forward_ragged(
 
 
 def make_step_fn(model: MiniMaxM3ForCausalLM, *, capture_layers: Sequence[int] = (),
-                 implementation: str = "pallas", interpret: bool | None = None, donate_cache: bool = True):
+                 implementation: str = "auto", interpret: bool | None = None, donate_cache: bool = True):
     """A jitted ``step(params, cache, batch, logit_rows) -> (logits [N, V], captured, cache)``.
 
     The model's graph is static (``nnx.split``); ``params`` is its state, passed as an argument so the compiled

@@ -76,6 +76,8 @@ _LOG2E = math.log2(math.e)
 # Entries of one tile's selection list (block_q * next_pow2(topk)). The pre-pass compares them against
 # _PREPASS_CHUNK_ELEMENTS / entries block ids at a time: the cap keeps those chunks at >= 32 ids.
 MAX_SELECTION_ENTRIES = 256
+# Triton's dot needs M, N and K of at least 16 when compiled (interpret mode has no such limit).
+MIN_DOT_DIM = 16
 # Tokens per sparse tile: a union block's token mask is one int32.
 MAX_SPARSE_BLOCK_Q = 32
 # The pre-pass compares the tile's [block_q, topk] selections against this many (selection, block id) pairs
@@ -712,6 +714,11 @@ def ragged_attention_pallas(
     group = num_q_heads // num_kv_heads
     block_q, num_splits = config.block_q, config.num_splits
     block_k = config.block_k or page
+    if not interpret and (block_k < MIN_DOT_DIM or head_dim < MIN_DOT_DIM):
+        raise ValueError(
+            f"compiled Triton dots need N and K >= {MIN_DOT_DIM}: keys per step {block_k} (page {page}) and "
+            f"head_dim {head_dim}; use a page size >= {MIN_DOT_DIM} or implementation='reference'"
+        )
     if block_q < 1 or block_q & (block_q - 1):
         raise ValueError(f"block_q must be a power of 2 >= 1, got {block_q}")
     if not dense and block_q > MAX_SPARSE_BLOCK_Q:
