@@ -19,12 +19,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import platform as _platform
 from pallas_kernels.sparse_attention import (
-    attention_launch_config,
     check_attention_inputs,
-    ragged_attention_pallas,
     ragged_sparse_attention_reference,
+    run_attention_pallas,
 )
 
 __all__ = ["ragged_paged_attention", "ragged_paged_attention_reference"]
@@ -85,25 +83,7 @@ def ragged_paged_attention(
         )
     if implementation != "pallas":
         raise ValueError(f"implementation must be 'pallas' or 'reference', got {implementation!r}")
-    config = attention_launch_config(
-        backend=backend,
-        num_tokens=q.shape[0],
-        num_requests=block_tables.shape[0],
-        num_q_heads=q.shape[1],
-        num_kv_heads=k_cache.shape[0],
-        topk=1,
-        max_blocks=block_tables.shape[1],
-        dense=True,
-        block_q=block_q,
-        num_splits=num_splits,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        block_k=block_k,
-        page=k_cache.shape[2],
-        head_dim=q.shape[2],
-        itemsize=k_cache.dtype.itemsize,
-    )
-    return ragged_attention_pallas(
+    return run_attention_pallas(
         q,
         k_cache,
         v_cache,
@@ -112,8 +92,13 @@ def ragged_paged_attention(
         query_start_loc,
         None,
         scale=scale,
-        config=config,
-        interpret=_platform.resolve_interpret(interpret),
+        interpret=interpret,
+        backend=backend,
+        block_q=block_q,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        block_k=block_k,
     )
 
 

@@ -892,6 +892,58 @@ def union_block_counts(
 # ----------------------------------------------------------------------------------------------------------
 
 
+def run_attention_pallas(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    block_indices,
+    *,
+    scale,
+    interpret,
+    backend,
+    block_q,
+    num_splits,
+    num_warps,
+    num_stages,
+    block_k,
+):
+    """Policy launch config (with the caller's overrides) + the Pallas kernels; ``block_indices=None``: dense."""
+    dense = block_indices is None
+    config = attention_launch_config(
+        backend=backend,
+        num_tokens=q.shape[0],
+        num_requests=block_tables.shape[0],
+        num_q_heads=q.shape[1],
+        num_kv_heads=k_cache.shape[0],
+        topk=1 if dense else block_indices.shape[2],
+        max_blocks=block_tables.shape[1],
+        dense=dense,
+        block_q=block_q,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        block_k=block_k,
+        page=k_cache.shape[2],
+        head_dim=q.shape[2],
+        itemsize=k_cache.dtype.itemsize,
+    )
+    return ragged_attention_pallas(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        block_indices,
+        scale=scale,
+        config=config,
+        interpret=_platform.resolve_interpret(interpret),
+    )
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -952,25 +1004,7 @@ def ragged_sparse_attention(
         )
     if implementation != "pallas":
         raise ValueError(f"implementation must be 'pallas' or 'reference', got {implementation!r}")
-    config = attention_launch_config(
-        backend=backend,
-        num_tokens=q.shape[0],
-        num_requests=block_tables.shape[0],
-        num_q_heads=q.shape[1],
-        num_kv_heads=k_cache.shape[0],
-        topk=block_indices.shape[2],
-        max_blocks=block_tables.shape[1],
-        dense=False,
-        block_q=block_q,
-        num_splits=num_splits,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        block_k=block_k,
-        page=k_cache.shape[2],
-        head_dim=q.shape[2],
-        itemsize=k_cache.dtype.itemsize,
-    )
-    return ragged_attention_pallas(
+    return run_attention_pallas(
         q,
         k_cache,
         v_cache,
@@ -979,8 +1013,13 @@ def ragged_sparse_attention(
         query_start_loc,
         block_indices,
         scale=scale,
-        config=config,
-        interpret=_platform.resolve_interpret(interpret),
+        interpret=interpret,
+        backend=backend,
+        block_q=block_q,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        block_k=block_k,
     )
 
 
