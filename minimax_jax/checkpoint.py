@@ -21,7 +21,6 @@ import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -281,8 +280,9 @@ def load_model(path: str | os.PathLike, *, dtype=jnp.bfloat16, config: MiniMaxM3
         chosen[path_key] = src
     unexpected = sorted(reader.names[n] for n in reader.names if n not in used and not _IGNORED.search(n))
     if missing or unexpected or misshaped:
-        parts = [f"checkpoint at {os.fspath(path)} does not match the {cfg.num_hidden_layers}-layer config "
-                 f"({scheme} names detected):"]
+        header = (f"checkpoint at {os.fspath(path)} does not match the {cfg.num_hidden_layers}-layer config "
+                  f"({scheme} names detected):")
+        parts = [header]
         if missing:
             parts.append(f"  missing ({len(missing)}): " + ", ".join(missing))
         if unexpected:
@@ -330,7 +330,10 @@ def restore_checkpoint(path: str | os.PathLike, *, dtype=None) -> MiniMaxM3ForCa
     cfg = MiniMaxM3Config.from_pretrained(path)
     if dtype is None:
         dtype_file = os.path.join(path, "dtype.json")
-        dtype = jnp.dtype(json.load(open(dtype_file))["dtype"]) if os.path.isfile(dtype_file) else jnp.bfloat16
+        dtype = jnp.bfloat16
+        if os.path.isfile(dtype_file):
+            with open(dtype_file) as f:
+                dtype = jnp.dtype(json.load(f)["dtype"])
     abstract = abstract_model(cfg, dtype=dtype)
     graphdef, abstract_state = nnx.split(abstract)
     with ocp.StandardCheckpointer() as ckptr:

@@ -28,7 +28,7 @@ def block_scores(index_q: jax.Array, index_k: jax.Array, q_positions: jax.Array,
     Returns:
       ``f32[B, H, Sq, NB]`` with ``NB = ceil(Sk / block_size)``; ``-inf`` for blocks with no visible key.
     """
-    b, sk, _ = index_k.shape
+    sk = index_k.shape[1]
     nb = -(-sk // block_size)
     s = jnp.einsum("bqhd,bkd->bhqk", index_q.astype(jnp.float32), index_k.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)
