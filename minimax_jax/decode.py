@@ -53,6 +53,32 @@ class RaggedBatch:
         return self.seq_lens.shape[0]
 
 
+def pack_batch(allocator, rows, chunks, num_tokens: int) -> RaggedBatch:
+    """Host side: pack this step's new tokens into a :class:`RaggedBatch` of ``num_tokens`` slots.
+
+    ``rows`` lists a request id per batch row (``None`` for a zero-length padding row); ``chunks`` maps a request
+    id to ``(start, tokens)``: the step's tokens at positions ``start..``. A listed request without a chunk is an
+    idle row (length 0 this step, its current length as ``seq_len``). ``allocator.ensure`` grows each request's
+    pages first, so the block tables cover the new tokens. Slots past the packed tokens are padding.
+    """
+    ids, qsl, seq_lens = [], [0], []
+    for rid in rows:
+        if rid is None or rid not in chunks:
+            qsl.append(qsl[-1])
+            seq_lens.append(0 if rid is None else allocator.lengths.get(rid, 0))
+            continue
+        start, toks = chunks[rid]
+        allocator.ensure(rid, start + len(toks))
+        ids.extend(int(t) for t in toks)
+        qsl.append(qsl[-1] + len(toks))
+        seq_lens.append(start + len(toks))
+    if len(ids) > num_tokens:
+        raise ValueError(f"{len(ids)} new tokens do not fit the {num_tokens}-slot batch")
+    ids += [0] * (num_tokens - len(ids))
+    return RaggedBatch(jnp.asarray(ids, jnp.int32), jnp.asarray(qsl, jnp.int32), jnp.asarray(seq_lens, jnp.int32),
+                       jnp.asarray(allocator.block_table(rows)))
+
+
 def check_batch(batch: RaggedBatch, *, vocab_size: int | None = None, num_pages: int | None = None,
                 page_size: int | None = None) -> None:
     """Static shape/dtype checks (and value checks when the arrays are concrete), with errors naming the field."""

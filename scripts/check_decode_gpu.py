@@ -19,7 +19,7 @@ from flax import nnx
 
 from minimax_jax.cache import PageAllocator, init_cache
 from minimax_jax.config import MiniMaxM3Config
-from minimax_jax.decode import RaggedBatch, make_step_fn
+from minimax_jax.decode import make_step_fn, pack_batch
 from minimax_jax.model import init_model
 
 TOLERANCE = 1e-3
@@ -55,20 +55,7 @@ def run(implementation: str, model, seqs, *, t_bucket: int = 64, seed: int = 0) 
                 chunks[rid] = (done[rid], seqs[rid][done[rid]: done[rid] + n])
                 budget -= n
         first = False
-        ids, qsl, seq_lens = [], [0], []
-        for rid in rows:
-            if rid is None or rid not in chunks:
-                qsl.append(qsl[-1])
-                seq_lens.append(0 if rid is None else alloc.lengths.get(rid, 0))
-                continue
-            s, toks = chunks[rid]
-            alloc.ensure(rid, s + len(toks))
-            ids += list(toks)
-            qsl.append(qsl[-1] + len(toks))
-            seq_lens.append(s + len(toks))
-        ids += [0] * (t_bucket - len(ids))
-        batch = RaggedBatch(jnp.asarray(ids, jnp.int32), jnp.asarray(qsl, jnp.int32),
-                            jnp.asarray(seq_lens, jnp.int32), jnp.asarray(alloc.block_table(rows)))
+        batch = pack_batch(alloc, rows, chunks, t_bucket)
         logits, _, cache = step(params, cache, batch, jnp.arange(t_bucket))
         logits = np.asarray(logits)
         off = 0

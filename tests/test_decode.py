@@ -10,7 +10,7 @@ from flax import nnx
 
 from minimax_jax import load_model
 from minimax_jax.cache import OutOfPagesError, PageAllocator, init_cache, slot_mapping, write_tokens
-from minimax_jax.decode import RaggedBatch, forward_ragged, make_step_fn
+from minimax_jax.decode import RaggedBatch, forward_ragged, make_step_fn, pack_batch
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 GOLDEN = np.load(os.path.join(FIXTURES, "golden.npz"))
@@ -20,25 +20,6 @@ T_BUCKET = 32
 @pytest.fixture(scope="module")
 def model():
     return load_model(os.path.join(FIXTURES, "hf_tiny"), dtype=jnp.float32)
-
-
-def build_batch(alloc, rows, chunks, vocab_size=None):
-    """rows: request id or None (padding row); chunks: rid -> (start, tokens). Packs in row order."""
-    ids, qsl, seq = [], [0], []
-    for rid in rows:
-        if rid is None or rid not in chunks:
-            qsl.append(qsl[-1])
-            seq.append(0 if rid is None else alloc.lengths.get(rid, 0))
-            continue
-        start, toks = chunks[rid]
-        alloc.ensure(rid, start + len(toks))
-        ids.extend(toks)
-        qsl.append(qsl[-1] + len(toks))
-        seq.append(start + len(toks))
-    assert len(ids) <= T_BUCKET
-    ids = ids + [0] * (T_BUCKET - len(ids))  # padding slots
-    return RaggedBatch(jnp.asarray(ids, jnp.int32), jnp.asarray(qsl, jnp.int32), jnp.asarray(seq, jnp.int32),
-                       jnp.asarray(alloc.block_table(rows)))
 
 
 @pytest.mark.parametrize("implementation", ["pallas", "reference"])
@@ -83,11 +64,11 @@ def test_incremental_decode_matches_plain_forward(model, implementation):
             s1, toks1 = chunks[1]
             junk = dict(chunks)
             junk[1] = (s1, toks1[:-3] + [7, 7, 7])
-            batch = build_batch(alloc, rows, junk)
+            batch = pack_batch(alloc, rows, junk, T_BUCKET)
             _, _, cache = step(params, cache, batch, jnp.arange(T_BUCKET))
             for rid, (s, toks) in chunks.items():
                 alloc.rollback(rid, s)  # forget the whole step, then redo it properly
-        batch = build_batch(alloc, rows, chunks)
+        batch = pack_batch(alloc, rows, chunks, T_BUCKET)
         logits, _, cache = step(params, cache, batch, jnp.arange(T_BUCKET))
         logits = np.asarray(logits)
         off = 0
