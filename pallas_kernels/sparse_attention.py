@@ -91,8 +91,15 @@ _PREPASS_CHUNK_ELEMENTS = 8192
 
 
 def _dot(a, b, *, contract_b: int):
-    """2-D ``a @ b`` (``contract_b=0``) or ``a @ b.T`` (``contract_b=1``) with an fp32 accumulator."""
-    return jax.lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32)
+    """2-D ``a @ b`` (``contract_b=0``) or ``a @ b.T`` (``contract_b=1``) with an fp32 accumulator.
+
+    fp32 operands are multiplied in full fp32 (IEEE), as in the indexer: an fp32 cache asks for accuracy, and
+    Triton's default for fp32 dots is TF32. bf16 operands take the tensor cores' bf16 path.
+    """
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jax.lax.dot_general(
+        a, b, (((1,), (contract_b,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )
 
 
 def _locate_tile(tile, seg_start, seg_len, seg_seq, *, num_rows: int, block_q: int):

@@ -495,3 +495,14 @@ def test_lowers_for_gpu(platform):
         assert "triton" in text.lower() and "ragged_sparse_attention_bq" in text
         if num_rows == 1:  # split-K: the merge kernel is there too
             assert "ragged_sparse_attention_merge_splits" in text
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_dots_are_full_fp32_for_fp32_inputs(dtype):
+    """Triton's default for an fp32 dot is TF32; the kernels ask for IEEE fp32 (as the indexer does) so an fp32
+    cache gives fp32 attention on a GPU, and leave bf16 dots on the bf16 tensor-core path."""
+    a = jax.ShapeDtypeStruct((16, 32), dtype)
+    with jax.default_matmul_precision("default"):  # JAX's own default, not the suite's "highest"
+        (eqn,) = jax.make_jaxpr(lambda x, y: sa._dot(x, y, contract_b=1))(a, a).eqns
+    highest = (jax.lax.Precision.HIGHEST,) * 2
+    assert (eqn.params["precision"] == highest) == (dtype == jnp.float32)
