@@ -1,0 +1,125 @@
+"""The compiled Triton kernels on a real GPU == their references and the naive oracles.
+
+The other kernel tests run the same kernels in interpret mode on the CPU (CI has no GPU). This module runs them
+compiled, with the same traps (NaN pages behind unused table entries, stale large values past ``seq_len``, NaN
+padding queries, outputs poisoned before the run, zero-length rows, ``-1`` selection tails, contexts that are
+not a multiple of the page), at shapes the compiled dots accept (pages and head dims >= 16). It is skipped
+without a GPU; run it on one with::
+
+    JAX_PLATFORMS=cuda python -m pytest -q tests/test_kernels_gpu.py
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import sparse_attention as sa
+from pallas_kernels.indexer import (
+    index_block_scores_reference,
+    ragged_index_topk,
+    ragged_index_topk_reference,
+)
+from pallas_kernels.paged_attention import ragged_paged_attention
+from pallas_kernels.platform import on_gpu
+from pallas_kernels.sparse_attention import AttentionLaunchConfig, ragged_sparse_attention
+from tests import test_indexer as ti
+from tests.test_sparse_attention import VERIFY, args_of, assert_close, make_batch, oracle
+
+pytestmark = pytest.mark.skipif(not on_gpu(), reason="compiled Triton kernels need a GPU")
+
+# Longer contexts than the interpret-mode tests: several past blocks before the causal ones, split-K ranges
+# that cut through blocks.
+LONG = {"q_lens": [8, 0, 1, 5, 8, 3, 0], "seq_lens": [300, 0, 17, 130, 96, 47, 0]}
+
+
+@pytest.mark.parametrize(
+    "dtype, page, dim, kv_heads, group, topk, block_q, num_splits, block_k, num_warps, num_stages",
+    [
+        ("f32", 16, 32, 2, 2, 3, 4, 1, 16, 4, 2),
+        ("f32", 16, 64, 2, 8, 4, 8, 3, 16, 4, 3),
+        ("f32", 32, 32, 1, 4, 3, 2, 2, 32, 4, 2),
+        ("bf16", 16, 32, 2, 4, 3, 4, 1, 16, 4, 3),
+        ("bf16", 32, 64, 2, 16, 4, 4, 1, 32, 4, 3),
+        ("bf16", 32, 128, 2, 16, 4, 8, 1, 32, 8, 3),
+        ("bf16", 32, 128, 1, 16, 4, 1, 4, 32, 4, 3),
+        ("bf16", 64, 128, 2, 8, 3, 2, 3, 32, 4, 4),
+    ],
+)
+@pytest.mark.parametrize("shape", ["verify", "long"])
+def test_sparse_attention_compiled(
+    dtype, page, dim, kv_heads, group, topk, block_q, num_splits, block_k, num_warps, num_stages, shape
+):
+    rng = np.random.default_rng(hash((dtype, page, dim, group, block_q, shape)) % 2**32)
+    lens = VERIFY if shape == "verify" else LONG
+    batch = make_batch(rng, **lens, page=page, dim=dim, kv_heads=kv_heads, group=group, topk=topk, dtype=dtype)
+    scale = dim**-0.5
+    config = AttentionLaunchConfig(block_q, num_splits, num_warps, num_stages, block_k)
+    out = sa.ragged_attention_pallas(*args_of(batch), scale=scale, config=config, interpret=False, poison=True)
+    assert out.dtype == batch["q"].dtype
+    assert_close(out, oracle(batch, scale), dtype, int(batch["query_start_loc"][-1]))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_sparse_attention_compiled_default_policy(dtype):
+    """The public entry point with the chip's launch policy (M3-like group of 16, head_dim 128)."""
+    rng = np.random.default_rng(11)
+    batch = make_batch(rng, **LONG, page=32, dim=128, kv_heads=2, group=16, topk=4, dtype=dtype)
+    scale = 128**-0.5
+    out = ragged_sparse_attention(*args_of(batch), scale=scale, interpret=False)
+    assert_close(out, oracle(batch, scale), dtype, int(batch["query_start_loc"][-1]))
+
+
+@pytest.mark.parametrize(
+    "dtype, page, dim, group, block_q, num_splits, block_k",
+    [
+        ("f32", 16, 32, 2, 4, 1, 16),
+        ("f32", 32, 64, 4, 8, 3, 16),
+        ("bf16", 32, 128, 16, 8, 1, 32),
+        ("bf16", 16, 64, 8, 1, 4, 16),
+    ],
+)
+def test_paged_attention_compiled(dtype, page, dim, group, block_q, num_splits, block_k):
+    rng = np.random.default_rng(hash((dtype, page, dim, group, block_q)) % 2**32)
+    batch = make_batch(rng, **LONG, page=page, dim=dim, kv_heads=2, group=group, dtype=dtype)
+    scale = dim**-0.5
+    config = AttentionLaunchConfig(block_q, num_splits, 4, 3, block_k)
+    out = sa.ragged_attention_pallas(
+        *args_of(batch, dense=True), None, scale=scale, config=config, interpret=False, poison=True
+    )
+    assert_close(out, oracle(batch, scale, dense=True), dtype, int(batch["query_start_loc"][-1]))
+    public = ragged_paged_attention(*args_of(batch, dense=True), scale=scale, interpret=False)
+    assert_close(public, oracle(batch, scale, dense=True), dtype, int(batch["query_start_loc"][-1]))
+
+
+def test_all_padding_batch_is_zero_compiled():
+    rng = np.random.default_rng(5)
+    batch = make_batch(rng, q_lens=[0, 0], seq_lens=[0, 0], page=16, dim=32, kv_heads=1, group=2, pad_slots=4)
+    out = sa.ragged_attention_pallas(
+        *args_of(batch), scale=0.2, config=AttentionLaunchConfig(2, 2, 4, 2, 16), interpret=False, poison=True
+    )
+    assert np.all(np.asarray(out) == 0.0)
+
+
+@pytest.mark.parametrize(
+    "page, dim, heads, block_q, num_splits, pages_per_step",
+    [(16, 32, 4, 4, 1, 1), (16, 64, 4, 8, 2, 2), (32, 32, 8, 2, 1, 1), (32, 128, 4, 4, 3, 1), (16, 32, 4, 4, 1, 4)],
+)
+@pytest.mark.parametrize("values", ["int", "normal"])
+def test_indexer_compiled(page, dim, heads, block_q, num_splits, pages_per_step, values):
+    """Exact selections: integer inputs (exact dot products in any order) and continuous ones (no ties)."""
+    rng = np.random.default_rng(hash((page, dim, heads, block_q, values)) % 2**32)
+    q_lens = [8, 0, 1, 5, 8, 3, 0, 1]
+    seq_lens = [8 + 290, 0, 17, 130, page * 6, 3 + page, 0, 1]
+    for dtype in (np.float32, jnp.bfloat16):
+        b = ti.make_batch(rng, q_lens=q_lens, seq_lens=seq_lens, page=page, dim=dim, heads=heads, values=values,
+                          dtype=dtype, extra_blocks=2, pad_slots=5)
+        for local in (0, 1, 2):
+            want = np.asarray(ragged_index_topk_reference(*ti.args_of(b), topk=4, local_blocks=local))
+            got = np.asarray(
+                ragged_index_topk(*ti.args_of(b), topk=4, local_blocks=local, interpret=False, block_q=block_q,
+                                  num_splits=num_splits, pages_per_step=pages_per_step)
+            )
+            pooled = index_block_scores_reference(*ti.args_of(b))
+            ti.assert_score_equivalent(got, want, pooled, local_blocks=local)
+            np.testing.assert_array_equal(got, want)  # integer inputs too: kernel and reference break ties alike
+            assert (got[b["qsl"][-1]:] == -1).all()
