@@ -79,6 +79,19 @@ def pack_batch(allocator, rows, chunks, num_tokens: int) -> RaggedBatch:
                        jnp.asarray(allocator.block_table(rows)))
 
 
+def unpack_rows(rows, chunks, packed) -> dict:
+    """The inverse of :func:`pack_batch`'s packing: ``{request id: packed[its slots]}`` for every request of
+    ``rows`` with a chunk this step (``packed`` has one leading entry per packed slot, e.g. logits ``[T, V]``)."""
+    out, off = {}, 0
+    for rid in rows:
+        if rid is None or rid not in chunks:
+            continue
+        n = len(chunks[rid][1])
+        out[rid] = packed[off: off + n]
+        off += n
+    return out
+
+
 def check_batch(batch: RaggedBatch, *, vocab_size: int | None = None, num_pages: int | None = None,
                 page_size: int | None = None) -> None:
     """Static shape/dtype checks (and value checks when the arrays are concrete), with errors naming the field."""

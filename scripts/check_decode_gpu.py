@@ -19,7 +19,7 @@ from flax import nnx
 
 from minimax_jax.cache import PageAllocator, init_cache
 from minimax_jax.config import MiniMaxM3Config
-from minimax_jax.decode import make_step_fn, pack_batch
+from minimax_jax.decode import make_step_fn, pack_batch, unpack_rows
 from minimax_jax.model import init_model
 
 TOLERANCE = 1e-3
@@ -57,15 +57,10 @@ def run(implementation: str, model, seqs, *, t_bucket: int = 64, seed: int = 0) 
         first = False
         batch = pack_batch(alloc, rows, chunks, t_bucket)
         logits, _, cache = step(params, cache, batch, jnp.arange(t_bucket))
-        logits = np.asarray(logits)
-        off = 0
-        for rid in rows:
-            if rid is None or rid not in chunks:
-                continue
-            s, toks = chunks[rid]
-            out[rid][s: s + len(toks)] = logits[off: off + len(toks)]
-            off += len(toks)
-            done[rid] = s + len(toks)
+        for rid, got in unpack_rows(rows, chunks, np.asarray(logits)).items():
+            s = chunks[rid][0]
+            out[rid][s: s + len(got)] = got
+            done[rid] = s + len(got)
     return out
 
 

@@ -10,7 +10,7 @@ from flax import nnx
 
 from minimax_jax import load_model
 from minimax_jax.cache import OutOfPagesError, PageAllocator, init_cache, slot_mapping, write_tokens
-from minimax_jax.decode import RaggedBatch, forward_ragged, make_step_fn, pack_batch
+from minimax_jax.decode import RaggedBatch, forward_ragged, make_step_fn, pack_batch, unpack_rows
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 GOLDEN = np.load(os.path.join(FIXTURES, "golden.npz"))
@@ -70,17 +70,11 @@ def test_incremental_decode_matches_plain_forward(model, implementation):
                 alloc.rollback(rid, s)  # forget the whole step, then redo it properly
         batch = pack_batch(alloc, rows, chunks, T_BUCKET)
         logits, _, cache = step(params, cache, batch, jnp.arange(T_BUCKET))
-        logits = np.asarray(logits)
-        off = 0
-        for rid in rows:
-            if rid is None or rid not in chunks:
-                continue
-            s, toks = chunks[rid]
-            got = logits[off: off + len(toks)]
-            want = ref[rid][s: s + len(toks)]
+        for rid, got in unpack_rows(rows, chunks, np.asarray(logits)).items():
+            s = chunks[rid][0]
+            want = ref[rid][s: s + len(got)]
             errors.append(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-            off += len(toks)
-            done[rid] = s + len(toks)
+            done[rid] = s + len(got)
     assert done == {r: len(s) for r, s in seqs.items()}
     assert max(errors) < 1e-4, max(errors)
 
