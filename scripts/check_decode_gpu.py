@@ -9,6 +9,7 @@ with a zero-length padding row and shuffled pages. Prints the max relative logit
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
@@ -70,8 +71,6 @@ def row_errors(got: dict, want: dict) -> np.ndarray:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--precision", default="highest",
                     help="jax_default_matmul_precision for the model's XLA matmuls ('default' for JAX's own)")
