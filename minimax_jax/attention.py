@@ -13,7 +13,7 @@ from flax import nnx
 
 from minimax_jax import msa
 from minimax_jax.config import MiniMaxM3Config
-from minimax_jax.layers import Linear, RMSNorm, apply_rope
+from minimax_jax.layers import Linear, apply_rope, norm_for
 
 # Large finite negative instead of -inf so a fully masked row can never produce NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -27,8 +27,8 @@ class MSAIndexer(nnx.Module):
         d, hi, di = cfg.hidden_size, cfg.index_n_heads, cfg.index_head_dim
         self.q_proj = Linear(d, hi * di, dtype=dtype, rngs=rngs)
         self.k_proj = Linear(d, di, dtype=dtype, rngs=rngs)
-        self.q_norm = RMSNorm(di, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.k_norm = RMSNorm(di, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.q_norm = norm_for(cfg, di, dtype=dtype)
+        self.k_norm = norm_for(cfg, di, dtype=dtype)
 
     def project(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``x [..., S, d]`` -> ``index_q [..., S, H_idx, D_idx]``, ``index_k [..., S, D_idx]`` (normed, RoPE)."""
@@ -55,8 +55,8 @@ class Attention(nnx.Module):
         self.k_proj = Linear(d, hkv * hd, dtype=dtype, rngs=rngs)
         self.v_proj = Linear(d, hkv * hd, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(h * hd, d, dtype=dtype, rngs=rngs)
-        self.q_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.k_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.q_norm = norm_for(cfg, hd, dtype=dtype)
+        self.k_norm = norm_for(cfg, hd, dtype=dtype)
         self.indexer = MSAIndexer(cfg, dtype=dtype, rngs=rngs) if cfg.is_sparse_layer(layer_idx) else None
 
     @property

@@ -45,9 +45,41 @@ class PagedCache:
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
 
 
+DEFAULT_PAGE_SIZE = 16  # models without MSA layers (and without an index_block_size): the kernels' minimum
+
+
 def page_size_for(cfg: MiniMaxM3Config) -> int:
-    """The KV page size: the MSA block size (also for models without sparse layers, for one cache layout)."""
-    return cfg.index_block_size
+    """The KV page size: the MSA block size (one page = one MSA block; SPEC section 4), or
+    :data:`DEFAULT_PAGE_SIZE` for a model without sparse layers and without an ``index_block_size``."""
+    return cfg.index_block_size or DEFAULT_PAGE_SIZE
+
+
+def check_cache(cache: PagedCache, cfg: MiniMaxM3Config) -> None:
+    """Raise ValueError naming the first way ``cache`` does not fit ``cfg`` (static shapes only).
+
+    A cache whose page size differs from the MSA block size would select tokens instead of blocks and run with
+    wrong results, so it is refused here rather than discovered in the output.
+    """
+    page = page_size_for(cfg)
+    n = cfg.num_hidden_layers
+    if len(cache.k) != n or len(cache.v) != n:
+        raise ValueError(f"cache has {len(cache.k)} K and {len(cache.v)} V layers; the model has {n}")
+    if cache.page_size != page:
+        raise ValueError(f"cache page size {cache.page_size} differs from the model's index_block_size {page}: "
+                         f"one KV page must be one MSA block (build the cache with init_cache(cfg, ...))")
+    want = (cfg.num_key_value_heads, cache.num_pages, page, cfg.head_dim)
+    for name, layers in (("k", cache.k), ("v", cache.v)):
+        for i, x in enumerate(layers):
+            if tuple(x.shape) != want:
+                raise ValueError(f"cache.{name}[{i}] has shape {tuple(x.shape)}, expected [H_kv, P, page, D] = "
+                                 f"{list(want)}")
+    n_sparse = len(cfg.sparse_layer_ids)
+    if len(cache.index_k) != n_sparse:
+        raise ValueError(f"cache has {len(cache.index_k)} index-K layers; the model has {n_sparse} MSA layers")
+    for i, x in enumerate(cache.index_k):
+        if tuple(x.shape) != (cache.num_pages, page, cfg.index_head_dim):
+            raise ValueError(f"cache.index_k[{i}] has shape {tuple(x.shape)}, expected [P, page, D_idx] = "
+                             f"{[cache.num_pages, page, cfg.index_head_dim]}")
 
 
 def init_cache(cfg: MiniMaxM3Config, num_pages: int, *, dtype=jnp.bfloat16) -> PagedCache:
@@ -65,6 +97,8 @@ def init_cache(cfg: MiniMaxM3Config, num_pages: int, *, dtype=jnp.bfloat16) -> P
 
 
 def cache_bytes_per_page(cfg: MiniMaxM3Config, dtype=jnp.bfloat16) -> int:
+    """Bytes one physical page takes across every layer's K, V (and index-K on MSA layers): what a page pool
+    sized by a memory budget divides by."""
     page = page_size_for(cfg)
     item = jnp.dtype(dtype).itemsize
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * page * cfg.head_dim

@@ -8,10 +8,31 @@ the ones we know of:
   ``sparse_attention_config`` dict (``sparse_num_index_heads``, ``sparse_attention_freq`` ...);
 * the per-layer MLP choice as ``mlp_layer_types`` or the legacy ``moe_layer_freq``;
 * ``rope_theta`` at the top level or inside ``rope_parameters``; the rotated width as ``rotary_dim`` or as
-  ``partial_rotary_factor`` (top level or inside ``rope_parameters``);
-* ``swiglu_beta`` missing (checkpoints omit it): 1.0.
+  ``partial_rotary_factor`` (top level or inside ``rope_parameters``).
 
-Every problem raises :class:`ConfigError` (a ``ValueError``) naming the offending key.
+Strictness:
+
+* **Shape-defining keys are required** (vocabulary, widths, layer and head counts, the per-layer attention and
+  MLP kinds, the MoE sizes when there are MoE layers, the MSA sizes when there are sparse layers); a missing one
+  raises :class:`ConfigError` naming every missing key. ``head_dim`` may be derived from ``hidden_size /
+  num_attention_heads`` and ``rotary_dim`` defaults to half of ``head_dim``, as the reference does.
+* Keys with a true default (the reference implementation's value when the key is absent) may be omitted:
+  ``rope_theta`` 5e6, ``rms_norm_eps`` 1e-6, ``routed_scaling_factor`` 2.0, ``swiglu_alpha`` 1.702,
+  ``swiglu_limit`` 7.0, ``swiglu_beta`` 1.0 (released checkpoints omit it), ``index_local_blocks`` 1,
+  ``use_gemma_norm`` true, ``max_position_embeddings`` 524288.
+* Keys we do not know are ignored with ONE warning that lists them (a misspelt ``num_hiden_layers`` shows up).
+* ``hidden_act`` must be ``swigluoai``; ``silu`` is accepted only in a config written by transformers (its
+  MiniMax-M3 class writes that default but always runs swigluoai).
+* Feature switches we do not implement (an attention output gate, top-k reuse across layers, non-sigmoid
+  routing, quantised weights, ...) are refused with a message naming the key, never silently run as something
+  else.
+* Special token ids (BOS, EOS, PAD) outside the vocabulary are loaded as *absent*, with a warning: small test
+  models saved by the reference carry MiniMax-M3's ids. Whoever needs such a token later says clearly that it
+  is missing.
+
+Every problem raises :class:`ConfigError` (a ``ValueError``) naming the offending key. The dataclass itself
+takes keyword arguments only and requires the shape-defining fields; :meth:`MiniMaxM3Config.m3` and
+:meth:`MiniMaxM3Config.tiny` are the presets.
 """
 
 from __future__ import annotations
@@ -19,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,49 +54,49 @@ class ConfigError(ValueError):
     """A malformed or inconsistent MiniMax-M3 configuration."""
 
 
-@dataclasses.dataclass(frozen=True)
+class ConfigWarning(UserWarning):
+    """A config.json that loads, but with something the user should know (unknown keys, absent special ids)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class MiniMaxM3Config:
-    vocab_size: int = 200064
-    hidden_size: int = 6144
-    num_hidden_layers: int = 60
-    num_attention_heads: int = 64
-    num_key_value_heads: int = 4
-    head_dim: int = 128
-    rotary_dim: int = 64
+    # ---- shape (required)
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...]
+    mlp_layer_types: tuple[str, ...]
+    # ---- shape, required where the layer kind exists (None otherwise)
+    dense_intermediate_size: int | None = None  # dense MLP layers
+    intermediate_size: int | None = None  # one routed expert (MoE layers)
+    shared_intermediate_size: int | None = None  # the shared expert (MoE layers); 0: none
+    num_local_experts: int | None = None
+    num_experts_per_tok: int | None = None
+    index_n_heads: int | None = None  # MSA sparse layers
+    index_head_dim: int | None = None
+    index_block_size: int | None = None
+    index_topk_blocks: int | None = None
+    # ---- keys with a true default (the reference's value when the key is absent)
+    index_local_blocks: int = 1
+    rotary_dim: int | None = None  # None: head_dim // 2 (MiniMax-M3 rotates half of each head)
     rope_theta: float = 5_000_000.0
     rms_norm_eps: float = 1e-6
+    use_gemma_norm: bool = True  # RMSNorm scales by (1 + w) (Gemma) rather than by w
     max_position_embeddings: int = 524288
-    # MLPs
-    intermediate_size: int = 3072  # one routed expert
-    dense_intermediate_size: int = 12288
-    shared_intermediate_size: int = 3072  # 0: no shared expert
-    num_local_experts: int = 128
-    num_experts_per_tok: int = 4
     routed_scaling_factor: float = 2.0
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     swiglu_beta: float = 1.0
-    # per-layer dispatch
-    layer_types: tuple[str, ...] = ()
-    mlp_layer_types: tuple[str, ...] = ()
-    # MSA sparse attention
-    index_n_heads: int = 4
-    index_head_dim: int = 128
-    index_block_size: int = 128
-    index_topk_blocks: int = 16
-    index_local_blocks: int = 1
-    # tokens
-    bos_token_id: int | None = 200034
-    eos_token_id: tuple[int, ...] = (200020,)
+    # ---- tokens (None / empty: absent)
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
     tie_word_embeddings: bool = False
 
     def __post_init__(self):
-        n = self.num_hidden_layers
-        if not self.layer_types:
-            object.__setattr__(self, "layer_types", tuple([FULL_ATTENTION] * n))
-        if not self.mlp_layer_types:
-            object.__setattr__(self, "mlp_layer_types", tuple([MOE_MLP] * n))
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         object.__setattr__(self, "mlp_layer_types", tuple(self.mlp_layer_types))
         eos = self.eos_token_id
@@ -83,6 +105,8 @@ class MiniMaxM3Config:
         elif isinstance(eos, int):
             eos = (eos,)
         object.__setattr__(self, "eos_token_id", tuple(int(e) for e in eos))
+        if self.rotary_dim is None and isinstance(self.head_dim, int):
+            object.__setattr__(self, "rotary_dim", self.head_dim // 2)
         self.validate()
 
     # ------------------------------------------------------------------ derived
@@ -108,23 +132,28 @@ class MiniMaxM3Config:
     def validate(self) -> None:
         def positive(name):
             v = getattr(self, name)
+            if v is None:
+                raise ConfigError(f"{name} is required for this model (it defines tensor shapes)")
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
 
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "intermediate_size", "dense_intermediate_size",
-                     "max_position_embeddings"):
+                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
             positive(name)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")
-        if not (0 < self.rotary_dim <= self.head_dim) or self.rotary_dim % 2:
+        if not isinstance(self.rotary_dim, int) or not (0 < self.rotary_dim <= self.head_dim) or self.rotary_dim % 2:
             raise ConfigError(f"rotary_dim must be even and in (0, head_dim={self.head_dim}], got {self.rotary_dim}")
         if not self.rope_theta > 0:
             raise ConfigError(f"rope_theta must be > 0, got {self.rope_theta}")
         if not self.rms_norm_eps > 0:
             raise ConfigError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if not isinstance(self.use_gemma_norm, bool):
+            raise ConfigError(f"use_gemma_norm must be true or false, got {self.use_gemma_norm!r}")
+        if self.tie_word_embeddings:
+            raise ConfigError("tie_word_embeddings=true is not supported: MiniMax-M3 has an untied lm_head")
         n = self.num_hidden_layers
         if len(self.layer_types) != n:
             raise ConfigError(f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {n}")
@@ -136,14 +165,19 @@ class MiniMaxM3Config:
         for i, t in enumerate(self.mlp_layer_types):
             if t not in (DENSE_MLP, MOE_MLP):
                 raise ConfigError(f"mlp_layer_types[{i}] must be {DENSE_MLP!r} or {MOE_MLP!r}, got {t!r}")
+        if len(self.moe_layer_ids) < n:
+            positive("dense_intermediate_size")
         if self.moe_layer_ids:
-            positive("num_local_experts")
-            positive("num_experts_per_tok")
+            for name in ("intermediate_size", "num_local_experts", "num_experts_per_tok"):
+                positive(name)
             if self.num_experts_per_tok > self.num_local_experts:
                 raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds "
                                   f"num_local_experts ({self.num_local_experts})")
-            if self.shared_intermediate_size < 0:
-                raise ConfigError(f"shared_intermediate_size must be >= 0, got {self.shared_intermediate_size}")
+            s = self.shared_intermediate_size
+            if s is None:
+                raise ConfigError("shared_intermediate_size is required for MoE layers (0 for no shared expert)")
+            if not isinstance(s, int) or isinstance(s, bool) or s < 0:
+                raise ConfigError(f"shared_intermediate_size must be an integer >= 0, got {s!r}")
         if self.sparse_layer_ids:
             for name in ("index_n_heads", "index_head_dim", "index_block_size", "index_topk_blocks"):
                 positive(name)
@@ -156,6 +190,8 @@ class MiniMaxM3Config:
             if not 0 <= self.index_local_blocks <= self.index_topk_blocks:
                 raise ConfigError(f"index_local_blocks must be in [0, index_topk_blocks={self.index_topk_blocks}], "
                                   f"got {self.index_local_blocks}")
+        if self.index_block_size is not None:
+            positive("index_block_size")
         if self.swiglu_limit <= 0:
             raise ConfigError(f"swiglu_limit must be > 0, got {self.swiglu_limit}")
         for name in ("bos_token_id", "pad_token_id"):
@@ -169,16 +205,21 @@ class MiniMaxM3Config:
     # ------------------------------------------------------------------ I/O
     @classmethod
     def from_pretrained(cls, path_or_dict: str | os.PathLike | Mapping[str, Any]) -> MiniMaxM3Config:
-        """Read a MiniMax-M3 ``config.json`` (a directory, the file, or an already-parsed dict)."""
+        """Read a MiniMax-M3 ``config.json`` (a directory, the file, or an already-parsed dict).
+
+        Raises :class:`ConfigError` naming every missing required key, or the first bad value; warns once
+        (:class:`ConfigWarning`) about unknown keys and about special token ids outside the vocabulary.
+        """
         raw = read_config_json(path_or_dict)
         return cls(**_normalise(raw))
 
     def to_dict(self) -> dict[str, Any]:
-        """HF-style flat dict; ``from_pretrained(to_dict())`` round-trips."""
-        d = dataclasses.asdict(self)
+        """HF-style flat dict; ``from_pretrained(to_dict())`` round-trips. Absent optional sizes are left out."""
+        d = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
         d["layer_types"] = list(self.layer_types)
         d["mlp_layer_types"] = list(self.mlp_layer_types)
         d["eos_token_id"] = list(self.eos_token_id)
+        d["hidden_act"] = "swigluoai"
         d["model_type"] = "minimax_m3_vl_text"
         return d
 
@@ -198,14 +239,19 @@ class MiniMaxM3Config:
         """The real MiniMax-M3 text shape (about 428B parameters): 3 dense layers, then MoE + MSA."""
         n = 60
         return cls(
-            num_hidden_layers=n,
+            vocab_size=200064, hidden_size=6144, num_hidden_layers=n, num_attention_heads=64, num_key_value_heads=4,
+            head_dim=128, rotary_dim=64, rope_theta=5_000_000.0, rms_norm_eps=1e-6,
             layer_types=tuple([FULL_ATTENTION] * 3 + [SPARSE_ATTENTION] * (n - 3)),
             mlp_layer_types=tuple([DENSE_MLP] * 3 + [MOE_MLP] * (n - 3)),
+            dense_intermediate_size=12288, intermediate_size=3072, shared_intermediate_size=3072,
+            num_local_experts=128, num_experts_per_tok=4, routed_scaling_factor=2.0,
+            index_n_heads=4, index_head_dim=128, index_block_size=128, index_topk_blocks=16, index_local_blocks=1,
+            bos_token_id=200034, eos_token_id=(200020,),
         )
 
     @classmethod
     def tiny(cls, **overrides) -> MiniMaxM3Config:
-        """A small MiniMax-M3-shaped config for tests and the embedded default's architecture."""
+        """A small MiniMax-M3-shaped config for tests: 2 full + 2 MSA layers, dense and MoE MLPs alternating."""
         base = dict(
             vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, rotary_dim=8, rope_theta=10_000.0, intermediate_size=32, dense_intermediate_size=64,
@@ -229,17 +275,22 @@ def read_config_json(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> dic
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no config.json at {path}")
-    with open(path) as f:
-        try:
-            raw = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        raw = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not a text file (expected a config.json)") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a JSON object, got {type(raw).__name__}")
     return raw
 
 
 _FIELDS = {f.name for f in dataclasses.fields(MiniMaxM3Config)}
+
+_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
 
 _LEGACY_SPARSE_KEYS = {
     "sparse_num_index_heads": "index_n_heads",
@@ -248,6 +299,43 @@ _LEGACY_SPARSE_KEYS = {
     "sparse_topk_blocks": "index_topk_blocks",
     "sparse_local_block": "index_local_blocks",
 }
+# Other keys of the legacy sparse dict: known; the value each must have for what we implement (None: any).
+_LEGACY_SPARSE_SWITCHES = {
+    "sparse_attention_freq": None, "use_sparse_attention": None, "sparse_disable_index_value": None,
+    "sparse_score_type": "max", "sparse_init_block": 0,
+}
+
+# Keys that carry no information for inference (framework bookkeeping and training-only settings).
+_BOOKKEEPING = {
+    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "use_cache", "auto_map",
+    "output_router_logits", "router_aux_loss_coef", "router_jitter_noise", "attention_dropout", "initializer_range",
+    "return_dict", "output_hidden_states", "output_attentions", "is_encoder_decoder", "id2label", "label2id",
+    "problem_type", "tokenizer_class", "chunk_size_feed_forward", "_name_or_path", "name_or_path",
+    "base_config_key", "num_mtp_modules", "keys_to_ignore_at_inference", "max_window_layers",
+}
+# Keys the parser reads besides the field names.
+_READ = {
+    "text_config", "vision_config", "sparse_attention_config", "moe_layer_freq", "num_experts", "rope_parameters",
+    "rope_scaling", "partial_rotary_factor", "hidden_act",
+}
+# Feature switches: key -> (the value(s) we implement, what the other values would need).
+_SWITCHES = {
+    "attention_output_gate": ((False, None), "an attention output gate"),
+    "use_qk_norm": ((True, None), "attention without q/k norms"),
+    "qk_norm_type": (("per_head", None), "q/k norms other than per head"),
+    "scoring_func": (("sigmoid", None), "routers other than sigmoid scoring"),
+    "use_routing_bias": ((True, None), "routers without the selection bias"),
+    "use_index_cache": ((False, None), "MSA top-k reuse across layers (use_index_cache)"),
+    "index_topk_freq": ((1, None), "MSA top-k reuse across layers (index_topk_freq > 1)"),
+    "index_topk_pattern": ((None,), "MSA top-k reuse across layers (index_topk_pattern)"),
+    "index_skip_topk_offset": ((0, None), "MSA top-k reuse across layers (index_skip_topk_offset)"),
+    "attention_bias": ((False, None), "biases in the attention projections"),
+    "mlp_bias": ((False, None), "biases in the MLP projections"),
+    "use_sliding_window": ((False, None), "sliding-window attention"),
+    "sliding_window": ((None,), "sliding-window attention"),
+    "quantization_config": ((None,), "quantised weights (MXFP4 / MXFP8 releases)"),
+}
+_KNOWN = _FIELDS | set(_LEGACY_SPARSE_KEYS) | _BOOKKEEPING | _READ | set(_SWITCHES) | {"n_shared_experts"}
 
 _INT_KEYS = {
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -256,21 +344,53 @@ _INT_KEYS = {
     "index_block_size", "index_topk_blocks", "index_local_blocks",
 }
 _FLOAT_KEYS = {"rope_theta", "rms_norm_eps", "routed_scaling_factor", "swiglu_alpha", "swiglu_limit", "swiglu_beta"}
+_BOOL_KEYS = {"use_gemma_norm", "tie_word_embeddings"}
+
+
+def _warn(message: str) -> None:
+    # Point at the caller's line, outside this package.
+    warnings.warn(message, ConfigWarning, skip_file_prefixes=(os.path.dirname(os.path.abspath(__file__)),))
+
+
+def _text_section(raw: dict[str, Any]) -> dict[str, Any]:
+    text = raw.get("text_config")
+    if text is None:
+        return dict(raw)
+    if not isinstance(text, Mapping):
+        raise ConfigError(f"text_config must be an object, got {type(text).__name__}")
+    text = dict(text)
+    # A few token ids and the tying flag may sit only at the top level of a VL config.
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings", "transformers_version"):
+        if k not in text and k in raw:
+            text[k] = raw[k]
+    return text
+
+
+def _check_switches(text: Mapping[str, Any]) -> None:
+    for key, (supported, what) in _SWITCHES.items():
+        if key in text and text[key] not in supported:
+            raise ConfigError(f"{key}={text[key]!r}: {what} is not implemented")
+    shared = text.get("n_shared_experts")
+    if shared is not None and _as_int(shared, "n_shared_experts") not in (0, 1):
+        raise ConfigError(f"n_shared_experts={shared!r}: one shared expert (or none) is implemented")
+
+
+def _check_hidden_act(text: Mapping[str, Any]) -> None:
+    act = text.get("hidden_act")
+    if act is None or act == "swigluoai":
+        return
+    if act == "silu" and "transformers_version" in text:
+        # transformers' MiniMax-M3 config class writes its default 'silu', but its MLPs always run swigluoai (the
+        # HF golden logits in tests/fixtures prove it): a config it saved describes a swigluoai model.
+        return
+    raise ConfigError(f"hidden_act={act!r} is not implemented: MiniMax-M3 uses 'swigluoai'")
 
 
 def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
-    top = raw
-    text = raw.get("text_config")
-    if text is not None:
-        if not isinstance(text, Mapping):
-            raise ConfigError(f"text_config must be an object, got {type(text).__name__}")
-        text = dict(text)
-        # A few token ids and the tying flag may sit only at the top level of a VL config.
-        for k in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
-            if k not in text and k in top:
-                text[k] = top[k]
-    else:
-        text = dict(raw)
+    text = _text_section(raw)
+    unknown = sorted(k for k in text if k not in _KNOWN)
+    _check_switches(text)
+    _check_hidden_act(text)
 
     out: dict[str, Any] = {}
     if "num_experts" in text and "num_local_experts" not in text:
@@ -280,6 +400,14 @@ def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
     sparse_cfg = text.get("sparse_attention_config") or {}
     if not isinstance(sparse_cfg, Mapping):
         raise ConfigError(f"sparse_attention_config must be an object, got {type(sparse_cfg).__name__}")
+    for key, value in sparse_cfg.items():
+        if key in _LEGACY_SPARSE_KEYS:
+            continue
+        if key not in _LEGACY_SPARSE_SWITCHES:
+            unknown.append(f"sparse_attention_config.{key}")
+        elif _LEGACY_SPARSE_SWITCHES[key] is not None and value != _LEGACY_SPARSE_SWITCHES[key]:
+            raise ConfigError(f"sparse_attention_config.{key}={value!r} is not implemented "
+                              f"(only {_LEGACY_SPARSE_SWITCHES[key]!r})")
     for legacy, flat in _LEGACY_SPARSE_KEYS.items():
         if legacy in sparse_cfg:
             if flat in text and text[flat] != sparse_cfg[legacy]:
@@ -287,20 +415,44 @@ def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
                                   f"sparse_attention_config.{legacy}={sparse_cfg[legacy]!r}")
             out[flat] = sparse_cfg[legacy]
 
+    missing = [k for k in _REQUIRED if text.get(k) is None]
     n_layers = text.get("num_hidden_layers")
     layer_types = text.get("layer_types")
     if layer_types is None and "sparse_attention_freq" in sparse_cfg:
-        freq = sparse_cfg["sparse_attention_freq"]
-        layer_types = [SPARSE_ATTENTION if f else FULL_ATTENTION for f in _as_list(freq, "sparse_attention_config."
-                                                                                   "sparse_attention_freq", n_layers)]
-    if layer_types is not None:
+        freq = _as_list(sparse_cfg["sparse_attention_freq"], "sparse_attention_config.sparse_attention_freq",
+                        n_layers)
+        layer_types = [SPARSE_ATTENTION if f else FULL_ATTENTION for f in freq]
+    if layer_types is None:
+        missing.append("layer_types (or sparse_attention_config.sparse_attention_freq)")
+    else:
         out["layer_types"] = tuple(_as_list(layer_types, "layer_types", None))
 
     mlp_types = text.get("mlp_layer_types")
     if mlp_types is None and text.get("moe_layer_freq") is not None:
         mlp_types = [MOE_MLP if f else DENSE_MLP for f in _as_list(text["moe_layer_freq"], "moe_layer_freq", n_layers)]
-    if mlp_types is not None:
+    if mlp_types is None:
+        missing.append("mlp_layer_types (or moe_layer_freq)")
+    else:
         out["mlp_layer_types"] = tuple(_as_list(mlp_types, "mlp_layer_types", None))
+    if text.get("n_shared_experts") == 0:
+        out["shared_intermediate_size"] = 0
+
+    # sizes required by the layer kinds present
+    kinds = set(out.get("mlp_layer_types", ())) | set(out.get("layer_types", ()))
+    need = []
+    if DENSE_MLP in kinds:
+        need.append("dense_intermediate_size")
+    if MOE_MLP in kinds:
+        need += ["intermediate_size", "num_local_experts", "num_experts_per_tok"]
+        if "shared_intermediate_size" not in out:
+            need.append("shared_intermediate_size")
+    if SPARSE_ATTENTION in kinds:
+        need += ["index_n_heads", "index_head_dim", "index_block_size", "index_topk_blocks"]
+    missing += [k for k in need if text.get(k) is None and k not in out]
+    if text.get("head_dim") is None and (text.get("hidden_size") is None or text.get("num_attention_heads") is None):
+        missing.append("head_dim")
+    if missing:
+        raise ConfigError("config.json is missing required keys: " + ", ".join(missing))
 
     # RoPE
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
@@ -317,30 +469,23 @@ def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
         out["rope_theta"] = theta
 
     head_dim = text.get("head_dim")
-    if head_dim is None and "hidden_size" in text and "num_attention_heads" in text:
-        head_dim = int(text["hidden_size"]) // int(text["num_attention_heads"])
+    if head_dim is None:
+        head_dim = _as_int(text["hidden_size"], "hidden_size") // _as_int(text["num_attention_heads"],
+                                                                          "num_attention_heads")
         out["head_dim"] = head_dim
     factor = rope.get("partial_rotary_factor", text.get("partial_rotary_factor"))
     rotary_dim = text.get("rotary_dim")
     if factor is not None:
-        if head_dim is None:
-            raise ConfigError("partial_rotary_factor needs head_dim")
-        from_factor = int(int(head_dim) * float(factor))
-        if rotary_dim is not None and int(rotary_dim) != from_factor:
+        from_factor = int(_as_int(head_dim, "head_dim") * _as_float(factor, "partial_rotary_factor"))
+        if rotary_dim is not None and _as_int(rotary_dim, "rotary_dim") != from_factor:
             raise ConfigError(f"rotary_dim={rotary_dim!r} disagrees with partial_rotary_factor={factor!r} "
                               f"(head_dim {head_dim} -> {from_factor})")
         out["rotary_dim"] = from_factor
-    elif rotary_dim is None and head_dim is not None:
-        out["rotary_dim"] = int(head_dim) // 2  # MiniMax-M3 rotates half of each head
 
-    # everything else that matches a field name
+    # everything else that matches a field name (JSON null = absent)
     for k, v in text.items():
-        if k in _FIELDS and k not in out and k not in ("layer_types", "mlp_layer_types"):
+        if k in _FIELDS and k not in out and k not in ("layer_types", "mlp_layer_types") and v is not None:
             out[k] = v
-    if "swiglu_beta" not in out:
-        out["swiglu_beta"] = 1.0
-    if "hidden_act" in text and text["hidden_act"] not in ("swigluoai", "silu", "swiglu"):
-        raise ConfigError(f"hidden_act={text['hidden_act']!r}: MiniMax-M3 uses 'swigluoai'")
 
     for k in list(out):
         v = out[k]
@@ -348,14 +493,34 @@ def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
             out[k] = _as_int(v, k)
         elif k in _FLOAT_KEYS:
             out[k] = _as_float(v, k)
-    if "eos_token_id" in out and out["eos_token_id"] is not None:
+        elif k in _BOOL_KEYS and not isinstance(v, bool):
+            raise ConfigError(f"{k} must be true or false, got {v!r}")
+    _special_tokens(out)
+    if unknown:
+        _warn("config.json keys not used by MiniMax-M3 (ignored; misspelt?): " + ", ".join(unknown))
+    return out
+
+
+def _special_tokens(out: dict[str, Any]) -> None:
+    """Parse BOS/EOS/PAD; ids outside the vocabulary become absent, with one warning."""
+    vocab = out["vocab_size"]
+    dropped = []
+    if "eos_token_id" in out:
         eos = out["eos_token_id"]
         eos = [eos] if not isinstance(eos, (list, tuple)) else eos
-        out["eos_token_id"] = tuple(_as_int(e, "eos_token_id") for e in eos)
+        ids = [_as_int(e, "eos_token_id") for e in eos]
+        dropped += [f"eos_token_id {e}" for e in ids if not 0 <= e < vocab]
+        out["eos_token_id"] = tuple(e for e in ids if 0 <= e < vocab)
     for k in ("bos_token_id", "pad_token_id"):
         if out.get(k) is not None:
-            out[k] = _as_int(out[k], k)
-    return out
+            v = _as_int(out[k], k)
+            if 0 <= v < vocab:
+                out[k] = v
+            else:
+                dropped.append(f"{k} {v}")
+                out[k] = None
+    if dropped:
+        _warn(f"special token ids outside the vocabulary [0, {vocab}) are treated as absent: " + ", ".join(dropped))
 
 
 def _as_list(v, key, n):

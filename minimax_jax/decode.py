@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from minimax_jax.cache import PagedCache, slot_mapping, write_tokens
+from minimax_jax.cache import PagedCache, check_cache, slot_mapping, write_tokens
 from minimax_jax.model import MiniMaxM3ForCausalLM
 from pallas_kernels.indexer import ragged_index_topk
 from pallas_kernels.metadata import token_positions, token_to_request
@@ -93,7 +93,7 @@ def unpack_rows(rows, chunks, packed) -> dict:
 
 
 def check_batch(batch: RaggedBatch, *, vocab_size: int | None = None, num_pages: int | None = None,
-                page_size: int | None = None) -> None:
+                page_size: int | None = None, max_positions: int | None = None) -> None:
     """Static shape/dtype checks (and value checks when the arrays are concrete), with errors naming the field."""
     t, r = batch.input_ids.shape, batch.seq_lens.shape
     if len(t) != 1:
@@ -119,6 +119,10 @@ def check_batch(batch: RaggedBatch, *, vocab_size: int | None = None, num_pages:
     if (seq < lens).any():
         bad = int(np.argmax(seq < lens))
         raise ValueError(f"seq_lens[{bad}]={seq[bad]} is shorter than the row's {lens[bad]} new tokens")
+    if max_positions is not None and seq.size and seq.max() > max_positions:
+        bad = int(np.argmax(seq))
+        raise ValueError(f"seq_lens[{bad}]={seq[bad]} exceeds the model's {max_positions} positions "
+                         f"(max_position_embeddings)")
     if page_size is not None:
         nb = -(-seq // page_size)
         if (nb > batch.block_tables.shape[1]).any():
@@ -164,7 +168,8 @@ def forward_ragged(
     in attention and never write the caches.
     """
     cfg = model.cfg
-    check_batch(batch, page_size=cache.page_size)
+    check_cache(cache, cfg)
+    check_batch(batch, page_size=cache.page_size, max_positions=cfg.max_position_embeddings)
     t = batch.num_tokens
     page = cache.page_size
     req = token_to_request(batch.query_start_loc, t)

@@ -31,21 +31,29 @@ class Linear(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """Gemma-style RMSNorm: ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` in fp32, weights initialised to 0."""
+    """RMSNorm in fp32: ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` (Gemma style, weights initialised to 0), or
+    ``... * w`` (weights initialised to 1) with ``gemma=False`` (config ``use_gemma_norm``)."""
 
-    def __init__(self, dim: int, *, eps: float, dtype, rngs: nnx.Rngs | None = None):
+    def __init__(self, dim: int, *, eps: float, dtype, gemma: bool = True, rngs: nnx.Rngs | None = None):
         del rngs
         self.eps = eps
-        self.weight = nnx.Param(jnp.zeros((dim,), dtype))
+        self.gemma = gemma
+        self.weight = nnx.Param((jnp.zeros if gemma else jnp.ones)((dim,), dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.weight[...], self.eps)
+        return rms_norm(x, self.weight[...], self.eps, gemma=self.gemma)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, gemma: bool = True) -> jax.Array:
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    scale = weight.astype(jnp.float32)
+    return (y * (1.0 + scale if gemma else scale)).astype(x.dtype)
+
+
+def norm_for(cfg: MiniMaxM3Config, dim: int, *, dtype) -> RMSNorm:
+    """The RMSNorm a layer of ``cfg`` uses (``eps`` and the Gemma ``1 + w`` convention from the config)."""
+    return RMSNorm(dim, eps=cfg.rms_norm_eps, dtype=dtype, gemma=cfg.use_gemma_norm)
 
 
 # ----------------------------------------------------------------------------------------------- RoPE

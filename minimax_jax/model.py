@@ -12,19 +12,20 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from minimax_jax.attention import Attention
 from minimax_jax.config import MiniMaxM3Config
-from minimax_jax.layers import DenseMLP, MoE, RMSNorm, rope_cos_sin
+from minimax_jax.layers import DenseMLP, MoE, norm_for, rope_cos_sin
 
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: MiniMaxM3Config, layer_idx: int, *, dtype, rngs: nnx.Rngs):
         self.layer_idx = layer_idx
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.input_layernorm = norm_for(cfg, cfg.hidden_size, dtype=dtype)
         self.self_attn = Attention(cfg, layer_idx, dtype=dtype, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = norm_for(cfg, cfg.hidden_size, dtype=dtype)
         if cfg.is_moe_layer(layer_idx):
             self.mlp = MoE(cfg, dtype=dtype, rngs=rngs)
         else:
@@ -44,7 +45,7 @@ class MiniMaxM3ForCausalLM(nnx.Module):
         self.embed_tokens = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (cfg.vocab_size, cfg.hidden_size),
                                                                     dtype))
         self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.norm = norm_for(cfg, cfg.hidden_size, dtype=dtype)
         self.lm_head = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (cfg.hidden_size, cfg.vocab_size),
                                                                dtype))
 
@@ -68,7 +69,8 @@ class MiniMaxM3ForCausalLM(nnx.Module):
 
     def hidden_states(self, input_ids: jax.Array, capture_layers: Sequence[int] = ()) -> tuple[jax.Array, list]:
         """Residual stream after the last layer (before the final norm), and the outputs of ``capture_layers``."""
-        input_ids = check_input_ids(input_ids, self.cfg.vocab_size)
+        input_ids = check_input_ids(input_ids, self.cfg.vocab_size,
+                                    max_length=self.cfg.max_position_embeddings)
         b, s = input_ids.shape
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         cos, sin = self.rope(positions)
@@ -81,19 +83,30 @@ class MiniMaxM3ForCausalLM(nnx.Module):
         return x, [captured[i] for i in capture_layers]
 
 
-def check_input_ids(input_ids, vocab_size: int, *, ndim: int = 2, name: str = "input_ids") -> jax.Array:
-    """Validate token ids: integer dtype, rank ``ndim``, values in ``[0, vocab_size)`` when concrete."""
-    arr = input_ids if isinstance(input_ids, jax.Array) else jnp.asarray(input_ids)
-    if not jnp.issubdtype(arr.dtype, jnp.integer):
-        raise ValueError(f"{name} must hold integer token ids, got dtype {arr.dtype}")
+def check_input_ids(input_ids, vocab_size: int, *, ndim: int = 2, name: str = "input_ids",
+                    max_length: int | None = None) -> jax.Array:
+    """Validate token ids on the host: integer dtype, rank ``ndim``, a non-empty last axis of at most
+    ``max_length`` tokens, and (when the array is concrete) values in ``[0, vocab_size)``.
+
+    Call it before any jitted program: inside ``jit`` the values are tracers and only shapes can be checked.
+    """
+    arr = input_ids if isinstance(input_ids, jax.Array) else np.asarray(input_ids)
     if arr.ndim != ndim:
         raise ValueError(f"{name} must have rank {ndim}, got shape {arr.shape}")
+    if arr.shape[-1] == 0:
+        raise ValueError(f"{name} is empty: a prompt needs at least one token")
+    if arr.dtype == object or not jnp.issubdtype(arr.dtype, jnp.integer):
+        raise ValueError(f"{name} must hold integer token ids, got dtype {arr.dtype}")
+    if max_length is not None and arr.shape[-1] > max_length:
+        raise ValueError(f"{name} has {arr.shape[-1]} tokens, more than the model's maximum of {max_length} "
+                         f"positions (max_position_embeddings)")
     if not isinstance(arr, jax.core.Tracer) and arr.size:
-        lo, hi = int(jnp.min(arr)), int(jnp.max(arr))
+        values = np.asarray(arr)
+        lo, hi = int(values.min()), int(values.max())
         if lo < 0 or hi >= vocab_size:
             bad = lo if lo < 0 else hi
             raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {vocab_size})")
-    return arr.astype(jnp.int32)
+    return jnp.asarray(arr, jnp.int32)
 
 
 def init_model(cfg: MiniMaxM3Config, *, dtype=jnp.bfloat16, seed: int = 0) -> MiniMaxM3ForCausalLM:

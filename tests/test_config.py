@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from minimax_jax.config import FULL_ATTENTION, SPARSE_ATTENTION, ConfigError, MiniMaxM3Config
+from minimax_jax.config import FULL_ATTENTION, SPARSE_ATTENTION, ConfigError, ConfigWarning, MiniMaxM3Config
 from minimax_jax.model import abstract_model
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
@@ -80,13 +80,22 @@ def test_m3_preset_constructs_abstractly():
     ({"index_n_heads": 4}, "index_n_heads"),
     ({"rotary_dim": 7}, "rotary_dim"),
     ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
-    ({"eos_token_id": 999}, "eos_token_id"),
     ({"rope_parameters": {"rope_type": "yarn"}}, "rope_type"),
     ({"rope_theta": 1.0, "rope_parameters": {"rope_theta": 2.0}}, "rope_theta"),
     ({"rotary_dim": 16, "partial_rotary_factor": 0.5}, "rotary_dim"),
     ({"sparse_attention_config": {"sparse_topk_blocks": 7}, "index_topk_blocks": 3}, "index_topk_blocks"),
     ({"moe_layer_freq": [1, 0]}, "moe_layer_freq"),
     ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"hidden_act": "silu"}, "hidden_act"),
+    ({"hidden_act": "swiglu"}, "hidden_act"),
+    ({"attention_output_gate": True}, "attention_output_gate"),
+    ({"use_index_cache": True}, "use_index_cache"),
+    ({"scoring_func": "softmax"}, "scoring_func"),
+    ({"quantization_config": {"quant_method": "mxfp4"}}, "quantization_config"),
+    ({"n_shared_experts": 2}, "n_shared_experts"),
+    ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+    ({"use_gemma_norm": "yes"}, "use_gemma_norm"),
+    ({"sparse_attention_config": {"sparse_score_type": "mean"}}, "sparse_score_type"),
     ({"text_config": 5}, "text_config"),
 ])
 def test_errors_name_the_key(change, key):
@@ -104,3 +113,89 @@ def test_broken_json(tmp_path):
         MiniMaxM3Config.from_pretrained(tmp_path)
     with pytest.raises(FileNotFoundError):
         MiniMaxM3Config.from_pretrained(tmp_path / "nope")
+
+
+def test_required_keys_are_named_all_at_once():
+    with pytest.raises(ConfigError, match="missing required keys: vocab_size, hidden_size, num_hidden_layers, "
+                       "num_attention_heads, num_key_value_heads, layer_types"):
+        MiniMaxM3Config.from_pretrained({})
+    raw = MiniMaxM3Config.tiny().to_dict()
+    for k in ("vocab_size", "num_local_experts", "index_topk_blocks"):
+        del raw[k]
+    with pytest.raises(ConfigError) as e:
+        MiniMaxM3Config.from_pretrained(raw)
+    assert "vocab_size" in str(e.value) and "num_local_experts" in str(e.value) and "index_topk_blocks" in str(e.value)
+
+
+def test_sizes_are_required_only_for_the_layer_kinds_present():
+    raw = MiniMaxM3Config.tiny(layer_types=(FULL_ATTENTION,) * 4, mlp_layer_types=("dense",) * 4).to_dict()
+    for k in ("intermediate_size", "num_local_experts", "num_experts_per_tok", "shared_intermediate_size",
+              "index_n_heads", "index_head_dim", "index_block_size", "index_topk_blocks"):
+        del raw[k]
+    cfg = MiniMaxM3Config.from_pretrained(raw)
+    assert cfg.num_local_experts is None and cfg.index_topk_blocks is None and cfg.moe_layer_ids == ()
+    assert MiniMaxM3Config.from_pretrained(cfg.to_dict()) == cfg
+
+
+def test_constructor_needs_the_shape_and_keywords():
+    with pytest.raises(TypeError, match="vocab_size"):
+        MiniMaxM3Config()
+    with pytest.raises(ConfigError, match="dense_intermediate_size is required"):
+        MiniMaxM3Config.tiny(dense_intermediate_size=None)
+    with pytest.raises(ConfigError, match="shared_intermediate_size is required"):
+        MiniMaxM3Config.tiny(shared_intermediate_size=None)
+
+
+def test_true_defaults_fill_omitted_keys():
+    raw = MiniMaxM3Config.tiny().to_dict()
+    for k in ("rms_norm_eps", "swiglu_alpha", "swiglu_limit", "swiglu_beta", "routed_scaling_factor",
+              "index_local_blocks", "use_gemma_norm", "rotary_dim", "rope_theta", "head_dim"):
+        del raw[k]
+    cfg = MiniMaxM3Config.from_pretrained(raw)
+    assert (cfg.rms_norm_eps, cfg.swiglu_alpha, cfg.swiglu_limit, cfg.swiglu_beta) == (1e-6, 1.702, 7.0, 1.0)
+    assert (cfg.routed_scaling_factor, cfg.index_local_blocks, cfg.use_gemma_norm) == (2.0, 1, True)
+    assert (cfg.head_dim, cfg.rotary_dim, cfg.rope_theta) == (16, 8, 5e6)  # 64 / 4 heads; half rotated
+
+
+def test_unknown_keys_warn_once_listing_them():
+    raw = MiniMaxM3Config.tiny().to_dict()
+    raw["num_hiden_layers"] = 4
+    raw["sparse_attention_config"] = {"sparse_blok_size": 4}
+    with pytest.warns(ConfigWarning) as rec:
+        MiniMaxM3Config.from_pretrained(raw)
+    assert len(rec) == 1
+    assert "num_hiden_layers" in str(rec[0].message) and "sparse_attention_config.sparse_blok_size" in str(
+        rec[0].message)
+
+
+def test_known_keys_of_real_configs_do_not_warn(recwarn):
+    raw = MiniMaxM3Config.tiny().to_dict()
+    raw.update(architectures=["MiniMaxM3SparseForCausalLM"], use_qk_norm=True, qk_norm_type="per_head",
+               scoring_func="sigmoid", use_routing_bias=True, attention_output_gate=False, n_shared_experts=1,
+               num_mtp_modules=1, use_index_cache=False, index_topk_freq=1, torch_dtype="bfloat16")
+    MiniMaxM3Config.from_pretrained(raw)
+    assert not [w for w in recwarn if issubclass(w.category, ConfigWarning)]
+
+
+def test_special_ids_outside_the_vocabulary_load_as_absent():
+    raw = MiniMaxM3Config.tiny().to_dict()
+    raw.update(bos_token_id=200034, eos_token_id=[200020, 2], pad_token_id=999)
+    with pytest.warns(ConfigWarning, match="treated as absent: eos_token_id 200020, bos_token_id 200034, "
+                      "pad_token_id 999"):
+        cfg = MiniMaxM3Config.from_pretrained(raw)
+    assert cfg.bos_token_id is None and cfg.pad_token_id is None and cfg.eos_token_id == (2,)
+    with pytest.raises(ConfigError, match="bos_token_id"):  # the constructor itself stays strict
+        MiniMaxM3Config.tiny(bos_token_id=300)
+
+
+def test_silu_written_by_transformers_loads_as_swigluoai(recwarn):
+    raw = MiniMaxM3Config.tiny().to_dict()
+    raw.update(hidden_act="silu", transformers_version="5.23.0")
+    assert MiniMaxM3Config.from_pretrained(raw) == MiniMaxM3Config.tiny()
+    assert not [w for w in recwarn if issubclass(w.category, ConfigWarning)]
+
+
+def test_not_a_text_file(tmp_path):
+    (tmp_path / "config.json").write_bytes(b"\x00\xff\xfe binary")
+    with pytest.raises(ConfigError, match="not a text file"):
+        MiniMaxM3Config.from_pretrained(tmp_path)
