@@ -12,8 +12,18 @@ Rollout records, one row per (request, speculative step):
 * ``confidence_logits f32[N, K]``: the raw (uncalibrated) confidence logits the drafter produced;
 * ``num_accepted int32[N]``: the accepted prefix length ``a`` (0..K);
 * ``num_verified int32[N]`` (optional, default ``K``): how many drafts were verified. Label ``k`` (1-based) is
-  ``k <= a``. It is observed when ``k <= num_verified`` or when a rejection was seen (``a < num_verified``): after
-  the first rejection "the first k were all accepted" is known to be false for every larger ``k``.
+  ``k <= a`` and is scored only where ``k <= num_verified``: the positions that were verified.
+
+Only verified positions are scored, as DeepSpec's evaluator does (``ConfidenceHeadRecorder.observe`` scores the
+cumulative product against the cumulative product of the accept mask over the verified positions only). After a
+rejection at ``a + 1 <= num_verified`` the label "the first ``k`` were all accepted" is also *known* to be 0 for
+every ``k > num_verified``, but scoring those positions would select rows by their outcome: a row trimmed to
+``v`` drafts contributes positions ``> v`` only if it failed, never if all ``v`` passed, so the labels there lean
+to 0 and the fitted temperatures are biased (with half the rows trimmed to one draft, that labelling fits
+``T_2 = 1.6..1.8`` for a true ``T_2 = 1``: ``tests/test_calibration.py``). Restricting to verified positions
+selects rows by how many drafts were verified, which the allocator decides from confidences, not from the
+outcomes, and leaves the calibration target unchanged.
+Rollouts recorded with full verification (``num_verified = K``, as DeepSpec records them) are the cleanest.
 
 Everything here is host-side numpy (calibration is an offline step) except :func:`apply_sts`, which also works on
 traced jax arrays inside the jitted draft step.
@@ -86,7 +96,7 @@ def acceptance_labels(num_accepted, num_verified, block_size: int) -> tuple[np.n
     v = np.asarray(num_verified, np.int64).reshape(-1)
     k = np.arange(1, block_size + 1)[None, :]
     labels = k <= a[:, None]
-    observed = (k <= v[:, None]) | (a < v)[:, None]
+    observed = k <= v[:, None]  # [N, K]
     return labels, observed
 
 

@@ -7,12 +7,18 @@ scores   = sort_desc(a_stale[r, j] for j < scheduled_drafts[r])        # surviva
 maxB     = min(sum(scheduled_drafts), max_total_logit_rows - R)         # verify-logits memory cap
 value(b) = (num_sampling_rows + sum(scores[:b])) / (draft_cost[R] + verify_cost[T + b])
 B        = argmax_{0 <= b <= maxB} value(b), the smallest b on ties
+B        = maxB  unless  value(B) >= (1 + min_predicted_gain) * value(maxB)          # 1% by default
 ```
 
 The verify cost is a staircase (compiled shape buckets), so ``value`` can fall at a bucket edge and rise again
 later: the search is global over every ``b``, never a first-descent stop. The confidences come from an earlier
 step, so the budget never depends on the drafts being verified (which keeps the allocation lossless, and lets
 the host plan while the device drafts). A missing or flat cost table means "verify everything": ``B = maxB``.
+
+The last line is TensorRT-LLM's guard (``compute_verify_token_budget`` in
+``tensorrt_llm/_torch/speculative/dspark_planner.py``, ``minimum_predicted_gain``, one percent for profiled
+tables): trimming must beat verifying everything by a margin, so that timing noise in the cost table and
+calibration noise in the confidences resolve to the full budget instead of an unproven trim.
 
 Everything is plain numpy; every tensor-parallel rank computes the same integer from the same inputs.
 """
@@ -23,9 +29,10 @@ import numpy as np
 
 from spec_decode.cost_table import CostTable
 
-__all__ = ["budget_values", "choose_budget"]
+__all__ = ["DEFAULT_MIN_PREDICTED_GAIN", "budget_values", "choose_budget"]
 
 _TIE_RTOL = 1e-9  # values this close (relative) to the best count as ties
+DEFAULT_MIN_PREDICTED_GAIN = 0.01  # a trim must beat value(maxB) by 1%
 
 
 def _validated(stale_confidences, scheduled_drafts) -> tuple[np.ndarray, np.ndarray]:
@@ -85,6 +92,7 @@ def choose_budget(
     num_non_draft_tokens: int,
     cost_table: CostTable | None,
     max_total_logit_rows: int,
+    min_predicted_gain: float = DEFAULT_MIN_PREDICTED_GAIN,
 ) -> int:
     """The total number of drafts to verify in the next step.
 
@@ -98,9 +106,14 @@ def choose_budget(
       max_total_logit_rows: the verify-logits memory bound: at most this many rows of vocabulary logits, of
         which ``R`` are taken by the anchors.
 
+      min_predicted_gain: the smallest relative gain in ``value`` for which a budget below ``maxB`` is chosen:
+        the argmax ``b`` is returned only if ``value(b) >= (1 + min_predicted_gain) * value(maxB)``, otherwise
+        ``maxB``. ``0`` gives the plain argmax.
+
     Returns:
-      ``B`` in ``[0, min(sum(scheduled_drafts), max_total_logit_rows - R)]``: the global argmax of the value
-      curve, the smallest on ties (values within a relative ``1e-9`` of the best count as ties).
+      ``B`` in ``[0, maxB]``, ``maxB = min(sum(scheduled_drafts), max_total_logit_rows - R)``: the global argmax
+      of the value curve, the smallest on ties (values within a relative ``1e-9`` of the best count as ties),
+      or ``maxB`` when that argmax does not beat ``value(maxB)`` by ``min_predicted_gain``.
     """
     conf, sched = _validated(stale_confidences, scheduled_drafts)
     if num_sampling_rows < 0:
@@ -109,6 +122,8 @@ def choose_budget(
         raise ValueError(f"num_non_draft_tokens must be >= 0, got {num_non_draft_tokens}")
     if max_total_logit_rows < 0:
         raise ValueError(f"max_total_logit_rows must be >= 0, got {max_total_logit_rows}")
+    if not (np.isfinite(min_predicted_gain) and min_predicted_gain >= 0):
+        raise ValueError(f"min_predicted_gain must be finite and >= 0, got {min_predicted_gain}")
     max_b = _max_budget(sched, max_total_logit_rows)
     if cost_table is None or cost_table.is_flat:
         return max_b
@@ -122,4 +137,8 @@ def choose_budget(
     )
     # The smallest b within float rounding of the maximum: a draft of negligible survival never buys a larger B.
     best = values.max()
-    return int(np.flatnonzero(values >= best - _TIE_RTOL * abs(best))[0])
+    b = int(np.flatnonzero(values >= best - _TIE_RTOL * abs(best))[0])
+    # Trim only for a clear predicted gain over verifying everything.
+    if min_predicted_gain > 0 and b < max_b and values[b] < (1.0 + min_predicted_gain) * values[max_b]:
+        return max_b
+    return b

@@ -11,11 +11,35 @@ after is unobserved (never verified, or verified after a rejection, which says n
 Fitting is a Newton step on the logistic log-likelihood at the current parameters. Because the parameters stay
 fixed between refits, the gradient ``g = sum (y - p) x`` and the Hessian ``H = sum p (1 - p) x x^T`` at those
 parameters can be accumulated step by step (``x = (f, onehot_k)``, so per-position sums suffice). Every
-``refit_every`` steps (100) one damped Newton step ``theta += n / (n + 50) * (H + ridge I)^-1 g`` is taken
-(``n`` = labels seen since the last refit, ``ridge = 1e-3``) and the statistics are cleared. The ridge is a
-Levenberg term, so a position with no labels keeps its intercept. ``H`` is an arrowhead matrix (slope row plus
-a diagonal), solved exactly in ``O(K)`` through its Schur complement; each component of the step is clipped to
-``+-max_step`` as a safeguard against a confidently wrong model (saturated ``p`` makes ``H`` vanish).
+``refit_every`` steps (100) one damped Newton step is taken and the statistics are cleared. ``H`` is an
+arrowhead matrix (slope row plus a diagonal), solved exactly in ``O(K)`` through its Schur complement; a ridge of
+``1e-3`` is added to its diagonal (a Levenberg term, so a position with no labels keeps its intercept).
+
+Damping follows vLLM's online acceptance estimator (``_refit_kernel`` in
+``vllm/v1/worker/gpu/spec_decode/acceptance_estimator.py``): each parameter's step is scaled by
+``n / (n + 50)`` with ``n`` the labels behind *that* parameter since the last refit. The slope learns from every
+position, so it uses the total count ``N = sum_k n_k``; intercept ``b_k`` uses its own ``n_k``, so a position
+the drafts rarely reach moves slowly instead of lurching, and one nobody reached (``n_k = 0``) holds still. The
+intercept step is the Newton step conditioned on the slope step actually taken:
+``db_k = n_k / (n_k + 50) * (g_k - c_k dw) / (h_k + ridge)``. Each component is then clipped to ``+-max_step``
+(a safeguard against a confidently wrong model: saturated ``p`` makes ``H`` vanish).
+
+Guards (also as in vLLM, one of them chosen differently):
+
+* A refit whose statistics, Newton step or new parameters are not all finite is discarded whole: the
+  parameters stay, the statistics are cleared anyway (so one poisoned window cannot poison the next), and
+  ``num_discarded`` counts it. Observations whose feature is NaN are not folded into the statistics at all
+  (``predict`` maps a NaN feature to 0 instead).
+* The slope is kept ``>= 0`` (``SLOPE_FLOOR``). The feature is the drafter's own certainty about the token it
+  drew; a negative slope would make the predicted acceptance *fall* as the drafter grows surer and rank its
+  most confident drafts last. A drafter whose certainty is anti-correlated with acceptance is not a believable
+  model; such a fit comes from a small or drifting window, and acting on it inverts the allocation, so the
+  model is restricted to ``w >= 0``. vLLM rejects a slope step that would cross 0 and keeps the old slope;
+  here the step is *projected* instead: the slope lands on ``0`` and the intercepts take their Newton step
+  given that slope step. With rejection, a slope whose best value is near 0 stays at its old, larger value
+  whenever a damped step overshoots below 0; the projected step is the Newton step of the constrained problem
+  and converges to its optimum (slope 0, intercepts at the per-position base rates, when the data say
+  ``w < 0``).
 
 Everything is a pure, jit-able ``state -> state`` function; the refit runs under ``lax.cond``.
 """
@@ -30,6 +54,7 @@ import jax.numpy as jnp
 
 __all__ = [
     "FEATURE_CLAMP",
+    "SLOPE_FLOOR",
     "EstimatorState",
     "censored_labels",
     "confidence_feature",
@@ -40,6 +65,7 @@ __all__ = [
 ]
 
 FEATURE_CLAMP = 40.0
+SLOPE_FLOOR = 0.0  # the slope never goes below this (see the module docstring)
 
 
 @jax.tree_util.register_dataclass
@@ -59,7 +85,8 @@ class EstimatorState:
     grad_w: jax.Array  # f32[K]     sum (y - p) f       per position
     counts: jax.Array  # f32[K]     labels observed     per position since the last refit
     step: jax.Array  # int32[]    updates so far
-    num_refits: jax.Array  # int32[]    refits so far
+    num_refits: jax.Array  # int32[]    refits so far (discarded ones included)
+    num_discarded: jax.Array  # int32[]    refits discarded for a non-finite result
 
     @property
     def num_positions(self) -> int:
@@ -70,6 +97,8 @@ def init_estimator(num_positions: int, *, slope: float = 0.5, intercept: float =
     """A fresh estimator for ``num_positions`` (= K) draft positions, with the SPEC's initial parameters."""
     if num_positions < 1:
         raise ValueError(f"num_positions must be >= 1, got {num_positions}")
+    if not slope >= SLOPE_FLOOR:
+        raise ValueError(f"slope must be >= SLOPE_FLOOR = {SLOPE_FLOOR}, got {slope}")
     z = jnp.zeros((num_positions,), jnp.float32)
     return EstimatorState(
         slope=jnp.float32(slope),
@@ -82,6 +111,7 @@ def init_estimator(num_positions: int, *, slope: float = 0.5, intercept: float =
         counts=z,
         step=jnp.int32(0),
         num_refits=jnp.int32(0),
+        num_discarded=jnp.int32(0),
     )
 
 
@@ -132,17 +162,31 @@ def _refit(state: EstimatorState, ridge: float, damping: float, max_step: float)
     gw = jnp.sum(state.grad_w)
     gb = state.grad_b  # [K]
     schur = jnp.maximum(a - jnp.sum(c * c / h), ridge * 1e-3)  # > 0 for a PSD H; guard rounding
-    dw = (gw - jnp.sum(c * gb / h)) / schur
-    db = (gb - c * dw) / h
-    n = jnp.sum(state.counts)
-    eta = n / (n + damping)
-    dw = jnp.clip(eta * dw, -max_step, max_step)
-    db = jnp.clip(eta * db, -max_step, max_step)
+    dw_newton = (gw - jnp.sum(c * gb / h)) / schur
+    # The slope learns from every position: damped by the total count.
+    n_total = jnp.sum(state.counts)
+    eta_w = jnp.where(n_total > 0, n_total / (n_total + damping), 0.0)
+    dw = jnp.clip(eta_w * dw_newton, -max_step, max_step)
+    new_slope = jnp.maximum(state.slope + dw, SLOPE_FLOOR)  # projected onto the floor (NaN stays NaN)
+    dw_taken = new_slope - state.slope
+    # Each intercept: the Newton step given the slope step taken, damped by its own count.
+    db_newton = (gb - c * dw_taken) / h
+    eta_b = jnp.where(state.counts > 0, state.counts / (state.counts + damping), 0.0)
+    db = jnp.clip(eta_b * db_newton, -max_step, max_step)
+    new_intercepts = state.intercepts + db
+    stats = (state.hess_bb, state.hess_wb, state.hess_ww, state.grad_b, state.grad_w, state.counts)
+    finite = (
+        jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in stats]))
+        & jnp.isfinite(dw_newton)
+        & jnp.all(jnp.isfinite(db_newton))
+        & jnp.isfinite(new_slope)
+        & jnp.all(jnp.isfinite(new_intercepts))
+    )
     z = jnp.zeros_like(state.counts)
     return dataclasses.replace(
         state,
-        slope=state.slope + dw,
-        intercepts=state.intercepts + db,
+        slope=jnp.where(finite, new_slope, state.slope),
+        intercepts=jnp.where(finite, new_intercepts, state.intercepts),
         hess_bb=z,
         hess_wb=z,
         hess_ww=z,
@@ -150,6 +194,7 @@ def _refit(state: EstimatorState, ridge: float, damping: float, max_step: float)
         grad_w=z,
         counts=z,
         num_refits=state.num_refits + 1,
+        num_discarded=state.num_discarded + (~finite).astype(jnp.int32),
     )
 
 
@@ -182,12 +227,17 @@ def update(
       features: ``f32[R, K]`` features of this step's drafts (the ones whose acceptance is being reported).
       accepted_counts: ``int32[R]`` drafts accepted per request (``<= verified_counts``).
       verified_counts: ``int32[R]`` drafts verified per request (``0`` for padding rows: they add nothing).
+      refit_every: take a Newton step every this many updates (static).
+      ridge: added to the Hessian diagonal, ``> 0`` (static).
+      damping: ``D`` in the damping factor ``n / (n + D)`` (static).
+      max_step: each parameter moves at most this much per refit (static).
 
     Returns:
       The new state (same structure and shapes; jit-able, no host synchronisation).
     """
     kk = state.num_positions
-    f = _clean_features(features)
+    raw = jnp.asarray(features, jnp.float32)
+    f = _clean_features(raw)
     if f.ndim != 2 or f.shape[1] != kk:
         raise ValueError(f"features must be f32[R, K={kk}], got shape {f.shape}")
     r = f.shape[0]
@@ -198,8 +248,10 @@ def update(
         )
     if refit_every < 1:
         raise ValueError(f"refit_every must be >= 1, got {refit_every}")
+    if not (ridge > 0 and damping >= 0 and max_step > 0):
+        raise ValueError(f"need ridge > 0, damping >= 0, max_step > 0; got {ridge}, {damping}, {max_step}")
     y, obs = censored_labels(accepted_counts, verified_counts, kk)
-    m = obs.astype(jnp.float32)
+    m = (obs & ~jnp.isnan(raw)).astype(jnp.float32)  # a NaN feature is no observation
     p = jax.nn.sigmoid(state.slope * f + state.intercepts[None, :])
     hw = m * p * (1.0 - p)
     gr = m * (y - p)

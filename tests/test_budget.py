@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spec_decode.budget import budget_values, choose_budget
+from spec_decode.budget import DEFAULT_MIN_PREDICTED_GAIN, budget_values, choose_budget
 from spec_decode.cost_table import CostTable
 
 # Verify costs jump at the 8 -> 16 token edge a little and at 16 -> 32 a lot; the draft step costs 0.2.
@@ -52,6 +52,43 @@ def test_smallest_budget_on_ties():
     assert choose_budget(conf, sched, **_kw(cost_table=CostTable.from_measurements({16: 1.0, 32: 9.0}))) == 8
 
 
+def _two_step_table(riser: float) -> CostTable:
+    """Verify costs 1.0 up to 2 tokens, ``riser`` up to 4; no draft cost."""
+    return CostTable.from_measurements({2: 1.0, 4: riser})
+
+
+def test_minimum_predicted_gain_both_sides():
+    """One request, survivals 0.9, 0.45, 0.09, one anchor token. By hand, with the verify cost X at 3-4 tokens:
+    value(0) = 1, value(1) = 1.9 / 1.0, value(2) = 2.35 / X, value(3) = 2.44 / X, so for X > 1.2842 the argmax
+    is b = 1 and it beats verifying everything by value(1) / value(3) - 1 = 1.9 X / 2.44 - 1."""
+    assert DEFAULT_MIN_PREDICTED_GAIN == 0.01
+    conf = np.array([[0.9, 0.5, 0.2]])
+    sched = np.array([3])
+    kw = {"num_sampling_rows": 1, "num_non_draft_tokens": 1, "max_total_logit_rows": 100}
+
+    above = _two_step_table(1.3)  # gain 2.47 / 2.44 - 1 = 1.23%
+    np.testing.assert_allclose(
+        budget_values(conf, sched, cost_table=above, **kw), [1.0, 1.9, 2.35 / 1.3, 2.44 / 1.3]
+    )
+    assert choose_budget(conf, sched, cost_table=above, **kw) == 1  # default 1%: trims
+    assert choose_budget(conf, sched, cost_table=above, min_predicted_gain=0.012, **kw) == 1
+    assert choose_budget(conf, sched, cost_table=above, min_predicted_gain=0.013, **kw) == 3
+
+    below = _two_step_table(1.29)  # gain 2.451 / 2.44 - 1 = 0.45%: the argmax is still b = 1
+    values = budget_values(conf, sched, cost_table=below, **kw)
+    assert int(np.argmax(values)) == 1
+    assert values[1] / values[3] - 1 == pytest.approx(2.451 / 2.44 - 1)
+    assert choose_budget(conf, sched, cost_table=below, **kw) == 3  # default 1%: noise, verify everything
+    assert choose_budget(conf, sched, cost_table=below, min_predicted_gain=0.004, **kw) == 1
+    assert choose_budget(conf, sched, cost_table=below, min_predicted_gain=0.0, **kw) == 1  # plain argmax
+
+    # the full budget is the memory cap when that binds: here maxB = 3 - 1 = 2, value(2) = 2.35 / 1.29,
+    # and value(1) / value(2) - 1 = 1.9 * 1.29 / 2.35 - 1 = 4.3%: trims
+    assert choose_budget(conf, sched, cost_table=below, **{**kw, "max_total_logit_rows": 3}) == 1
+    with pytest.raises(ValueError, match="min_predicted_gain"):
+        choose_budget(conf, sched, cost_table=below, min_predicted_gain=-0.01, **kw)
+
+
 def test_flat_or_missing_table_verifies_everything():
     conf = np.full((3, 5), 0.1)
     sched = np.array([5, 2, 0])
@@ -79,7 +116,7 @@ def test_only_scheduled_drafts_count():
     np.testing.assert_allclose(values, [(2 + 0) / (d + v), (2 + 0.5) / (d + v), (2 + 0.75) / (d + v)])
 
 
-def _brute_force(conf, sched, table, n_rows, t, max_rows):
+def _brute_force(conf, sched, table, n_rows, t, max_rows, min_gain):
     a = np.cumprod(conf, axis=1)
     scores = sorted((a[r, j] for r in range(len(sched)) for j in range(sched[r])), reverse=True)
     max_b = max(0, min(int(sum(sched)), max_rows - len(sched)))
@@ -88,7 +125,10 @@ def _brute_force(conf, sched, table, n_rows, t, max_rows):
         for b in range(max_b + 1)
     ]
     best = max(values)
-    return next(b for b, v in enumerate(values) if v >= best - 1e-9 * best)
+    b = next(b for b, v in enumerate(values) if v >= best - 1e-9 * best)
+    if min_gain > 0 and values[b] < (1 + min_gain) * values[max_b]:
+        return max_b
+    return b
 
 
 @settings(max_examples=60, deadline=None)
@@ -104,6 +144,7 @@ def test_matches_brute_force(data, r, k, costs):
     buckets = [4 * 2**i for i in range(len(costs))]
     table = CostTable.from_measurements(dict(zip(buckets, costs)), {8: 0.1})
     max_rows = data.draw(st.integers(0, r * (k + 1) + 2))
+    min_gain = data.draw(st.sampled_from([0.0, 0.01, 0.1]))
     if table.is_flat:
         return
     b = choose_budget(
@@ -113,8 +154,9 @@ def test_matches_brute_force(data, r, k, costs):
         num_non_draft_tokens=r,
         cost_table=table,
         max_total_logit_rows=max_rows,
+        min_predicted_gain=min_gain,
     )
-    assert b == _brute_force(conf, sched, table, r, r, max_rows)
+    assert b == _brute_force(conf, sched, table, r, r, max_rows, min_gain)
     assert 0 <= b <= min(int(sched.sum()), max(0, max_rows - r))
 
 

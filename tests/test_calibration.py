@@ -40,10 +40,12 @@ def test_ece_by_hand():
 
 
 def test_acceptance_labels():
-    labels, observed = acceptance_labels([0, 2, 3, 1], [3, 2, 3, 1], 3)
-    np.testing.assert_array_equal(labels, [[0, 0, 0], [1, 1, 0], [1, 1, 1], [1, 0, 0]])
-    # row 1 verified 2 drafts, both accepted: position 3 is unknown; row 3 verified 1 (accepted): 2, 3 unknown
-    np.testing.assert_array_equal(observed, [[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 0, 0]])
+    labels, observed = acceptance_labels([0, 2, 3, 1, 0], [3, 2, 3, 1, 1], 3)
+    np.testing.assert_array_equal(labels, [[0, 0, 0], [1, 1, 0], [1, 1, 1], [1, 0, 0], [0, 0, 0]])
+    # Only verified positions are scored. Row 1 verified 2 drafts, both accepted: position 3 is unknown; row 3
+    # verified 1 (accepted): 2, 3 unknown. Row 4 verified 1 and rejected it: "first 2 accepted" is known to be
+    # false, but it is not scored, or trimmed rows would count only when they fail.
+    np.testing.assert_array_equal(observed, [[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 0, 0]])
 
 
 def test_sts_recovers_known_temperatures():
@@ -63,6 +65,55 @@ def test_sts_recovers_known_temperatures():
         assert expected_calibration_error(cum[:, k], labels[:, k]) < 0.02
 
 
+def _trim(num_accepted_full, num_verified):
+    """What a verify step that checked only ``num_verified`` drafts reports."""
+    return np.minimum(num_accepted_full, num_verified)
+
+
+def test_sts_recovers_known_temperatures_from_trimmed_rollouts():
+    """Adaptive verification trims rows; the fit must still find the true temperatures.
+
+    Half the rows (chosen at random) verify one draft only. Scored on verified positions the fit recovers
+    T = (0.7, 1.0, 1.6). The old labelling, which also scored positions past ``num_verified`` after a rejection
+    (as 0), sees the trimmed rows there only when they failed and fits T_2 around 1.7: emulated here by
+    declaring every row with a rejection fully verified, which gives exactly that labelling."""
+    true = np.array([0.7, 1.0, 1.6])
+    n, k = 60000, 3
+    logits, accepted_full = synthetic_rollouts(true, n, seed=11)
+    verified = np.where(np.random.default_rng(12).random(n) < 0.5, 1, k)
+    accepted = _trim(accepted_full, verified)
+    fit = fit_sts(logits, accepted, verified)
+    got = np.array(fit.temperatures)
+    # observed over 8 seeds: ratios within [0.98, 1.06]
+    assert np.all(np.abs(got / true - 1.0) < 0.08), got
+    assert fit.num_observed[0] == n and abs(fit.num_observed[1] - n / 2) < 0.02 * n
+    assert all(e < 0.02 for e in fit.ece_after), fit.ece_after
+    # the calibrated cumulative product on fresh, untrimmed rollouts
+    logits2, accepted2 = synthetic_rollouts(true, n, seed=13)
+    cum = np.cumprod(1.0 / (1.0 + np.exp(-logits2 / got)), axis=1)
+    labels2, _ = acceptance_labels(accepted2, np.full(n, k), k)
+    assert all(expected_calibration_error(cum[:, j], labels2[:, j]) < 0.02 for j in range(k))
+
+    old = fit_sts(logits, accepted, np.where(accepted < verified, k, verified))
+    assert old.temperatures[0] == fit.temperatures[0]  # position 1 is verified in every row either way
+    assert old.temperatures[1] > 1.4 * true[1], old.temperatures  # observed 1.57..1.79 over 8 seeds
+
+
+def test_sts_on_rollouts_trimmed_by_survival():
+    """Trimming by the allocator's rule (global top-B of survival, B = half the drafts) selects rows by their
+    confidences, not their outcomes: the verified positions still calibrate to the true temperatures."""
+    true = np.array([0.7, 1.0, 1.6])
+    n, k = 60000, 3
+    logits, accepted_full = synthetic_rollouts(true, n, seed=21)
+    survival = np.cumprod(1.0 / (1.0 + np.exp(-logits / true)), axis=1)
+    cutoff = np.sort(survival.ravel())[::-1][n * k // 2 - 1]
+    verified = (survival >= cutoff).sum(axis=1)  # a prefix per row, since survival falls along it
+    assert 0.45 < verified.sum() / (n * k) < 0.55 and verified.min() == 0
+    fit = fit_sts(logits, _trim(accepted_full, verified), verified)
+    # observed over 8 seeds: ratios within [0.96, 1.06]
+    np.testing.assert_allclose(fit.temperatures, true, rtol=0.1)
+
+
 def test_positions_are_fitted_in_order():
     """Only position 1 is miscalibrated (T_1 = 3). Fitted in order, position 2 sees the corrected c~_1 and keeps
     T_2 ~ 1; fitted on its own (c_1 uncorrected inside the product) it would need a distorted T_2."""
@@ -80,16 +131,16 @@ def test_positions_are_fitted_in_order():
 
 def test_unobserved_positions_and_records():
     rec = RolloutRecords(3)
-    # every row verified only the first draft: positions 2, 3 are observed only after a rejection at 1
+    # every row verified only the first draft: positions 2, 3 are never scored (not even after the rejection
+    # in row 1), and the padding row is dropped
     logits = np.array([[2.0, 1.0, 1.0], [-1.0, 0.5, 0.5], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
     rec.add(logits, [1, 0, 1, 0], [1, 1, 1, 1], valid=[True, True, True, False])
     assert len(rec) == 3
     fit = rec.fit()
-    assert fit.num_observed == (3, 1, 1)
-    rec2 = RolloutRecords(3)
-    rec2.add(logits, [1, 1, 1, 1], [1, 1, 1, 1])
-    fit2 = rec2.fit()
-    assert fit2.num_observed == (4, 0, 0) and fit2.temperatures[1:] == (1.0, 1.0)
+    assert fit.num_observed == (3, 0, 0) and fit.temperatures[1:] == (1.0, 1.0)
+    rec.add(logits, [3, 0, 2, 1], [3, 2, 2, 3])
+    assert len(rec) == 7
+    assert rec.fit().num_observed == (7, 4, 2)  # v >= 2 in all 4 new rows, v >= 3 in 2
     with pytest.raises(ValueError, match="num_accepted <= num_verified"):
         rec.add(logits, [2, 0, 0, 0], [1, 1, 1, 1])
     with pytest.raises(ValueError, match="K = 3 columns"):

@@ -116,9 +116,22 @@ def test_profiler_times_real_jitted_functions(tmp_path):
     assert load_cost_table(tmp_path) == table
 
 
-def test_vectorised_lookup_matches_scalar():
+def test_vectorised_lookup_against_hand_values():
+    """Both lookups against the staircase and extrapolation written out by hand, not against each other."""
     t = CostTable.from_measurements({8: 1.0, 16: 1.3, 48: 2.5}, {4: 0.2, 16: 0.5})
-    ns = np.arange(0, 120)
-    np.testing.assert_allclose(t.verify_costs(ns), [t.verify_cost(int(n)) for n in ns])
-    np.testing.assert_allclose(t.draft_costs(ns), [t.draft_cost(int(n)) for n in ns])
-    assert t.verify_cost(49) == pytest.approx(2.5 + 1.2 / 32)
+    ns = np.arange(-2, 120)
+    # verify: 1.0 up to 8 tokens (negative counts clamp to 0), 1.3 up to 16, 2.5 up to 48, then the last
+    # segment's slope (2.5 - 1.3) / (48 - 16) = 0.0375 per token
+    want_verify = np.select(
+        [ns <= 8, ns <= 16, ns <= 48], [1.0, 1.3, 2.5], default=2.5 + 0.0375 * (ns - 48)
+    )
+    # draft: 0.2 up to 4 rows, 0.5 up to 16, then (0.5 - 0.2) / (16 - 4) = 0.025 per row
+    want_draft = np.select([ns <= 4, ns <= 16], [0.2, 0.5], default=0.5 + 0.025 * (ns - 16))
+    np.testing.assert_allclose(t.verify_costs(ns), want_verify, rtol=1e-12)
+    np.testing.assert_allclose(t.draft_costs(ns), want_draft, rtol=1e-12)
+    np.testing.assert_allclose([t.verify_cost(int(n)) for n in ns], want_verify, rtol=1e-12)
+    np.testing.assert_allclose([t.draft_cost(int(n)) for n in ns], want_draft, rtol=1e-12)
+    assert t.verify_cost(49) == pytest.approx(2.5375) and t.verify_cost(119) == pytest.approx(5.1625)
+    # shapes are kept
+    grid = np.array([[0, 9], [17, 64]])
+    np.testing.assert_allclose(t.verify_costs(grid), [[1.0, 1.3], [2.5, 3.1]])

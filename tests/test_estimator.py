@@ -1,7 +1,8 @@
-"""Online acceptance estimator: censored labels, Newton refits, recovery of known parameters."""
+"""Online acceptance estimator: censored labels, Newton refits, damping, guards, recovery of known parameters."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from spec_decode.estimator import (
-    EstimatorState,
+    SLOPE_FLOOR,
     censored_labels,
     confidence_feature,
     confidence_feature_from_logits,
@@ -27,7 +28,7 @@ def test_init_and_predict():
     f = jnp.array([[0.0, 1.0, -2.0, 40.0], [3.0, 0.5, 0.0, -100.0]])
     expected = 1 / (1 + np.exp(-(0.5 * np.clip(np.asarray(f), -40, 40) - 0.2)))
     np.testing.assert_allclose(predict(s, f), expected, rtol=1e-6)
-    assert len(jax.tree_util.tree_leaves(s)) == 10  # a pytree of arrays
+    assert len(jax.tree_util.tree_leaves(s)) == 11  # a pytree of arrays
 
 
 def test_censored_labels():
@@ -66,6 +67,82 @@ def test_statistics_and_refit_schedule():
     assert float(s3.intercepts[2]) == pytest.approx(-0.2)  # no labels at position 2: unchanged
 
 
+def _hand_state(**stats):
+    """K = 2, slope 0.5, intercepts -0.2, with the given Newton statistics (statistics not given are zero)."""
+    s = init_estimator(2)
+    return dataclasses.replace(s, **{k: jnp.asarray(v, jnp.float32) for k, v in stats.items()})
+
+
+_PAD = (jnp.zeros((1, 2)), jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int32))  # a padding row: adds nothing
+_HAND = {
+    "hess_bb": [10.0, 2.0],
+    "hess_wb": [2.0, 1.0],
+    "hess_ww": [20.0, 5.9],
+    "grad_b": [5.0, 1.0],
+    "counts": [40.0, 10.0],
+}
+
+
+def test_per_position_damping_by_hand():
+    """One refit from hand-set statistics (ridge ~ 0), against values worked out on paper.
+
+    a = 25.9, sum c^2/h = 4/10 + 1/2 = 0.9, Schur complement 25; g_w = 6.5, sum c g_b / h = 1.5, so the full
+    slope step is 5 / 25 = 0.2. The slope is damped by its own count, all 50 labels: 50 / 100 -> +0.1.
+    Intercepts given that step: (5 - 2 * 0.1) / 10 = 0.48 and (1 - 1 * 0.1) / 2 = 0.45, damped per position by
+    40 / 90 and 10 / 60 -> +0.213333 and +0.075. (Damping both by the total count, with the intercepts taken
+    from the full slope step, would give +0.23 and +0.2.)"""
+    s = _hand_state(grad_w=[5.0, 1.5], **_HAND)
+    s = update(s, *_PAD, refit_every=1, ridge=1e-9)
+    assert int(s.num_refits) == 1 and int(s.num_discarded) == 0
+    np.testing.assert_allclose(float(s.slope), 0.6, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(s.intercepts), [-0.2 + 0.48 * 4 / 9, -0.2 + 0.45 / 6], rtol=1e-5)
+    np.testing.assert_array_equal(s.counts, [0, 0])  # statistics cleared
+
+
+def test_slope_is_projected_onto_the_floor_by_hand():
+    """Same statistics with g_w = -48.5: the full slope step is (-48.5 - 1.5) / 25 = -2, damped -1, which would
+    take the slope from 0.5 to -0.5. It lands on the floor (0), and the intercepts step given the slope step
+    actually taken (-0.5): (5 + 2 * 0.5) / 10 * 4/9 and (1 + 1 * 0.5) / 2 * 1/6."""
+    assert SLOPE_FLOOR == 0.0
+    s = _hand_state(grad_w=[-40.0, -8.5], **_HAND)
+    s = update(s, *_PAD, refit_every=1, ridge=1e-9)
+    assert float(s.slope) == 0.0
+    np.testing.assert_allclose(np.asarray(s.intercepts), [-0.2 + 0.6 * 4 / 9, -0.2 + 0.75 / 6], rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("field", ["grad_w", "grad_b", "hess_ww", "hess_bb", "counts"])
+def test_nonfinite_refit_is_discarded(field, bad):
+    stats = {**_HAND, "grad_w": [5.0, 1.5]}
+    stats[field] = [stats[field][0], bad]
+    s = update(_hand_state(**stats), *_PAD, refit_every=1)
+    assert float(s.slope) == 0.5
+    np.testing.assert_array_equal(np.asarray(s.intercepts), np.float32([-0.2, -0.2]))
+    assert int(s.num_refits) == 1 and int(s.num_discarded) == 1
+    for name in ("hess_bb", "hess_wb", "hess_ww", "grad_b", "grad_w", "counts"):
+        np.testing.assert_array_equal(getattr(s, name), [0, 0])  # the poisoned window is gone
+    # the next window refits normally from clean statistics
+    f = jnp.array([[1.0, -1.0], [0.5, 2.0]])
+    s2 = update(s, f, jnp.array([2, 0]), jnp.array([2, 2]), refit_every=1)
+    assert int(s2.num_discarded) == 1 and int(s2.num_refits) == 2
+    assert np.isfinite(float(s2.slope)) and float(s2.slope) != 0.5
+
+
+def test_nan_features_are_not_observations():
+    """A NaN feature adds no label (it used to count as an observation at f = 0); the state stays finite."""
+    s = init_estimator(3)
+    f = jnp.array([[jnp.nan, 1.0, 2.0], [0.5, jnp.nan, 1.0], [jnp.nan] * 3])
+    acc, ver = jnp.array([2, 2, 1]), jnp.array([3, 3, 3])  # labels (1, 1, 0), (1, 1, 0), (1, 0, -)
+    s1 = update(s, f, acc, ver, refit_every=2)
+    np.testing.assert_array_equal(s1.counts, [1, 1, 2])
+    p = 1 / (1 + np.exp(-(0.5 * np.array([0.5, 1.0, 2.0, 1.0]) - 0.2)))  # the four finite observations
+    np.testing.assert_allclose(s1.grad_b, [1 - p[0], 1 - p[1], -p[2] - p[3]], rtol=1e-6)
+    s2 = update(s1, f, acc, ver, refit_every=2)  # refit
+    assert int(s2.num_refits) == 1 and int(s2.num_discarded) == 0
+    assert np.isfinite(float(s2.slope)) and np.all(np.isfinite(np.asarray(s2.intercepts)))
+    assert np.all(np.isfinite(np.asarray(predict(s2, f))))
+
+
 def _numpy_newton_mle(f, y, pos, k, iters=50):
     theta = np.zeros(k + 1)
     x = np.zeros((len(f), k + 1))
@@ -88,9 +165,11 @@ def test_repeated_refits_on_fixed_data_reach_the_mle():
     y, obs = map(np.asarray, censored_labels(acc, ver, k))
     rows, cols = np.nonzero(obs)
     mle = _numpy_newton_mle(f[rows, cols].astype(np.float64), y[rows, cols], cols, k)
+    n_obs = obs.sum(axis=0)
+    assert n_obs[2] < 20  # the last position is thin: its step is damped by n_2 / (n_2 + 50) < 0.3 each refit
     step = jax.jit(functools.partial(update, refit_every=1))
     s = init_estimator(k)
-    for _ in range(25):
+    for _ in range(60):  # damping slows convergence on thin positions but leaves the fixed point (the MLE)
         s = step(s, f, acc, ver)
     np.testing.assert_allclose(float(s.slope), mle[0], atol=2e-3)
     np.testing.assert_allclose(np.asarray(s.intercepts), mle[1:], atol=2e-3)
@@ -113,6 +192,20 @@ def _simulate(true_w, true_b, *, num_steps, num_rows, seed):
     keys = jax.random.split(jax.random.key(seed), num_steps)
     state, _ = jax.lax.scan(one_step, init_estimator(k), keys)
     return state
+
+
+def test_negative_slope_data_leaves_the_slope_at_the_floor():
+    """Acceptance that falls as the drafter grows surer (true w = -1): the slope stops at 0 and the intercepts go
+    to the constrained optimum, each position's base rate logit(E[sigmoid(-f + b_k)]) over f ~ N(0.5, 1.5)
+    (which drafts reach position k depends only on earlier positions' features, so f_k keeps its law)."""
+    true_b = jnp.array([1.0, 0.5, 0.0], jnp.float32)
+    state = jax.jit(functools.partial(_simulate, num_steps=600, num_rows=256, seed=3))(jnp.float32(-1.0), true_b)
+    assert int(state.num_refits) == 6 and int(state.num_discarded) == 0
+    assert float(state.slope) == 0.0
+    f = np.random.default_rng(0).normal(0.5, 1.5, 1_000_000)
+    rate = np.array([np.mean(1 / (1 + np.exp(f - b))) for b in np.asarray(true_b)])
+    # observed over 8 seeds: slope exactly 0, intercepts within 0.06
+    np.testing.assert_allclose(np.asarray(state.intercepts), np.log(rate / (1 - rate)), atol=0.1)
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -153,4 +246,9 @@ def test_bad_shapes_raise():
         update(s, jnp.ones((2, 3)), jnp.ones(3, jnp.int32), jnp.ones(2, jnp.int32))
     with pytest.raises(ValueError, match="num_positions"):
         init_estimator(0)
-    assert isinstance(s, EstimatorState)
+    with pytest.raises(ValueError, match="slope must be >= SLOPE_FLOOR"):
+        init_estimator(3, slope=-0.5)
+    with pytest.raises(ValueError, match="ridge > 0"):
+        update(s, jnp.ones((2, 3)), jnp.ones(2, jnp.int32), jnp.ones(2, jnp.int32), ridge=0.0)
+    with pytest.raises(ValueError, match="refit_every"):
+        update(s, jnp.ones((2, 3)), jnp.ones(2, jnp.int32), jnp.ones(2, jnp.int32), refit_every=0)

@@ -47,8 +47,6 @@ def test_fixture_exercises_selection():
 @pytest.mark.parametrize("case", ["64", "53"])
 def test_selections_match_hf(model, case):
     """The indexer picks exactly HF's blocks (as sets; HF's top-k order is unspecified) in every sparse layer."""
-    import jax
-
     ids = jnp.asarray(GOLDEN[f"ids_{case}"])
     cfg = model.cfg
     b, s = ids.shape
@@ -64,4 +62,3 @@ def test_selections_match_hf(model, case):
             q_block = np.arange(s) // cfg.index_block_size
             assert (ours[..., 0] == q_block).all()
         x = layer(x, positions, cos, sin)
-    del jax
