@@ -1,0 +1,315 @@
+"""One speculative decoding step as a pure function over an explicit state (SPEC sections 5 to 8).
+
+``step(target_params, drafter_params, state, plan) -> (state, output)`` runs, in one jitted program per shape
+bucket:
+
+1. **draft** (decode rows): the DSpark drafter drafts ``K`` tokens after each row's anchor (the last emitted
+   token), with Markov-corrected draft distributions and per-position confidences (the confidence head after STS,
+   or the online estimator's predictions from the draft distributions);
+2. **allocate**: ``caps = allocate_drafts(confidences, scheduled, budget)``: the global top-``budget`` survivals of
+   *this* step's confidences. The budget itself was chosen from an *earlier* step's confidences (by the host
+   planner, or by the device loop's planner), which is what keeps adaptive verification lossless: a confidence
+   depends on the draft before it, so a budget from the current confidences would let a draft influence its own
+   admission;
+3. **pack** the ragged verify batch on the device: prefill rows first (their prompt chunks come packed from the
+   host), then per decode row ``[anchor, d_1 .. d_caps[r]]``; zero-length padding rows last;
+4. **verify**: the target's paged forward over the packed tokens (``decode.forward_ragged``), capturing the
+   drafter's target layers; logits only for the rows that sample (bounded verify logits);
+5. **rejection sampling** (lossless; greedy or stochastic, top-k / top-p applied to both distributions): accepted
+   drafts plus one corrected or bonus token per decode row, the first token of a row whose prefill finished;
+6. **stop**: emitted tokens are cut after a stop token and at the row's remaining token budget;
+7. **commit**: the target cache length grows by the anchor plus the accepted drafts (rejected drafts are rolled
+   back by length: their slots are overwritten later); the drafter's context gets the accepted positions' target
+   features; the estimator sees the verification outcome.
+
+The state lives per *slot* (``N = max_num_seqs`` slots); the plan maps the step's ``R`` rows (a power-of-two
+bucket) to slots. Everything the host decides is in the plan (rows, block tables, prompt chunks, the budget, the
+per-row sampling settings); everything the step decides on the device stays there except the small
+:class:`StepOutput`, which the host reads back in one transfer. The jitted offline loop runs this same function
+inside ``lax.while_loop``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from minimax_jax.cache import PagedCache, init_cache
+from minimax_jax.decode import RaggedBatch, forward_ragged
+from pallas_kernels.metadata import token_to_request
+from spec_decode.allocator import allocate_drafts
+from spec_decode.estimator import EstimatorState, init_estimator, predict, update
+from spec_decode.rejection import STREAM_DRAFT, rejection_sample_packed, sampling_key
+from spec_decode.sampling_params import filter_logits
+
+__all__ = ["DecodeState", "StepConfig", "StepOutput", "StepPlan", "init_state", "make_step_fn"]
+
+MODES = ("adaptive", "fixed", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Static settings of one compiled step (hashable; part of the compilation key).
+
+    ``num_speculative_tokens`` (K) drafts per decode row, ``mode`` the verification mode, ``confidence`` where
+    adaptive confidences come from (``"head"`` or ``"estimator"``), ``sampling`` whether any row samples
+    (False compiles the greedy rule alone), ``filtering`` whether any row uses top-k / top-p,
+    ``num_logit_rows`` the verify-logits rows materialised (the memory bound), ``implementation`` the kernels.
+    """
+
+    num_speculative_tokens: int
+    mode: str
+    confidence: str = "head"
+    sampling: bool = False
+    filtering: bool = False
+    num_logit_rows: int = 1
+    implementation: str = "auto"
+    interpret: bool | None = None
+    capture_layers: tuple[int, ...] = ()
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Everything that persists between steps, per slot (``N`` slots). Fixed shapes; donated to each step.
+
+    ``num_cached[s]`` tokens of slot ``s`` are in the target cache (and in the drafter's context); the slot's last
+    emitted token ``last_token[s]`` is the next anchor, at position ``num_cached[s]``. ``prev_confidences`` are the
+    confidences of the slot's latest drafts (1.0 for a fresh slot): what the next budget is planned from.
+    """
+
+    cache: PagedCache
+    draft_cache: object  # minimax_jax DraftCache (k, v [L, N, S, H_kv, D], lengths [N]) or None (mode "none")
+    num_cached: jax.Array  # int32[N]
+    last_token: jax.Array  # int32[N]
+    prev_confidences: jax.Array  # f32[N, K]
+    estimator: EstimatorState | None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What the host (or the device loop) decides for one step. ``R`` rows, ``T`` packed token slots.
+
+    Row kinds: a *prefill* row has ``prefill_len > 0`` (a chunk of its prompt, packed at the front of
+    ``prefill_tokens`` in row order; prefill rows come first); a *decode* row has a slot and ``prefill_len == 0``;
+    a padding row has ``rows == -1``.
+    """
+
+    rows: jax.Array  # int32[R]        slot of each row, -1 for padding
+    prefill_tokens: jax.Array  # int32[T]        prompt chunks of the prefill rows, packed from slot 0
+    prefill_len: jax.Array  # int32[R]        chunk length (0: not a prefill row)
+    prefill_last: jax.Array  # bool[R]         the chunk ends the prefill: sample the first token, or resume
+    resume_token: jax.Array  # int32[R]        >= 0: a recomputed (preempted) row's anchor; the step samples nothing
+    block_tables: jax.Array  # int32[R, B]     pages covering every position this step writes
+    scheduled: jax.Array  # int32[R]        drafts this decode row may verify (0..K)
+    budget: jax.Array  # int32[]         total drafts verified this step
+    temperature: jax.Array  # f32[R]          <= 0: greedy
+    top_k: jax.Array  # int32[R]        0: off
+    top_p: jax.Array  # f32[R]          1.0: off
+    seed: jax.Array  # int32[R]
+    max_emit: jax.Array  # int32[R]        tokens the row may still emit (max_new_tokens, length limit)
+    stop_ids: jax.Array  # int32[R, M]     tokens that end the row (-1 padded)
+    commit: jax.Array  # bool[]          False: a timing run that leaves lengths and tokens unchanged
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """What the host reads back after a step (one transfer)."""
+
+    tokens: jax.Array  # int32[R, K+1]   emitted tokens (-1 padded), cut after a stop token / the budget
+    num_emitted: jax.Array  # int32[R]
+    num_accepted: jax.Array  # int32[R]        accepted drafts (before the cut)
+    num_verified: jax.Array  # int32[R]        drafts verified (the allocator's caps)
+    confidences: jax.Array  # f32[R, K]       this step's confidences (the next budget's input)
+    finished: jax.Array  # bool[R]         a stop token was emitted or the budget is used up
+
+
+def init_state(target, drafter, *, num_slots: int, num_pages: int, max_model_len: int, num_speculative_tokens: int,
+               use_estimator: bool, cache_dtype=None) -> DecodeState:
+    """A fresh :class:`DecodeState`: empty caches, every slot empty (confidences 1.0)."""
+    cfg = target.cfg
+    dtype = target.dtype if cache_dtype is None else cache_dtype
+    k = num_speculative_tokens
+    draft_cache = None
+    if drafter is not None and k > 0:
+        draft_cache = drafter.init_cache(num_slots, max_model_len, dtype=dtype)
+    return DecodeState(
+        cache=init_cache(cfg, num_pages, dtype=dtype),
+        draft_cache=draft_cache,
+        num_cached=jnp.zeros((num_slots,), jnp.int32),
+        last_token=jnp.zeros((num_slots,), jnp.int32),
+        prev_confidences=jnp.ones((num_slots, max(k, 1)), jnp.float32),
+        estimator=init_estimator(k) if use_estimator and k > 0 else None,
+    )
+
+
+def _scatter(values: jax.Array, slots: jax.Array, new: jax.Array, keep: jax.Array) -> jax.Array:
+    """``values[slots[r]] = new[r]`` where ``keep[r]``; other rows (padding, not committed) are dropped."""
+    n = values.shape[0]
+    return values.at[jnp.where(keep, slots, n)].set(new.astype(values.dtype), mode="drop")
+
+
+def _stop(tokens, num_emitted, stop_ids, max_emit):
+    """Cut each row's emitted tokens after the first stop token and at ``max_emit``: (count, finished).
+
+    ``tokens int32[R, K+1]`` (-1 padded), ``stop_ids int32[R, M]`` (-1 padded, never matches a token)."""
+    k1 = tokens.shape[1]
+    idx = jnp.arange(k1, dtype=jnp.int32)[None, :]
+    live = (idx < num_emitted[:, None]) & (tokens >= 0)
+    is_stop = jnp.any(tokens[:, :, None] == stop_ids[:, None, :], axis=-1) & live
+    first_stop = jnp.min(jnp.where(is_stop, idx, k1), axis=1)  # k1: no stop token
+    count = jnp.clip(jnp.minimum(num_emitted, first_stop + 1), 0, jnp.maximum(max_emit, 0))
+    finished = (num_emitted > 0) & ((first_stop < count) | (count >= max_emit))
+    return count, finished
+
+
+def make_step_fn(target, drafter, config: StepConfig):
+    """The pure step ``(target_params, drafter_params, state, plan) -> (state, StepOutput)`` for ``config``.
+
+    ``target`` / ``drafter`` are only used for their graph definitions (split once); their parameters are
+    arguments of the returned function, so compiled programs do not embed the weights. The caller jits it
+    (the engine donates ``state``; the device loop calls it inside ``lax.while_loop``).
+    """
+    if config.mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {config.mode!r}")
+    k = config.num_speculative_tokens
+    tgraph, _ = nnx.split(target)
+    dgraph = nnx.split(drafter)[0] if (drafter is not None and k > 0) else None
+    capture = tuple(i for i in config.capture_layers if i >= 0)
+    embed_feature = -1 in config.capture_layers
+
+    def step(target_params, drafter_params, state: DecodeState, plan: StepPlan):
+        tgt = nnx.merge(tgraph, target_params)
+        r = plan.rows.shape[0]
+        t = plan.prefill_tokens.shape[0]
+        valid = plan.rows >= 0
+        slot = jnp.maximum(plan.rows, 0)
+        is_prefill = valid & (plan.prefill_len > 0)
+        is_decode = valid & ~is_prefill
+        num_cached = jnp.where(valid, state.num_cached[slot], 0)
+        anchor = jnp.where(is_decode, state.last_token[slot], 0)
+        greedy_rows = plan.temperature <= 0.0
+        safe_temp = jnp.where(greedy_rows, 1.0, plan.temperature)
+
+        def draft_filter(scaled_logits):  # top-k / top-p on the draft distributions too (module docstring)
+            return filter_logits(scaled_logits, plan.top_k, plan.top_p)
+
+        # ---- 1. draft
+        if k > 0:
+            drafter = nnx.merge(dgraph, drafter_params)
+            dc = state.draft_cache
+            view = dataclasses.replace(dc, k=dc.k[:, slot], v=dc.v[:, slot],
+                                       lengths=jnp.where(is_decode, dc.lengths[slot], 0))
+            h = drafter.block_hidden(view, anchor, num_cached)
+            keys = jax.vmap(lambda s, p: sampling_key(s, p, STREAM_DRAFT))(plan.seed, num_cached)
+            draft = drafter.sample_block(h, anchor, plan.temperature, keys if config.sampling else None,
+                                         return_probs=config.sampling,
+                                         logit_filter=draft_filter if config.filtering else None)
+            drafts = draft.tokens[:, :k]
+            draft_probs = draft.probs[:, :k] if config.sampling else None
+            if config.confidence == "estimator":
+                features = draft.features[:, :k]
+                conf = predict(state.estimator, features)
+            else:
+                features = None
+                conf = draft.confidences[:, :k]
+            conf = jnp.where(is_decode[:, None], conf, 0.0)
+            sched = jnp.where(is_decode, jnp.clip(plan.scheduled, 0, k), 0)
+            alloc_conf = conf if config.mode == "adaptive" else jnp.ones_like(conf)
+            caps = allocate_drafts(alloc_conf, sched, plan.budget)
+        else:
+            drafts = jnp.zeros((r, 1), jnp.int32)
+            draft_probs, features = None, None
+            conf = jnp.zeros((r, 1), jnp.float32)
+            caps = jnp.zeros((r,), jnp.int32)
+
+        # ---- 2. pack: prefill chunks (host-packed, rows first) then [anchor, drafts] per decode row
+        q_len = jnp.where(is_prefill, plan.prefill_len, jnp.where(is_decode, 1 + caps, 0))
+        qsl = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_len, dtype=jnp.int32)])
+        kk = max(k, 0)
+        dec_tokens = jnp.concatenate([anchor[:, None], drafts[:, :kk]], axis=1) if kk else anchor[:, None]
+        offs = jnp.arange(kk + 1, dtype=jnp.int32)[None, :]
+        place = is_decode[:, None] & (offs <= caps[:, None])
+        dest = jnp.where(place, qsl[:-1, None] + offs, t)
+        input_ids = plan.prefill_tokens.at[dest.reshape(-1)].set(dec_tokens.reshape(-1), mode="drop")
+        seq_lens = jnp.where(valid, num_cached + q_len, 0)
+        batch = RaggedBatch(input_ids, qsl, seq_lens, plan.block_tables)
+
+        # ---- 3. verify
+        hidden, captured, cache = forward_ragged(tgt, state.cache, batch, capture_layers=capture,
+                                                 implementation=config.implementation, interpret=config.interpret)
+        samples_first = is_prefill & plan.prefill_last & (plan.resume_token < 0)
+        n_logit = jnp.where(is_decode, 1 + caps, jnp.where(samples_first, 1, 0))
+        lqsl = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(n_logit, dtype=jnp.int32)])
+        nl = config.num_logit_rows
+        lrow = token_to_request(lqsl, nl)
+        lr = jnp.maximum(lrow, 0)
+        li = jnp.arange(nl, dtype=jnp.int32) - lqsl[lr]
+        src = jnp.where(is_decode[lr], qsl[lr] + li, qsl[lr + 1] - 1)
+        src = jnp.clip(jnp.where(lrow >= 0, src, 0), 0, t - 1)
+        logits = tgt.logits(hidden[src])  # [NL, V] float32
+        if config.filtering:
+            row_t = safe_temp[lr]
+            logits = filter_logits(logits / row_t[:, None], plan.top_k[lr], plan.top_p[lr]) * row_t[:, None]
+
+        # ---- 4. rejection sampling (prefill-final rows: zero drafts, the bonus is the first token)
+        anchor_pos = jnp.where(is_decode, num_cached, num_cached + plan.prefill_len - 1)
+        rej = rejection_sample_packed(
+            logits, lqsl, drafts[:, :max(k, 1)] if k else jnp.zeros((r, 0), jnp.int32),
+            draft_probs, plan.seed, anchor_pos,
+            temperature=plan.temperature if config.sampling else 0.0, row_mask=n_logit > 0)
+        num_acc = jnp.where(is_decode, rej.num_accepted, 0)
+
+        # ---- 5. stop
+        count, finished = _stop(rej.output_tokens, rej.num_emitted, plan.stop_ids, plan.max_emit)
+        col = jnp.arange(rej.output_tokens.shape[1], dtype=jnp.int32)[None, :]
+        tokens = jnp.where(col < count[:, None], rej.output_tokens, -1)
+
+        # ---- 6. commit
+        commit = plan.commit & valid
+        new_cached = jnp.where(is_decode, num_cached + 1 + num_acc, num_cached + plan.prefill_len)
+        resumes = is_prefill & plan.prefill_last & (plan.resume_token >= 0)
+        last = jnp.take_along_axis(rej.output_tokens, jnp.maximum(rej.num_emitted - 1, 0)[:, None], axis=1)[:, 0]
+        last = jnp.where(resumes, plan.resume_token, last)
+        new_state = dict(
+            cache=cache,
+            num_cached=_scatter(state.num_cached, slot, new_cached, commit),
+            last_token=_scatter(state.last_token, slot, last, commit & ((rej.num_emitted > 0) | resumes)),
+        )
+        if k > 0:
+            prev_conf = jnp.where(is_decode[:, None], conf, 1.0)  # a row that just prefilled starts at 1.0
+            new_state["prev_confidences"] = _scatter(state.prev_confidences, slot, prev_conf,
+                                                     commit & (is_decode | (is_prefill & plan.prefill_last)))
+            # drafter context: the anchor and accepted drafts of decode rows, the whole chunk of prefill rows
+            feats = list(captured)
+            if embed_feature:
+                emb = jnp.where((token_to_request(qsl, t) >= 0)[:, None], tgt.embed(input_ids), 0)
+                feats = [emb if i < 0 else feats.pop(0) for i in config.capture_layers]
+            features_cat = jnp.concatenate(feats, axis=-1).astype(drafter.dtype)
+            num_new = jnp.where(is_decode, 1 + num_acc, jnp.where(is_prefill, plan.prefill_len, 0))
+            num_new = jnp.where(commit, num_new, 0)
+            treq = token_to_request(qsl, t)
+            tr = jnp.maximum(treq, 0)
+            ti = jnp.arange(t, dtype=jnp.int32) - qsl[tr]
+            write = (treq >= 0) & (ti < num_new[tr])
+            dc = state.draft_cache
+            lengths = _scatter(dc.lengths, slot, num_cached + num_new, commit)
+            new_state["draft_cache"] = drafter.write_context(dc, features_cat, jnp.where(write, slot[tr], -1),
+                                                             num_cached[tr] + ti, lengths)
+            if config.confidence == "estimator":
+                est = update(state.estimator, features, num_acc, jnp.where(commit & is_decode, caps, 0))
+                # a timing run (commit False) leaves the estimator untouched (not even its step counter)
+                new_state["estimator"] = jax.tree.map(lambda a, b: jnp.where(plan.commit, a, b), est,
+                                                      state.estimator)
+        state = dataclasses.replace(state, **new_state)
+        out = StepOutput(tokens=tokens, num_emitted=count, num_accepted=num_acc, num_verified=caps,
+                         confidences=conf, finished=finished & valid)
+        return state, out
+
+    return step
+
