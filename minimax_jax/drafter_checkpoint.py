@@ -45,7 +45,8 @@ from minimax_jax.checkpoint import (
     weight_plan,
 )
 from minimax_jax.config import ConfigError
-from minimax_jax.drafter import DSparkConfig, DSparkDrafter
+from minimax_jax.drafter import DSparkDrafter
+from minimax_jax.drafter_config import DSparkConfig
 from minimax_jax.model import MiniMaxM3ForCausalLM
 
 SCHEMES = ("minimax", "hf")

@@ -13,8 +13,9 @@ from safetensors.numpy import load_file, save_file
 
 from minimax_jax import CheckpointError, ConfigError
 from minimax_jax.config import MiniMaxM3Config
-from minimax_jax.drafter import DSparkConfig, init_drafter
+from minimax_jax.drafter import init_drafter
 from minimax_jax.drafter_checkpoint import drafter_weight_plan, load_drafter, save_drafter
+from minimax_jax.drafter_config import DSparkConfig
 from minimax_jax.model import init_model
 
 TCFG = MiniMaxM3Config.tiny(layer_types=("full_attention",) * 4, mlp_layer_types=("dense",) * 4)
@@ -167,7 +168,7 @@ def test_config_errors(saved, target, tmp_path):
         (lambda c: c.update(hidden_size=96), "hidden_size 96 != target hidden_size 64"),
         (lambda c: c.update(vocab_size=512), "vocab_size 512 != target vocab_size 256"),
         (lambda c: c.update(num_target_layers=60), "num_target_layers 60 != the target's 4 layers"),
-        (lambda c: c.update(target_layer_ids=[0, 3]), "last layer 3"),
+        (lambda c: c.update(target_layer_ids=[0, 4]), "exceed the target's 4 layers"),
         (lambda c: c.pop("mask_token_id"), "missing 'mask_token_id'"),
         (lambda c: c.update(markov_head_type="lstm"), "markov_head_type must be one of"),
         (lambda c: c.update(mlp_layer_types=["sparse", "sparse"]), "draft layers use 'dense' only"),
