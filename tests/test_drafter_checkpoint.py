@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 
 import jax.numpy as jnp
@@ -192,3 +193,29 @@ def test_default_target_layer_ids_from_fc_shape(saved, target, tmp_path):
     edit_config(d, lambda c: (c.pop("target_layer_ids"), c.pop("num_target_layers")))
     loaded = load_drafter(d, target)
     assert loaded.cfg.target_layer_ids == (2,)  # N = 4, m = 1 -> [N // 2]
+
+
+def test_wrong_dtype_truncated_file_and_file_path(saved, target, tmp_path):
+    """The drafter loader shares the target's checks: an integer tensor for a float parameter joins the collected
+    error, a truncated file is named, a file path gets a clear error."""
+    d = copy_dir(saved["rnn"][1], tmp_path / "dtype")
+
+    def corrupt(t):
+        t["fc.weight"] = t["fc.weight"].astype(np.int32)
+        del t["norm.weight"]
+
+    rewrite(d, corrupt)
+    with pytest.raises(CheckpointError) as e:
+        load_drafter(d, target)
+    msg = str(e.value)
+    assert "wrong dtype (1): fc.weight: found int32, but the float32 parameter fc.kernel needs a floating-point" in msg
+    assert "missing (1): norm.weight" in msg
+
+    d = copy_dir(saved["rnn"][1], tmp_path / "truncated")
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-64])
+    with pytest.raises(CheckpointError, match=re.escape(f"cannot read the safetensors file {f}: it looks truncated")):
+        load_drafter(d, target)
+
+    with pytest.raises(NotADirectoryError, match="expected a drafter checkpoint directory with config.json"):
+        load_drafter(saved["rnn"][1] / "model.safetensors", target)
