@@ -218,7 +218,8 @@ def restore_checkpoint(path: str | os.PathLike, *, dtype=None) -> MiniMaxM3ForCa
     if not os.path.exists(path):
         raise FileNotFoundError(f"no orbax checkpoint at {path}: the path does not exist")
     if not os.path.isdir(os.path.join(path, "state")):
-        what = "a file" if not os.path.isdir(path) else "a directory without the 'state' folder save_checkpoint writes"
+        what = ("a directory without the 'state' folder save_checkpoint writes" if os.path.isdir(path)
+                else "a file")
         hint = ""
         if os.path.isdir(path) and any(f.endswith(".safetensors") or f == "model.safetensors.index.json"
                                        for f in os.listdir(path)):

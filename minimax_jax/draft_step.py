@@ -173,6 +173,11 @@ def _donate() -> bool:
     return jax.default_backend() != "cpu"  # XLA:CPU ignores donation (with a warning)
 
 
+def _concat_features(features) -> jax.Array:
+    """A sequence of m ``[..., d]`` feature arrays -> ``[..., m*d]`` (an array passes through)."""
+    return jnp.concatenate(features, axis=-1) if isinstance(features, (list, tuple)) else jnp.asarray(features)
+
+
 def _check_append_args(dims, cache, start, num_new, max_new: int, what: str, validate: bool):
     _check_cache(dims, cache)
     r = cache.num_requests
@@ -208,8 +213,7 @@ def append_context_step(graphdef, state, cache: DraftCache, features, start, num
       passes ``start = its length, num_new = 0``; ``start < length`` rolls the row back to ``start`` first.
     """
     dims = _state_dims(state)
-    if isinstance(features, (list, tuple)):
-        features = jnp.concatenate(features, axis=-1)
+    features = _concat_features(features)
     if features.ndim != 3 or features.shape[0] != cache.num_requests or features.shape[2] != dims["feature_size"]:
         raise ValueError(f"features must be [R={cache.num_requests}, T, m*d={dims['feature_size']}], got shape "
                          f"{features.shape}")
@@ -227,8 +231,7 @@ def append_context_packed_step(graphdef, state, cache: DraftCache, features, que
     step: ``start`` = the anchor positions, ``num_new`` = 1 + accepted drafts.
     """
     dims = _state_dims(state)
-    if isinstance(features, (list, tuple)):
-        features = jnp.concatenate(features, axis=-1)
+    features = _concat_features(features)
     if features.ndim != 2 or features.shape[1] != dims["feature_size"]:
         raise ValueError(f"features must be [T, m*d={dims['feature_size']}], got shape {features.shape}")
     qsl = jnp.asarray(query_start_loc)

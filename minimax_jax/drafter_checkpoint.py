@@ -95,10 +95,12 @@ def drafter_weight_plan(cfg: DSparkConfig) -> dict[tuple, dict[str, Source]]:
             both(("markov_head", "gate_proj", "kernel"), "markov_head.gate_proj.weight", (r, d + r), transpose)
             both(("markov_head", "gate_proj", "bias"), "markov_head.gate_proj.bias", (r,), identity)
         elif cfg.markov_head_type == "rnn":
-            both(("markov_head", "joint_proj", "kernel"), "markov_head.joint_proj.weight", (3 * r, 2 * r + d), transpose)
+            both(("markov_head", "joint_proj", "kernel"), "markov_head.joint_proj.weight", (3 * r, 2 * r + d),
+                 transpose)
             both(("markov_head", "joint_proj", "bias"), "markov_head.joint_proj.bias", (3 * r,), identity)
     if cfg.enable_confidence_head:
-        both(("confidence_head", "proj", "kernel"), "confidence_head.proj.weight", (1, cfg.confidence_input_dim), transpose)
+        both(("confidence_head", "proj", "kernel"), "confidence_head.proj.weight", (1, cfg.confidence_input_dim),
+             transpose)
         both(("confidence_head", "proj", "bias"), "confidence_head.proj.bias", (1,), identity)
     return plan
 

@@ -229,7 +229,8 @@ def load_weights(plan: WeightPlan, reader: SafetensorsReader, state: nnx.State, 
     covered = set(plan) | set(preset)
     if covered != set(flat):
         raise CheckpointError(f"internal: the weight plan does not fit the model: parameters without an entry "
-                              f"{sorted(set(flat) - covered)}, entries without a parameter {sorted(covered - set(flat))}")
+                              f"{sorted(set(flat) - covered)}, entries without a parameter "
+                              f"{sorted(covered - set(flat))}")
     scheme = detect_scheme(plan, reader.names, prefer=prefer)
     missing, misshaped, mistyped = [], [], []
     chosen: dict[tuple, Source] = {}

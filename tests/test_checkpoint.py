@@ -167,7 +167,7 @@ def test_path_to_a_file_or_nowhere(tmp_path):
         assert str(e.value) == (f"expected a model checkpoint directory with config.json and *.safetensors, got the "
                                 f"file {os.path.join(d, name)}; pass its directory {d}")
     nowhere = tmp_path / "nope"
-    with pytest.raises(FileNotFoundError, match=re.escape(f"no model checkpoint at {nowhere}: the path does not exist")):
+    with pytest.raises(FileNotFoundError, match=re.escape(f"no model checkpoint at {nowhere}: the path does not")):
         load_model(nowhere)
     # with an explicit config a single safetensors file is a checkpoint
     cfg = MiniMaxM3Config.from_pretrained(d)
@@ -184,7 +184,7 @@ def test_restore_checkpoint_on_what_is_not_an_orbax_checkpoint(tmp_path):
     assert str(e.value) == (f"{hf} is not an orbax checkpoint written by save_checkpoint (a directory without the "
                             f"'state' folder save_checkpoint writes); it holds safetensors: read it with load_model")
     nowhere = tmp_path / "nope"
-    with pytest.raises(FileNotFoundError, match=re.escape(f"no orbax checkpoint at {nowhere}: the path does not exist")):
+    with pytest.raises(FileNotFoundError, match=re.escape(f"no orbax checkpoint at {nowhere}: the path does not")):
         restore_checkpoint(nowhere)
     with pytest.raises(CheckpointError, match=r"is not an orbax checkpoint written by save_checkpoint \(a file\)"):
         restore_checkpoint(os.path.join(hf, "config.json"))
