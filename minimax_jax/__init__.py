@@ -2,23 +2,32 @@
 
 from minimax_jax.checkpoint import CheckpointError, load_model, restore_checkpoint, save_checkpoint
 from minimax_jax.config import ConfigError, MiniMaxM3Config
+from minimax_jax.draft_cache import DraftCache
+from minimax_jax.draft_step import DraftOutput, append_context_packed_step, append_context_step, draft_step
+from minimax_jax.drafter import DSparkDrafter, capture_target_features, init_drafter
+from minimax_jax.drafter_checkpoint import load_drafter, save_drafter
+from minimax_jax.drafter_config import DSparkConfig
 from minimax_jax.model import MiniMaxM3ForCausalLM, abstract_model, init_model
 
 __all__ = [
     "CheckpointError",
     "ConfigError",
+    "DSparkConfig",
+    "DSparkDrafter",
+    "DraftCache",
+    "DraftOutput",
     "MiniMaxM3Config",
     "MiniMaxM3ForCausalLM",
     "abstract_model",
+    "append_context_packed_step",
+    "append_context_step",
+    "capture_target_features",
+    "draft_step",
+    "init_drafter",
     "init_model",
+    "load_drafter",
     "load_model",
     "restore_checkpoint",
     "save_checkpoint",
+    "save_drafter",
 ]
-
-# DSpark drafter (issue 5)
-from minimax_jax.drafter import DraftCache, DraftOutput, DSparkConfig, DSparkDrafter, init_drafter  # noqa: E402
-from minimax_jax.drafter_checkpoint import load_drafter, save_drafter  # noqa: E402
-
-__all__ += ["DSparkConfig", "DSparkDrafter", "DraftCache", "DraftOutput", "init_drafter", "load_drafter",
-            "save_drafter"]

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 
 import jax.numpy as jnp
@@ -9,7 +10,14 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from minimax_jax import CheckpointError, ConfigError, load_model, restore_checkpoint, save_checkpoint
+from minimax_jax import (
+    CheckpointError,
+    ConfigError,
+    MiniMaxM3Config,
+    load_model,
+    restore_checkpoint,
+    save_checkpoint,
+)
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 GOLDEN = np.load(os.path.join(FIXTURES, "golden.npz"))
@@ -121,3 +129,62 @@ def test_bf16_load_and_orbax_round_trip(tmp_path):
     restored = restore_checkpoint(tmp_path / "ckpt")
     assert restored.embed_tokens[...].dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(restored(ids)), before)
+
+
+def test_integer_tensor_for_a_float_parameter_is_reported_with_the_other_problems(tmp_path):
+    d = copy_fixture("hf_tiny", tmp_path)
+
+    def corrupt(t):
+        t["model.norm.weight"] = np.zeros(t["model.norm.weight"].shape, np.int64)  # used to load as zeros
+        t["model.layers.0.self_attn.k_norm.weight"] = np.ones((3,), np.float32)
+
+    rewrite_single(d, corrupt)
+    with pytest.raises(CheckpointError) as e:
+        load_model(d, dtype=jnp.float32)
+    msg = str(e.value)
+    assert ("wrong dtype (1): model.norm.weight: found int64, but the float32 parameter norm.weight needs a "
+            "floating-point tensor" in msg)
+    assert "mis-shaped (1): model.layers.0.self_attn.k_norm.weight: expected shape (16,), found (3,)" in msg
+
+
+@pytest.mark.parametrize("fixture, victim", [("hf_tiny", "model.safetensors"),
+                                             ("minimax_tiny", "model-00002-of-00002.safetensors")])
+def test_truncated_safetensors_file_is_named(tmp_path, fixture, victim):
+    d = copy_fixture(fixture, tmp_path)
+    f = d / victim
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) - 100])  # a download cut short
+    want = f"cannot read the safetensors file {f}: it looks truncated or corrupt"
+    with pytest.raises(CheckpointError, match=re.escape(want)):
+        load_model(d, dtype=jnp.float32)
+
+
+def test_path_to_a_file_or_nowhere(tmp_path):
+    d = os.path.join(FIXTURES, "hf_tiny")
+    for name in ("model.safetensors", "config.json"):
+        with pytest.raises(NotADirectoryError) as e:
+            load_model(os.path.join(d, name), dtype=jnp.float32)
+        assert str(e.value) == (f"expected a model checkpoint directory with config.json and *.safetensors, got the "
+                                f"file {os.path.join(d, name)}; pass its directory {d}")
+    nowhere = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match=re.escape(f"no model checkpoint at {nowhere}: the path does not")):
+        load_model(nowhere)
+    # with an explicit config a single safetensors file is a checkpoint
+    cfg = MiniMaxM3Config.from_pretrained(d)
+    model = load_model(os.path.join(d, "model.safetensors"), dtype=jnp.float32, config=cfg)
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(GOLDEN["ids_53"]))), GOLDEN["logits_53"], atol=1e-4)
+    with pytest.raises(CheckpointError, match="expected a .safetensors file or a checkpoint directory"):
+        load_model(os.path.join(d, "config.json"), dtype=jnp.float32, config=cfg)
+
+
+def test_restore_checkpoint_on_what_is_not_an_orbax_checkpoint(tmp_path):
+    hf = os.path.join(FIXTURES, "hf_tiny")
+    with pytest.raises(CheckpointError) as e:
+        restore_checkpoint(hf)
+    assert str(e.value) == (f"{hf} is not an orbax checkpoint written by save_checkpoint (a directory without the "
+                            f"'state' folder save_checkpoint writes); it holds safetensors: read it with load_model")
+    nowhere = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match=re.escape(f"no orbax checkpoint at {nowhere}: the path does not")):
+        restore_checkpoint(nowhere)
+    with pytest.raises(CheckpointError, match=r"is not an orbax checkpoint written by save_checkpoint \(a file\)"):
+        restore_checkpoint(os.path.join(hf, "config.json"))

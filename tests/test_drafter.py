@@ -6,19 +6,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from minimax_jax.cache import PageAllocator, init_cache
 from minimax_jax.config import ConfigError, MiniMaxM3Config
-from minimax_jax.drafter import (
-    DraftCache,
-    DSparkConfig,
-    _draft_jit,
-    capture_target_features,
-    default_target_layer_ids,
-    draft_attention,
-    draft_attention_reference,
-    draft_step,
-    init_drafter,
-    validate_target_layer_ids,
-)
+from minimax_jax.decode import forward_ragged, pack_batch, unpack_rows
+from minimax_jax.draft_attention import draft_attention, draft_attention_reference
+from minimax_jax.draft_cache import DraftCache
+from minimax_jax.draft_step import compilation_counts, draft_step
+from minimax_jax.drafter import capture_target_features, init_drafter
+from minimax_jax.drafter_config import DSparkConfig, default_target_layer_ids, validate_target_layer_ids
 from minimax_jax.model import init_model
 
 # A dense tiny target: the drafter only reads its embeddings, LM head and residual stream, and a dense target
@@ -96,11 +91,34 @@ def test_default_target_layer_ids():
     assert default_target_layer_ids(4, 1) == (2,)
     with pytest.raises(ConfigError, match="not strictly increasing|strictly increasing"):
         default_target_layer_ids(4, 2)  # [1, 1]
-    with pytest.raises(ConfigError, match="last layer 3"):
-        validate_target_layer_ids([1, 3], 4)
+    assert validate_target_layer_ids([1, 3], 4) == (1, 3)  # the last layer N-1 is a valid feature layer
+    with pytest.raises(ConfigError, match=r"exceed the target's 4 layers \(valid: -1\.\.3\)"):
+        validate_target_layer_ids([1, 4], 4)
+    with pytest.raises(ConfigError, match="must be >= -1"):
+        validate_target_layer_ids([-2, 1], 4)
     with pytest.raises(ConfigError, match="strictly increasing"):
         validate_target_layer_ids([2, 1], 60)
     assert validate_target_layer_ids([-1, 2], 4) == (-1, 2)
+
+
+def test_published_m3_feature_layers_include_the_last_layer():
+    """Published MiniMax-M3 drafters read layers [3, 17, 31, 45, 59] of the 60-layer target: 59 = N-1 is valid
+    (the config alone: no 60-layer model is built)."""
+    t60 = TCFG.replace(num_hidden_layers=60, layer_types=("full_attention",) * 60, mlp_layer_types=("dense",) * 60)
+    ids = (3, 17, 31, 45, 59)
+    cfg = DSparkConfig.for_target(t60, mask_token_id=MASK, block_size=K, num_draft_layers=1, target_layer_ids=ids)
+    assert cfg.target_layer_ids == ids and cfg.num_target_layers == 60
+    assert cfg.feature_size == 5 * TCFG.hidden_size
+    cfg.check_compatible(t60)
+    assert DSparkConfig.from_pretrained(cfg.to_dict()) == cfg
+    raw = cfg.to_dict()
+    del raw["num_target_layers"]  # what a DeepSpec config.json holds; the loader passes the target's N
+    assert DSparkConfig.from_pretrained(raw, num_target_layers=60).target_layer_ids == ids
+    with pytest.raises(ConfigError, match=r"exceed the target's 60 layers \(valid: -1\.\.59\)"):
+        DSparkConfig.for_target(t60, mask_token_id=MASK, block_size=K, target_layer_ids=(3, 17, 31, 45, 60))
+    t59 = t60.replace(num_hidden_layers=59, layer_types=("full_attention",) * 59, mlp_layer_types=("dense",) * 59)
+    with pytest.raises(ConfigError, match="exceed the target's 59 layers"):
+        cfg.replace(num_target_layers=None).check_compatible(t59)
 
 
 def test_config_round_trip_aliases_and_errors():
@@ -130,7 +148,7 @@ def test_config_round_trip_aliases_and_errors():
         ({"markov_head_type": "lstm"}, "markov_head_type must be one of"),
         ({"confidence_head_with_markov": None}, "missing 'confidence_head_with_markov'"),
         ({"sts_temperatures": [1.0, 2.0]}, "sts_temperatures has 2 entries but block_size is 4"),
-        ({"target_layer_ids": [1, 3]}, "last layer 3"),
+        ({"target_layer_ids": [1, 4]}, "exceed the target's 4 layers"),
         ({"layer_types": ["sliding_attention"] * 2}, "layer_types\\[0\\]='sliding_attention'"),
         ({"mask_token_id": 256}, "mask_token_id \\(256\\) is outside the vocabulary"),
         ({"num_hidden_layers": None}, "num_hidden_layers"),
@@ -143,6 +161,36 @@ def test_config_round_trip_aliases_and_errors():
         cfg.check_compatible(TCFG.replace(hidden_size=96, vocab_size=512))
     assert "hidden_size 64 != target hidden_size 96" in str(e.value)
     assert "vocab_size 256 != target vocab_size 512" in str(e.value)
+
+
+def test_last_layer_features_in_the_plain_and_paged_forward(target):
+    """Feature layer N-1 is the residual stream after the last layer, before the final norm: the same array in
+    the plain forward (capture_target_features) and in the paged decode path the engine captures from."""
+    n, d = TCFG.num_hidden_layers, TCFG.hidden_size
+    layers = (0, n - 1)
+    ids = np.asarray(RNG.integers(0, 250, (2, 11)), np.int32)
+    feats = np.asarray(nnx.jit(capture_target_features, static_argnums=2)(target, jnp.asarray(ids), layers))
+    final, _ = nnx.jit(lambda m, x: m.hidden_states(x))(target, jnp.asarray(ids))
+    np.testing.assert_array_equal(feats[..., d:], np.asarray(final))
+    # the target's own head reads that feature through its final norm
+    np.testing.assert_allclose(np.asarray(nnx.jit(lambda m, h: m.logits(h))(target, feats[..., d:])),
+                               np.asarray(nnx.jit(lambda m, x: m(x))(target, jnp.asarray(ids))), atol=1e-5)
+
+    page = TCFG.index_block_size
+    alloc = PageAllocator(16, page, max_blocks_per_request=4)
+    cache = init_cache(TCFG, 16, dtype=jnp.float32)
+    step = nnx.jit(lambda m, c, b: forward_ragged(m, c, b, capture_layers=layers, implementation="reference"))
+    rows = [0, None, 1]  # a padding row in the middle
+    for chunks in ({0: (0, ids[0, :7].tolist()), 1: (0, ids[1, :3].tolist())},   # ragged prefill
+                   {0: (7, ids[0, 7:].tolist()), 1: (3, ids[1, 3:].tolist())}):  # the rest of both
+        batch = pack_batch(alloc, rows, chunks, 16)
+        hidden, captured, cache = step(target, cache, batch)
+        for j, got in enumerate(captured):  # feature j = layer layers[j]: columns [j*d, (j+1)*d) of feats
+            for rid, rows_got in unpack_rows(rows, chunks, np.asarray(got)).items():
+                s = chunks[rid][0]
+                want = feats[rid, s: s + len(rows_got), j * d:(j + 1) * d]
+                np.testing.assert_allclose(rows_got, want, atol=1e-5, err_msg=f"layer {layers[j]}, request {rid}")
+        np.testing.assert_array_equal(np.asarray(captured[-1]), np.asarray(hidden))
 
 
 # ----------------------------------------------------------------------------------------------- attention
@@ -274,7 +322,7 @@ def test_draft_compiles_once_per_shape(drafter, sequences):
         pos = jnp.array(pos)
         out = drafter.draft(cache.rollback(pos), ids[ROWS, pos], pos, return_probs=False,
                             temperature=jnp.array([0.0, 1.0, 0.5]), key=jax.random.key(1))
-        sizes.append(_draft_jit._cache_size())
+        sizes.append(compilation_counts()["draft_step"])
         assert out.probs is None and out.tokens.shape == (R, K)
     assert sizes[1] == sizes[0]  # new values, same shapes: no new compilation
 

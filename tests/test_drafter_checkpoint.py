@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 
 import jax.numpy as jnp
@@ -13,8 +14,9 @@ from safetensors.numpy import load_file, save_file
 
 from minimax_jax import CheckpointError, ConfigError
 from minimax_jax.config import MiniMaxM3Config
-from minimax_jax.drafter import DSparkConfig, init_drafter
+from minimax_jax.drafter import init_drafter
 from minimax_jax.drafter_checkpoint import drafter_weight_plan, load_drafter, save_drafter
+from minimax_jax.drafter_config import DSparkConfig
 from minimax_jax.model import init_model
 
 TCFG = MiniMaxM3Config.tiny(layer_types=("full_attention",) * 4, mlp_layer_types=("dense",) * 4)
@@ -167,7 +169,7 @@ def test_config_errors(saved, target, tmp_path):
         (lambda c: c.update(hidden_size=96), "hidden_size 96 != target hidden_size 64"),
         (lambda c: c.update(vocab_size=512), "vocab_size 512 != target vocab_size 256"),
         (lambda c: c.update(num_target_layers=60), "num_target_layers 60 != the target's 4 layers"),
-        (lambda c: c.update(target_layer_ids=[0, 3]), "last layer 3"),
+        (lambda c: c.update(target_layer_ids=[0, 4]), "exceed the target's 4 layers"),
         (lambda c: c.pop("mask_token_id"), "missing 'mask_token_id'"),
         (lambda c: c.update(markov_head_type="lstm"), "markov_head_type must be one of"),
         (lambda c: c.update(mlp_layer_types=["sparse", "sparse"]), "draft layers use 'dense' only"),
@@ -191,3 +193,29 @@ def test_default_target_layer_ids_from_fc_shape(saved, target, tmp_path):
     edit_config(d, lambda c: (c.pop("target_layer_ids"), c.pop("num_target_layers")))
     loaded = load_drafter(d, target)
     assert loaded.cfg.target_layer_ids == (2,)  # N = 4, m = 1 -> [N // 2]
+
+
+def test_wrong_dtype_truncated_file_and_file_path(saved, target, tmp_path):
+    """The drafter loader shares the target's checks: an integer tensor for a float parameter joins the collected
+    error, a truncated file is named, a file path gets a clear error."""
+    d = copy_dir(saved["rnn"][1], tmp_path / "dtype")
+
+    def corrupt(t):
+        t["fc.weight"] = t["fc.weight"].astype(np.int32)
+        del t["norm.weight"]
+
+    rewrite(d, corrupt)
+    with pytest.raises(CheckpointError) as e:
+        load_drafter(d, target)
+    msg = str(e.value)
+    assert "wrong dtype (1): fc.weight: found int32, but the float32 parameter fc.kernel needs a floating-point" in msg
+    assert "missing (1): norm.weight" in msg
+
+    d = copy_dir(saved["rnn"][1], tmp_path / "truncated")
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-64])
+    with pytest.raises(CheckpointError, match=re.escape(f"cannot read the safetensors file {f}: it looks truncated")):
+        load_drafter(d, target)
+
+    with pytest.raises(NotADirectoryError, match="expected a drafter checkpoint directory with config.json"):
+        load_drafter(saved["rnn"][1] / "model.safetensors", target)
