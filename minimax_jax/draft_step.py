@@ -29,13 +29,15 @@ class DraftOutput:
     ``tokens int32[R, K]``; ``probs f32[R, K, V]``: the Markov-corrected, temperature-scaled draft distribution
     each token was drawn from (one-hot of the argmax for rows with temperature 0; None when not requested);
     ``confidences f32[R, K]``: ``c_k`` after STS (None without a confidence head); ``confidence_logits
-    f32[R, K]``: the raw logits (what :func:`minimax_jax.calibration.fit_sts` consumes).
+    f32[R, K]``: the raw logits (what :func:`minimax_jax.calibration.fit_sts` consumes); ``features f32[R, K]``:
+    ``feature_fn`` of each slot's scaled draft logits when one was given (None otherwise).
     """
 
     tokens: jax.Array
     probs: jax.Array | None
     confidences: jax.Array | None
     confidence_logits: jax.Array | None
+    features: jax.Array | None = None
 
 
 def normalise_keys(key, r: int):

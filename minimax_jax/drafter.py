@@ -53,7 +53,7 @@ from minimax_jax.draft_step import (
     normalise_keys,
 )
 from minimax_jax.drafter_config import MARKOV_HEAD_TYPES, DSparkConfig, validate_target_layer_ids
-from minimax_jax.layers import DenseMLP, Linear, RMSNorm, apply_rope, rope_cos_sin
+from minimax_jax.layers import DenseMLP, Linear, apply_rope, norm_for, rope_cos_sin
 from minimax_jax.model import MiniMaxM3ForCausalLM, check_input_ids
 from pallas_kernels.metadata import token_to_request
 
@@ -85,9 +85,9 @@ class DraftLayer(nnx.Module):
 
     def __init__(self, cfg: MiniMaxM3Config, layer_idx: int, *, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.input_layernorm = norm_for(cfg, cfg.hidden_size, dtype=dtype)
         self.self_attn = Attention(cfg, layer_idx, dtype=dtype, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = norm_for(cfg, cfg.hidden_size, dtype=dtype)
         self.mlp = DenseMLP(cfg, cfg.dense_intermediate_size, dtype=dtype, rngs=rngs)
 
     def context_kv(self, h_ctx: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -198,9 +198,9 @@ class DSparkDrafter(nnx.Module):
         self.embed_tokens = Shared(init(rngs.params(), (vocab, d), dtype) if embed_tokens is None else embed_tokens)
         self.lm_head = Shared(init(rngs.params(), (d, vocab), dtype) if lm_head is None else lm_head)
         self.fc = Linear(cfg.feature_size, d, dtype=dtype, rngs=rngs)
-        self.hidden_norm = RMSNorm(d, eps=c.rms_norm_eps, dtype=dtype)
+        self.hidden_norm = norm_for(c, d, dtype=dtype)
         self.layers = nnx.List([DraftLayer(c, i, dtype=dtype, rngs=rngs) for i in range(c.num_hidden_layers)])
-        self.norm = RMSNorm(d, eps=c.rms_norm_eps, dtype=dtype)
+        self.norm = norm_for(c, d, dtype=dtype)
         self.markov_head = (MarkovHead(cfg.markov_head_type, vocab, cfg.markov_rank, d, dtype=dtype, rngs=rngs)
                             if cfg.markov_rank > 0 else None)
         self.confidence_head = (ConfidenceHead(cfg.confidence_input_dim, dtype=dtype, rngs=rngs)
@@ -280,11 +280,15 @@ class DSparkDrafter(nnx.Module):
 
     # ------------------------------------------------------------------ semi-autoregressive head
     def sample_block(self, h: jax.Array, anchors: jax.Array, temperature=0.0, key: jax.Array | None = None, *,
-                     return_probs: bool = True) -> DraftOutput:
+                     return_probs: bool = True, logit_filter=None, feature_fn=None) -> DraftOutput:
         """Draw the K drafts left to right from ``h [R, K, d]`` (see the module docstring).
 
         ``temperature``: scalar or ``f32[R]``; rows with ``T <= 0`` are greedy. ``key``: one PRNG key, or one per
         row (``[R]`` typed keys or raw ``uint32[R, 2]``); None means greedy for every row.
+        ``logit_filter``: optional ``f32[R, V] -> f32[R, V]`` applied to the temperature-scaled logits of every
+        slot before drawing (top-k / top-p: the draft distribution is then the filtered one, as the sampler
+        needs). ``feature_fn``: optional ``f32[R, V] -> f32[R]`` of those scaled, filtered logits (``T = 1`` for
+        greedy rows), returned as ``features`` (e.g. the acceptance estimator's feature).
         """
         r, k = h.shape[:2]
         temps = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (r,))
@@ -303,8 +307,10 @@ class DSparkDrafter(nnx.Module):
                 logits = u_k + bias
             else:
                 e, logits = None, u_k
-            greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             scaled = logits / safe_t
+            if logit_filter is not None:
+                scaled = logit_filter(scaled)
+            greedy_tok = jnp.argmax(scaled, axis=-1).astype(jnp.int32)
             if keys is None:
                 tok = greedy_tok
             else:
@@ -312,6 +318,8 @@ class DSparkDrafter(nnx.Module):
                 sampled = jax.vmap(jax.random.categorical)(slot_keys, scaled).astype(jnp.int32)
                 tok = jnp.where(greedy, greedy_tok, sampled)
             ys = {"tokens": tok}
+            if feature_fn is not None:
+                ys["features"] = feature_fn(scaled)
             if return_probs:
                 onehot = jax.nn.one_hot(greedy_tok, logits.shape[-1], dtype=jnp.float32)
                 ys["probs"] = jnp.where(greedy[:, None], onehot, jax.nn.softmax(scaled, axis=-1))
@@ -327,7 +335,7 @@ class DSparkDrafter(nnx.Module):
         conf_logits = ys.get("confidence_logits")
         conf = None if conf_logits is None else apply_sts(conf_logits, self.cfg.sts_temperatures)
         return DraftOutput(tokens=ys["tokens"], probs=ys.get("probs"), confidences=conf,
-                           confidence_logits=conf_logits)
+                           confidence_logits=conf_logits, features=ys.get("features"))
 
     # ------------------------------------------------------------------ cache writes
     def context_kv(self, h_ctx: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:

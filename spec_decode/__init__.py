@@ -7,6 +7,10 @@ Pure pieces, each in its own module:
 * :mod:`spec_decode.cost_table`: profiled, monotone step-cost tables saved as ``cost_table.json``.
 * :mod:`spec_decode.estimator`: online acceptance estimator for drafters without a confidence head.
 * :mod:`spec_decode.rejection`: lossless greedy/stochastic rejection sampling over a ragged verify batch.
+* :mod:`spec_decode.sampling_params`: per-request sampling settings, the top-k / top-p filter.
+* :mod:`spec_decode.step`: one speculative step as a pure function over an explicit state (jitted per bucket).
+* :mod:`spec_decode.scheduler`: the host side: admission, chunked prefill, pages, buckets, preemption.
+* :mod:`spec_decode.engine`: ``Engine.generate`` / ``Engine.stream``, continuous batching.
 """
 
 from spec_decode.allocator import allocate_drafts, survival
@@ -26,6 +30,7 @@ from spec_decode.estimator import (
 )
 from spec_decode.estimator import predict as predict_acceptance
 from spec_decode.estimator import update as update_estimator
+from spec_decode.engine import Engine, GenerationResult, GenerationResults
 from spec_decode.rejection import (
     STREAM_ACCEPT,
     STREAM_DRAFT,
@@ -36,9 +41,15 @@ from spec_decode.rejection import (
     sample_tokens,
     sampling_key,
 )
+from spec_decode.sampling_params import SamplingParams, filter_logits
 
 __all__ = [
     "COST_TABLE_FILENAME",
+    "Engine",
+    "GenerationResult",
+    "GenerationResults",
+    "SamplingParams",
+    "filter_logits",
     "STREAM_ACCEPT",
     "STREAM_DRAFT",
     "STREAM_RESAMPLE",

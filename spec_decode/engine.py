@@ -94,13 +94,15 @@ class Engine:
         CostTable}`` mapping, one :class:`CostTable` for every row bucket, or ``None`` (flat: verify everything).
       tokenizer: encodes string prompts and decodes outputs (``encode(str) -> list[int]``, ``decode(ids)``).
       implementation / interpret: the kernels (``decode.choose_implementation``).
+      min_token_bucket: the smallest packed-token bucket (fewer compiled programs; padding slots cost little).
     """
 
     def __init__(self, target, drafter=None, *, num_speculative_tokens: int = 7, verification: str = "adaptive",
                  max_num_seqs: int = 16, max_model_len: int | None = None, num_pages: int | None = None,
                  memory_fraction: float | None = None, max_num_batched_tokens: int = 512,
                  max_total_logit_rows: int | None = None, cost_table="profile", tokenizer=None,
-                 implementation: str = "auto", interpret: bool | None = None, cache_dtype=None):
+                 implementation: str = "auto", interpret: bool | None = None, cache_dtype=None,
+                 min_token_bucket: int = 8):
         cfg = target.cfg
         if verification not in MODES:
             raise ValueError(f"verification must be one of {MODES}, got {verification!r}")
@@ -152,6 +154,7 @@ class Engine:
         if verification == "adaptive":
             self._set_cost_table(cost_table)
         self.num_stop_ids = 8
+        self.min_token_bucket = next_pow2(max(int(min_token_bucket), 1))
         self._target_params = nnx.state(target)
         self._drafter_params = nnx.state(self.drafter) if self.drafter is not None else None
         self._state: DecodeState | None = None
@@ -300,12 +303,12 @@ class Engine:
         a = dict(step.arrays)
         n_pre = step.num_prefill_tokens
         num_tokens = n_pre + step.num_decode + budget
-        t = next_pow2(max(num_tokens, 1))
+        t = self._scheduler.token_bucket(num_tokens)
         tokens = np.zeros(t, np.int32)
         tokens[:n_pre] = a["prefill_tokens"][:n_pre]
         a["prefill_tokens"], a["budget"] = tokens, np.asarray(budget, np.int32)
         rb, _, _, sampling, filtering = step.key
-        nl = max(1, min(t, self.max_total_logit_rows, rb * (1 + self.k)))
+        nl = self._scheduler.logit_rows(rb, t)
         return dataclasses.replace(step, arrays=a, key=(rb, t, nl, sampling, filtering), num_tokens=num_tokens)
 
     def _profile(self, step: ScheduledStep, sched: Scheduler) -> ScheduledStep:
@@ -317,7 +320,7 @@ class Engine:
         known = dict(zip(table.verify_buckets, table.verify_seconds)) if table else {}
         budgets = {}
         for b in range(total + 1):
-            budgets.setdefault(next_pow2(max(base + b, 1)), b)  # the smallest budget reaching each bucket
+            budgets.setdefault(sched.token_bucket(base + b), b)  # the smallest budget reaching each bucket
         missing = [t for t in budgets if t not in known]
         if not missing:
             return step
@@ -402,7 +405,9 @@ class Engine:
         sched = Scheduler(num_slots=self.max_num_seqs, num_pages=self.num_pages, page_size=self.page_size,
                           max_model_len=self.max_model_len, num_speculative_tokens=self.k,
                           max_num_batched_tokens=self.max_num_batched_tokens,
-                          max_total_logit_rows=self.max_total_logit_rows, num_stop_ids=self.num_stop_ids)
+                          max_total_logit_rows=self.max_total_logit_rows, num_stop_ids=self.num_stop_ids,
+                          min_token_bucket=self.min_token_bucket)
+        self._scheduler = sched
         for r in requests:
             sched.add(r)
         compiles0 = self.num_compiles

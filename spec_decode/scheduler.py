@@ -91,7 +91,7 @@ class Scheduler:
 
     def __init__(self, *, num_slots: int, num_pages: int, page_size: int, max_model_len: int,
                  num_speculative_tokens: int, max_num_batched_tokens: int, max_total_logit_rows: int,
-                 num_stop_ids: int, eos_for_stats=None):
+                 num_stop_ids: int, min_token_bucket: int = 8):
         self.num_slots = num_slots
         self.page_size = page_size
         self.max_model_len = max_model_len
@@ -100,6 +100,7 @@ class Scheduler:
         self.max_total_logit_rows = max_total_logit_rows
         self.max_blocks = -(-max_model_len // page_size)
         self.num_stop_ids = num_stop_ids
+        self.min_token_bucket = min_token_bucket
         self.allocator = PageAllocator(num_pages, page_size, self.max_blocks)
         self.free_slots = list(range(num_slots - 1, -1, -1))  # pop() gives the lowest slot
         self.waiting: collections.deque[Request] = collections.deque()
@@ -221,13 +222,14 @@ class Scheduler:
                                rb)) if k and decode else 0
         budget = max(0, min(budget, int(scheduled.sum()) if decode else 0))
         num_tokens = n_pre + len(decode) + budget
-        t = next_pow2(max(num_tokens, 1))
-        nl = max(1, min(t, self.max_total_logit_rows, rb * (1 + k)))
+        t = self.token_bucket(num_tokens)
+        nl = self.logit_rows(rb, t)
 
         a = {
             "rows": np.full(rb, -1, np.int32),
             "prefill_tokens": np.zeros(t, np.int32),
             "prefill_len": np.zeros(rb, np.int32),
+            "prefill_start": np.zeros(rb, np.int32),
             "prefill_last": np.zeros(rb, bool),
             "resume_token": np.full(rb, -1, np.int32),
             "block_tables": np.zeros((rb, self.max_blocks), np.int32),
@@ -254,6 +256,7 @@ class Scheduler:
         a["block_tables"][: rows] = self.allocator.block_table([r.index for r in row_reqs[:rows]])
         for i, ((req, n), res) in enumerate(zip(prefill, resume)):
             a["prefill_len"][i] = n
+            a["prefill_start"][i] = req.num_cached
             a["prefill_last"][i] = req.num_cached + n == len(req.prefill_target)
             if res:
                 a["resume_token"][i] = req.output[-1]
@@ -263,6 +266,14 @@ class Scheduler:
         filtering = any(r is not None and r.params.filters for r in row_reqs)
         key = (rb, t, nl, sampling, filtering)
         return ScheduledStep(a, key, row_reqs, num_tokens, len(decode), n_pre)
+
+    def token_bucket(self, num_tokens: int) -> int:
+        """Packed-token bucket: a power of two, at least :attr:`min_token_bucket` (fewer compiled programs)."""
+        return max(next_pow2(max(num_tokens, 1)), self.min_token_bucket)
+
+    def logit_rows(self, rows: int, tokens: int) -> int:
+        """Verify-logits rows of a bucket: every row's 1 + K at most, and never over the memory bound."""
+        return max(1, min(tokens, self.max_total_logit_rows, rows * (1 + self.k)))
 
     def _ensure_no_preempt(self, req: Request, length: int) -> bool:
         return self.allocator.can_fit(req.index, length) and (self.allocator.ensure(req.index, length) or True)

@@ -41,7 +41,7 @@ from minimax_jax.cache import PagedCache, init_cache
 from minimax_jax.decode import RaggedBatch, forward_ragged
 from pallas_kernels.metadata import token_to_request
 from spec_decode.allocator import allocate_drafts
-from spec_decode.estimator import EstimatorState, init_estimator, predict, update
+from spec_decode.estimator import EstimatorState, confidence_feature_from_logits, init_estimator, predict, update
 from spec_decode.rejection import STREAM_DRAFT, rejection_sample_packed, sampling_key
 from spec_decode.sampling_params import filter_logits
 
@@ -102,6 +102,7 @@ class StepPlan:
     rows: jax.Array  # int32[R]        slot of each row, -1 for padding
     prefill_tokens: jax.Array  # int32[T]        prompt chunks of the prefill rows, packed from slot 0
     prefill_len: jax.Array  # int32[R]        chunk length (0: not a prefill row)
+    prefill_start: jax.Array  # int32[R]        position of the chunk's first token (a reused slot starts at 0)
     prefill_last: jax.Array  # bool[R]         the chunk ends the prefill: sample the first token, or resume
     resume_token: jax.Array  # int32[R]        >= 0: a recomputed (preempted) row's anchor; the step samples nothing
     block_tables: jax.Array  # int32[R, B]     pages covering every position this step writes
@@ -168,6 +169,11 @@ def _stop(tokens, num_emitted, stop_ids, max_emit):
     return count, finished
 
 
+def _estimator_feature(scaled_logits: jax.Array) -> jax.Array:
+    """The estimator's feature of a draft distribution: ``logit(max q)`` of the (already scaled) logits."""
+    return confidence_feature_from_logits(scaled_logits, 1.0)
+
+
 def make_step_fn(target, drafter, config: StepConfig):
     """The pure step ``(target_params, drafter_params, state, plan) -> (state, StepOutput)`` for ``config``.
 
@@ -191,7 +197,7 @@ def make_step_fn(target, drafter, config: StepConfig):
         slot = jnp.maximum(plan.rows, 0)
         is_prefill = valid & (plan.prefill_len > 0)
         is_decode = valid & ~is_prefill
-        num_cached = jnp.where(valid, state.num_cached[slot], 0)
+        num_cached = jnp.where(is_prefill, plan.prefill_start, jnp.where(valid, state.num_cached[slot], 0))
         anchor = jnp.where(is_decode, state.last_token[slot], 0)
         greedy_rows = plan.temperature <= 0.0
         safe_temp = jnp.where(greedy_rows, 1.0, plan.temperature)
@@ -209,7 +215,8 @@ def make_step_fn(target, drafter, config: StepConfig):
             keys = jax.vmap(lambda s, p: sampling_key(s, p, STREAM_DRAFT))(plan.seed, num_cached)
             draft = drafter.sample_block(h, anchor, plan.temperature, keys if config.sampling else None,
                                          return_probs=config.sampling,
-                                         logit_filter=draft_filter if config.filtering else None)
+                                         logit_filter=draft_filter if config.filtering else None,
+                                         feature_fn=_estimator_feature if config.confidence == "estimator" else None)
             drafts = draft.tokens[:, :k]
             draft_probs = draft.probs[:, :k] if config.sampling else None
             if config.confidence == "estimator":

@@ -1,0 +1,205 @@
+"""The speculative engine: greedy outputs equal target-only decoding, continuous batching, preemption, stats,
+compilation count, the logits cap, bad input (CPU, f32, reference kernels)."""
+
+import jax
+import numpy as np
+import pytest
+
+from minimax_jax import init_drafter
+from minimax_jax.drafter_config import DSparkConfig
+from spec_decode import Engine, SamplingParams
+from spec_decode.cost_table import CostTable
+from tests.engine_models import (
+    EOS,
+    VOCAB,
+    bigram_drafter,
+    damped_target,
+    greedy_reference,
+    random_prompts,
+    target_config,
+)
+
+# Prompts longer than topk x block = 12 tokens (MSA selection live), requests finishing at different steps, and
+# more prompts than slots (max_num_seqs = 2).
+PROMPT_LENS = [20, 15, 30, 13, 26]
+MAX_NEW = [12, 9, 16, 5, 14]
+COMMON = dict(max_num_seqs=2, max_model_len=96, max_num_batched_tokens=16, implementation="reference")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return damped_target(damping=0.3)
+
+
+@pytest.fixture(scope="module")
+def drafters(target):
+    return {7: bigram_drafter(target, block_size=7)}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(len(PROMPT_LENS), PROMPT_LENS, seed=3)
+
+
+@pytest.fixture(scope="module")
+def references(target, prompts):
+    return [greedy_reference(target, p, n) for p, n in zip(prompts, MAX_NEW)]
+
+
+_ENGINES = {}
+
+
+def engine_for(target, drafter, mode, k, **kw):
+    key = (id(target), mode, k, tuple(sorted(kw.items())))
+    if key not in _ENGINES:
+        _ENGINES[key] = Engine(target, drafter, num_speculative_tokens=k, verification=mode, cost_table=None,
+                               **{**COMMON, **kw})
+    return _ENGINES[key]
+
+
+def greedy_params(n):
+    return [SamplingParams(max_new_tokens=m) for m in n]
+
+
+@pytest.mark.parametrize("mode, k", [("adaptive", 1), ("fixed", 3), ("adaptive", 3), ("fixed", 7), ("adaptive", 7),
+                                     ("none", 0)])
+def test_greedy_equals_target_only_decoding(target, drafters, prompts, references, mode, k):
+    eng = engine_for(target, drafters[7], mode, k)
+    res = eng.generate(prompts, sampling_params=greedy_params(MAX_NEW), progress=False)
+    for i, (r, ref) in enumerate(zip(res, references)):
+        assert r.token_ids == ref, f"prompt {i}"
+        s = r.stats
+        assert s["emitted_tokens"] == len(r.token_ids)
+        assert s["finish_reason"] == ("stop" if ref[-1] == EOS else "length")
+        if k:
+            # every verify step emits accepted + 1, except a last step cut by a stop token
+            extra = s["emitted_tokens"] - 1 - sum(s["accepted_per_position"])
+            assert extra in (s["target_steps"], s["target_steps"] - 1)
+            assert all(0 <= v <= k for v in s["verified_drafts_per_step"])
+            assert s["accepted_per_position"] == sorted(s["accepted_per_position"], reverse=True)
+    if k:
+        assert res.stats["mean_acceptance_length"] > 1.3  # the bigram drafter is often right
+        assert all(v <= k * COMMON["max_num_seqs"] for v in res.stats["verified_drafts_per_step"])
+
+
+def test_adaptive_budget_trims_with_a_cost_table(target, drafters, prompts, references):
+    """A steep verify cost makes the planner verify fewer drafts; outputs stay exact."""
+    steep = CostTable.from_measurements({8: 1.0, 16: 3.0, 32: 6.0})
+    eng = Engine(target, drafters[7], num_speculative_tokens=7, verification="adaptive", cost_table=steep,
+                 min_token_bucket=8, **COMMON)
+    res = eng.generate(prompts, sampling_params=greedy_params(MAX_NEW), progress=False)
+    assert [r.token_ids for r in res] == references
+    full = engine_for(target, drafters[7], "fixed", 7).generate(prompts, sampling_params=greedy_params(MAX_NEW),
+                                                                progress=False)
+    assert res.stats["mean_verified_drafts_per_step"] < full.stats["mean_verified_drafts_per_step"]
+
+
+def test_no_recompilation_after_warm_up(target, drafters, prompts):
+    eng = engine_for(target, drafters[7], "adaptive", 3)
+    many = random_prompts(9, [13, 40, 17, 22, 14, 31, 19, 25, 16], seed=11)
+    params = [SamplingParams(max_new_tokens=m) for m in [3, 20, 7, 11, 4, 15, 9, 6, 13]]
+    eng.generate(many, sampling_params=params, progress=False)
+    before = eng.num_compiles
+    compiled = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: compiled.append(name) if name == "/jax/core/compile/backend_compile_duration"
+        else None)
+    res = eng.generate(many[::-1], sampling_params=params[::-1], progress=False)
+    assert eng.num_compiles == before and res.stats["compiles"] == 0
+    assert compiled == []
+
+
+def test_preemption_under_a_tiny_page_pool_changes_no_output(target, drafters, prompts, references):
+    # 14 pages of 4 tokens: the longest request alone needs 13, so requests cannot all stay resident
+    eng = Engine(target, drafters[7], num_speculative_tokens=3, verification="adaptive", cost_table=None,
+                 num_pages=14, **COMMON)
+    res = eng.generate(prompts, sampling_params=greedy_params(MAX_NEW), progress=False)
+    assert res.stats["preemptions"] > 0
+    assert [r.token_ids for r in res] == references
+
+
+def test_stream_yields_every_token_once(target, drafters, prompts, references):
+    eng = engine_for(target, drafters[7], "adaptive", 3)
+    got = {i: [] for i in range(len(prompts))}
+    for i, new in eng.stream(prompts, sampling_params=greedy_params(MAX_NEW)):
+        assert new
+        got[i].extend(new)
+    assert [got[i] for i in range(len(prompts))] == references
+
+
+def test_stop_tokens_and_max_new_tokens(target, drafters, prompts, references):
+    eng = engine_for(target, drafters[7], "fixed", 7)
+    i = int(np.argmax([len(r) for r in references]))
+    ref = references[i]
+    stop = ref[4]
+    res = eng.generate([prompts[i]], max_new_tokens=len(ref), stop_token_ids=[stop], progress=False)[0]
+    assert res.token_ids == ref[: ref.index(stop) + 1] and res.finish_reason == "stop"
+    res = eng.generate([prompts[i]], max_new_tokens=3, progress=False)[0]
+    assert res.token_ids == ref[:3] and res.finish_reason == "length"
+    res = eng.generate([prompts[i]], max_new_tokens=len(ref) + 5, ignore_eos=True, progress=False)[0]
+    assert res.token_ids[: len(ref)] == ref and len(res.token_ids) == len(ref) + 5
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("prompt, match", [
+    ([], "prompt 1 is empty"),
+    ([1, VOCAB], f"prompt 1 holds token id {VOCAB}, outside the vocabulary"),
+    ([1, -2, 3], "token id -2"),
+    ([1] * 96, "prompt 1 has 96 tokens, more than"),
+])
+def test_bad_prompts_are_refused_before_any_work(target, drafters, prompt, match):
+    eng = engine_for(target, drafters[7], "adaptive", 3)
+    with pytest.raises(ValueError, match=match):
+        eng.generate([[1, 5, 6], prompt], max_new_tokens=4)
+    # the engine is intact: the next call works
+    assert eng.generate([[1, 5, 6]], max_new_tokens=2, progress=False)[0].stats["emitted_tokens"] == 2
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(verification="sometimes"), "verification must be one of"),
+    (dict(num_speculative_tokens=8), r"num_speculative_tokens must be in \[1, 7\]"),
+    (dict(num_speculative_tokens=0), r"num_speculative_tokens must be in \[1, 7\]"),
+    (dict(max_model_len=100000), "max_model_len"),
+    (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(cost_table="fast"), "cost_table"),
+])
+def test_bad_engine_arguments(target, drafters, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Engine(target, drafters[7], **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(stop_token_ids=[VOCAB + 3]), "stop_token_ids"),
+    (dict(loop="gpu"), "loop"),
+])
+def test_bad_sampling_settings(target, drafters, kwargs, match):
+    eng = engine_for(target, drafters[7], "adaptive", 3)
+    with pytest.raises(ValueError, match=match):
+        eng.generate([[1, 5, 6]], **kwargs)
+
+
+def test_drafter_for_another_target_is_refused(target):
+    other = damped_target(seed=5)
+    with pytest.raises(ValueError, match="embed_tokens is not the target's"):
+        Engine(target, bigram_drafter(other), verification="adaptive")
+    wide = damped_target(hidden_size=32, head_dim=8, rotary_dim=4, index_head_dim=8)
+    cfg = DSparkConfig.for_target(wide.cfg, mask_token_id=VOCAB - 1, block_size=4, target_layer_ids=(1, 2))
+    with pytest.raises(ValueError, match="hidden_size"):
+        Engine(target, init_drafter(cfg, wide), verification="fixed")
+    deep_cfg = DSparkConfig.for_target(target_config(), mask_token_id=VOCAB - 1, block_size=4,
+                                       target_layer_ids=(1, 3))
+    deep = init_drafter(deep_cfg.replace(target_layer_ids=(1, 9), num_target_layers=None), target)
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        Engine(target, deep, verification="fixed")
+
+
+def test_drafter_without_confidence_head_runs_on_the_estimator(target, prompts, references):
+    drafter = bigram_drafter(target, block_size=4, confidence=False)
+    with pytest.warns(UserWarning, match="online acceptance estimator"):
+        eng = Engine(target, drafter, num_speculative_tokens=3, verification="adaptive", cost_table=None, **COMMON)
+    res = eng.generate(prompts[:2], sampling_params=greedy_params(MAX_NEW[:2]), progress=False)
+    assert [r.token_ids for r in res] == references[:2]
