@@ -12,9 +12,11 @@ attention or indexing runs, so a draft token sees the drafts before it. Sparse l
 token and its position come from the device-side metadata helpers only (binary search over
 ``query_start_loc``), never from host lengths.
 
-``implementation`` selects the kernels: ``"pallas"`` (Triton on GPU, interpret mode on CPU), ``"reference"``
-(the plain-jnp ``*_reference`` of each kernel) or ``"auto"`` (the default: Pallas wherever it runs, i.e. in
-interpret mode or on a GPU with pages of at least 16 tokens, the compiled Triton dots' minimum; else reference).
+``implementation`` selects the kernels: ``"pallas"`` (compiled Triton on a GPU, Pallas interpret mode on CPU),
+``"reference"`` (the plain-jnp ``*_reference`` of each kernel) or ``"auto"`` (the default: the compiled Pallas
+kernels on a GPU where every kernel the model runs ``supports`` its shapes, otherwise the references; see
+:func:`choose_implementation`). Interpret mode is for tests, far too slow to serve from: only an explicit
+``"pallas"`` on CPU or ``interpret=True`` runs it.
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ import jax
 import jax.numpy as jnp
 
 from minimax_jax.cache import PagedCache, check_cache, slot_mapping, write_tokens
+from minimax_jax.config import MiniMaxM3Config
 from minimax_jax.model import MiniMaxM3ForCausalLM
+from pallas_kernels import indexer, paged_attention, sparse_attention
 from pallas_kernels.indexer import ragged_index_topk
 from pallas_kernels.metadata import token_positions, token_to_request
 from pallas_kernels.paged_attention import ragged_paged_attention
-from pallas_kernels.platform import resolve_interpret
-from pallas_kernels.sparse_attention import MIN_DOT_DIM, ragged_sparse_attention
+from pallas_kernels.platform import on_gpu
+from pallas_kernels.sparse_attention import ragged_sparse_attention
 
 
 @jax.tree_util.register_dataclass
@@ -140,15 +144,33 @@ def check_batch(batch: RaggedBatch, *, vocab_size: int | None = None, num_pages:
             raise ValueError(f"input_ids holds token id {bad}, outside the vocabulary [0, {vocab_size})")
 
 
-def choose_implementation(implementation: str, page_size: int, head_dim: int, interpret: bool | None) -> str:
-    """Resolve ``"auto"``: the Pallas kernels where they run, else the plain-jnp references."""
+def choose_implementation(implementation: str, cfg: MiniMaxM3Config, *, page_size: int, dtype,
+                          interpret: bool | None = None) -> str:
+    """Resolve ``"auto"`` to ``"pallas"`` or ``"reference"`` (``"pallas"`` and ``"reference"`` pass through).
+
+    ``"auto"``: with ``interpret=True``, Pallas interpret mode (tests). Otherwise the compiled Pallas kernels when
+    the default device is a GPU and every kernel the model runs (``ragged_paged_attention`` on dense layers,
+    ``ragged_index_topk`` and ``ragged_sparse_attention`` on sparse ones) ``supports`` the config's shapes
+    (``page_size``, head dims, heads, top-k) and the cache ``dtype`` on this chip; else the plain-jnp references
+    (on CPU, or shapes a kernel cannot compile).
+    """
     if implementation not in ("auto", "pallas", "reference"):
         raise ValueError(f"implementation must be 'auto', 'pallas' or 'reference', got {implementation!r}")
     if implementation != "auto":
         return implementation
-    if resolve_interpret(interpret) or min(page_size, head_dim) >= MIN_DOT_DIM:
+    if interpret:
         return "pallas"
-    return "reference"
+    if not on_gpu():
+        return "reference"
+    heads = {"num_q_heads": cfg.num_attention_heads, "num_kv_heads": cfg.num_key_value_heads}
+    ok = len(cfg.sparse_layer_ids) == cfg.num_hidden_layers or paged_attention.supports(
+        page_size=page_size, head_dim=cfg.head_dim, dtype=dtype, **heads)
+    if cfg.sparse_layer_ids:
+        ok = ok and indexer.supports(page_size=page_size, index_head_dim=cfg.index_head_dim,
+                                     num_index_heads=cfg.index_n_heads, dtype=dtype)
+        ok = ok and sparse_attention.supports(page_size=page_size, head_dim=cfg.head_dim,
+                                              topk=cfg.index_topk_blocks, dtype=dtype, **heads)
+    return "pallas" if ok else "reference"
 
 
 def forward_ragged(
@@ -177,8 +199,9 @@ def forward_ragged(
     slots = slot_mapping(batch.block_tables, req, pos, page_size=page, num_pages=cache.num_pages)
     valid = (req >= 0)[:, None]
     cos, sin = model.rope(jnp.maximum(pos, 0))
-    kernel_kw = dict(implementation=choose_implementation(implementation, page, cfg.head_dim, interpret),
-                     interpret=interpret)
+    kernel_kw = {"implementation": choose_implementation(implementation, cfg, page_size=page,
+                                                         dtype=cache.k[0].dtype, interpret=interpret),
+                 "interpret": interpret}
     meta = (batch.block_tables, batch.seq_lens, batch.query_start_loc)
 
     x = jnp.where(valid, model.embed(jnp.where(req >= 0, batch.input_ids, 0)), 0)

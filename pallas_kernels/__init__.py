@@ -1,31 +1,47 @@
-"""Pallas (Triton lowering) kernels for ragged MSA decode, their pure-JAX references and ragged metadata."""
+"""Pallas (Triton lowering) kernels for ragged MSA decode, their pure-JAX references and ragged metadata.
 
-from pallas_kernels import platform as platform  # noqa: F401  (installs the Triton deprecation filter)
-from pallas_kernels.metadata import query_lens, token_positions, token_to_request
+One module per concern: ``indexer`` (ragged MSA top-k), ``sparse_attention`` (MSA block-sparse attention),
+``paged_attention`` (dense paged attention), ``attention_walk`` (the walk both attention kernels share),
+``tuning`` (chips, their detection and every kernel's launch tables and policies), ``metadata`` (ragged
+metadata on the device), ``platform`` (interpret/compiled dispatch, deviceless lowering), ``_common`` (shared
+helpers).
+"""
 
-__all__ = ["query_lens", "token_positions", "token_to_request"]
-
-from pallas_kernels.indexer import (  # noqa: E402
-    IndexerLaunchConfig,
+from pallas_kernels import platform as platform  # installs the Triton deprecation filter
+from pallas_kernels.indexer import (
     index_block_scores_reference,
-    indexer_launch_config,
     ragged_index_topk,
     ragged_index_topk_reference,
 )
-
-__all__ += ["IndexerLaunchConfig", "index_block_scores_reference", "indexer_launch_config", "ragged_index_topk",
-            "ragged_index_topk_reference"]
-
-from pallas_kernels.paged_attention import (  # noqa: E402
-    ragged_paged_attention,
-    ragged_paged_attention_reference,
-)
-from pallas_kernels.sparse_attention import (  # noqa: E402
+from pallas_kernels.metadata import query_lens, token_positions, token_to_request
+from pallas_kernels.paged_attention import ragged_paged_attention, ragged_paged_attention_reference
+from pallas_kernels.sparse_attention import ragged_sparse_attention, ragged_sparse_attention_reference
+from pallas_kernels.tuning import (
+    CHIPS,
     AttentionLaunchConfig,
-    attention_launch_config,
-    ragged_sparse_attention,
-    ragged_sparse_attention_reference,
+    IndexerLaunchConfig,
+    detect_chip,
+    indexer_launch_config,
+    paged_attention_launch_config,
+    sparse_attention_launch_config,
 )
 
-__all__ += ["AttentionLaunchConfig", "attention_launch_config", "ragged_paged_attention",
-            "ragged_paged_attention_reference", "ragged_sparse_attention", "ragged_sparse_attention_reference"]
+__all__ = [
+    "CHIPS",
+    "AttentionLaunchConfig",
+    "IndexerLaunchConfig",
+    "detect_chip",
+    "index_block_scores_reference",
+    "indexer_launch_config",
+    "paged_attention_launch_config",
+    "query_lens",
+    "ragged_index_topk",
+    "ragged_index_topk_reference",
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+    "ragged_sparse_attention",
+    "ragged_sparse_attention_reference",
+    "sparse_attention_launch_config",
+    "token_positions",
+    "token_to_request",
+]

@@ -16,11 +16,11 @@ kernel clamps to stay in bounds). Only block-table entries of blocks a row can s
 
 Algorithm (Pallas, Triton lowering; ``docs/kernels/indexer.md`` has the bytes/FLOPs model):
 
-* The grid runs over *query tiles*: request ``r`` contributes ``cdiv(q_len, block_q)`` tiles of up to
-  ``block_q`` consecutive tokens. ``tile_starts = cumsum(tiles per request)`` is computed on the device, and
-  each program finds its request by a device-side search over it (a B-ary search: one vector probe per level).
-  The grid is a static bound on the tiles of any valid batch (``_num_tiles``); the tiles past the last
-  request's cover the padding slots. Nothing uses ``max_query_len`` or host lengths.
+* The grid runs over *query tiles* (``pallas_kernels._common``): request ``r`` contributes
+  ``cdiv(q_len, block_q)`` tiles of up to ``block_q`` consecutive tokens, the padding slots ``[qsl[R], T)``
+  their own tiles (which only write -1). Each program finds its tile on the device from ``query_start_loc``
+  (cumulative tile counts of the segments, one vector scan per program), in one kernel with no XLA glue; the grid
+  is a static bound on the tiles of any valid batch. Nothing uses ``max_query_len`` or host lengths.
 * One program loads each index-key page of its request once and scores *all* its tokens x index heads against
   it with one 2-D dot (``[block_q * H, D] x [D, page]``): the tokens of a request share their key reads.
 * ``fused`` path (``num_splits == 1``): the program keeps the pooled block scores
@@ -29,13 +29,15 @@ Algorithm (Pallas, Triton lowering; ``docs/kernels/indexer.md`` has the bytes/FL
 * ``split`` path: the key range of a tile is split across ``num_splits`` programs (few requests with long
   contexts still fill the chip); they write pooled scores to an fp32 scratch ``[T * H, max_blocks]`` and a
   second kernel over the same tiles does the selection. No host round trip in either path.
+
+Launch settings come from ``tuning.indexer_launch_config`` (the chip's ``IndexerTable``); ``supports`` says which
+shapes the compiled kernel takes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -43,153 +45,36 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._common import (
+    MASK_VALUE,
+    cdiv,
+    load_segments,
+    locate_tile,
+    next_pow2,
+    num_tiles_bound,
+    out_of_bounds_where,
+    visible_blocks,
+)
 from pallas_kernels.metadata import token_positions, token_to_request
-from pallas_kernels.platform import on_gpu, resolve_interpret
+from pallas_kernels.platform import resolve_interpret
+from pallas_kernels.tuning import (
+    COMPILED_DTYPES,
+    MIN_DOT_DIM,
+    IndexerLaunchConfig,
+    indexer_launch_config,
+    resolve_chip,
+)
 
-# Score of a key hidden by the causal mask: finite, so a fully masked block pools to a number, never NaN.
-MASKED_SCORE = -0.7 * float(jnp.finfo(jnp.float32).max)
+__all__ = [
+    "index_block_scores_reference",
+    "ragged_index_topk",
+    "ragged_index_topk_reference",
+    "supports",
+]
+
 # Selection keys: a forced (local) block beats every score, an invisible or already chosen block loses to all.
 _FORCED = float("inf")
 _EXCLUDED = float("-inf")
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Launch configuration: a dataclass and a per-chip policy table.
-# ------------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class IndexerLaunchConfig:
-    """Static launch settings of one ``ragged_index_topk`` call.
-
-    block_q: query tokens per program (power of 2; ``block_q * pow2(H)`` is the dot's M and must be >= 16).
-    pages_per_step: key pages loaded and scored per loop iteration (power of 2).
-    num_splits: programs sharing one query tile's key range; 1 selects the fused single-kernel path.
-    num_warps / num_stages: Triton settings of the scoring kernel.
-    select_rows: rows (token x head) per selection chunk of the split path's selection kernel (power of 2).
-    select_num_warps: Triton warps of that selection kernel.
-    """
-
-    block_q: int = 8
-    pages_per_step: int = 1
-    num_splits: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-    select_rows: int = 16
-    select_num_warps: int = 4
-
-    def validate(self) -> None:
-        for name in ("block_q", "pages_per_step", "select_rows"):
-            v = getattr(self, name)
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"{name} must be a power of 2, got {v}")
-        if self.num_splits < 1:
-            raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
-        for name in ("num_warps", "select_num_warps"):
-            v = getattr(self, name)
-            if v < 1 or v > 16 or v & (v - 1):  # <= 16: AMD wavefronts are 64 lanes wide
-                raise ValueError(f"{name} must be a power of 2 in [1, 16], got {v}")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
-
-
-@dataclasses.dataclass(frozen=True)
-class ChipPolicy:
-    """Per-chip knobs of the policy function (retune here, nowhere else)."""
-
-    num_cores: int  # SMs (NVIDIA) or CUs (AMD)
-    num_warps: int  # scoring kernel, for score tiles up to 4096 elements; doubled above
-    num_stages: int  # software pipelining depth of the key loop
-    programs_per_core: int  # resident programs to aim for when splitting the key range
-    max_block_q: int  # largest query tile (prefill chunks)
-    fused_max_elems: int  # largest pooled-score tile [block_q * H, max_blocks] kept in registers (fused)
-    select_elems: int = 1024  # pooled scores per program of the split path's selection kernel
-    long_context_blocks: int = 128  # from this many blocks per request on, split the key range ...
-    long_context_splits: int = 4  # ... at least this many ways: ragged context lengths unbalance programs
-
-
-CHIP_POLICIES: dict[str, ChipPolicy] = {
-    # Hopper: 132 SMs (H100 SXM / H200), 228 KiB shared memory per SM.
-    "hopper": ChipPolicy(
-        num_cores=132, num_warps=4, num_stages=3, programs_per_core=4, max_block_q=32, fused_max_elems=8192
-    ),
-    # CDNA3 (MI300X, gfx942): 304 CUs, 64 KiB LDS per CU: shallower pipelines.
-    "cdna3": ChipPolicy(
-        num_cores=304, num_warps=4, num_stages=2, programs_per_core=2, max_block_q=32, fused_max_elems=8192
-    ),
-    # Anything else (Ampere, interpret mode on CPU, unknown parts).
-    "default": ChipPolicy(
-        num_cores=108, num_warps=4, num_stages=2, programs_per_core=4, max_block_q=32, fused_max_elems=8192
-    ),
-}
-
-
-def chip_family(device_kind: str | None = None) -> str:
-    """Map a device kind (``jax.devices()[0].device_kind``) to a key of ``CHIP_POLICIES``."""
-    if device_kind is None:
-        device_kind = jax.devices()[0].device_kind if on_gpu() else ""
-    kind = device_kind.lower()
-    if any(n in kind for n in ("h100", "h200", "h800", "h20", "gh200")):
-        return "hopper"
-    if any(n in kind for n in ("gfx942", "mi300", "mi325", "gfx950", "mi350", "mi355")):
-        return "cdna3"
-    return "default"
-
-
-def indexer_launch_config(
-    *,
-    num_tokens: int,
-    num_requests: int,
-    num_heads: int,
-    max_blocks: int,
-    page_size: int,
-    chip: str | None = None,
-) -> IndexerLaunchConfig:
-    """Launch settings from static shapes only (``T``, ``R``, ``H``, ``max_blocks``, page) and the chip."""
-    pol = CHIP_POLICIES[chip if chip is not None else chip_family()]
-    hp = _next_pow2(num_heads)
-    min_block_q = max(1, 16 // hp)  # the dot needs M >= 16
-    avg_q = _cdiv(max(num_tokens, 1), max(num_requests, 1))
-    block_q = min(max(_next_pow2(avg_q), min_block_q), max(pol.max_block_q, min_block_q))
-    page_p2 = _next_pow2(page_size)
-    m = block_q * hp
-    num_warps = pol.num_warps if m * page_p2 <= 4096 else 2 * pol.num_warps
-    # Tiles that will hold tokens: one per request for short queries, else T / block_q.
-    live_tiles = max(1, min(num_requests, num_tokens) if avg_q <= block_q else _cdiv(num_tokens, block_q))
-    target = pol.num_cores * pol.programs_per_core
-    min_blocks_per_split = 4
-    max_splits = max(1, _cdiv(max_blocks, min_blocks_per_split))
-    num_splits = max(1, min(target // live_tiles, max_splits))
-    if max_blocks >= pol.long_context_blocks:
-        # One program per request waits for the longest context; 4 splits cut the ragged 512 x 1..8 x <=32K
-        # batch from 667 to 601 us on the H200 (docs/bench_results/indexer_h200.json).
-        num_splits = max(num_splits, min(pol.long_context_splits, max_splits))
-    if num_splits == 1 and m * _next_pow2(max_blocks) > pol.fused_max_elems:
-        num_splits = 2  # pooled scores too large for registers: go through the scratch + selection kernel
-    # Selection is a chain of topk dependent row reductions: many small programs (about 1024 scores each, one
-    # warp) finish it with the least latency.
-    nb_p2 = _next_pow2(max_blocks)
-    select_rows = max(1, min(m, pol.select_elems // nb_p2))
-    select_num_warps = min(4, max(1, select_rows * nb_p2 // pol.select_elems))
-    # The dot's N is page x pages_per_step and must be >= 16: small pages are scored several at a time.
-    pages_per_step = max(1, 16 // page_p2)
-    return IndexerLaunchConfig(
-        block_q=block_q,
-        pages_per_step=pages_per_step,
-        num_splits=num_splits,
-        num_warps=num_warps,
-        num_stages=pol.num_stages,
-        select_rows=select_rows,
-        select_num_warps=select_num_warps,
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,8 +98,6 @@ class _Dims:
     block_q: int
     pages_per_step: int
     blocks_per_split: int
-    search_width: int
-    search_levels: int
     compute_dtype: jnp.dtype
 
     @property
@@ -227,68 +110,30 @@ class _Dims:
 # ------------------------------------------------------------------------------------------------------------
 
 
-def _masked_index(idx, ok, size: int):
-    """Store index of masked lanes: ``size`` (out of bounds) where ``ok`` is False.
-
-    Compiled kernels never touch masked lanes; interpret mode discharges a masked store as a scatter that
-    writes the old value back on masked lanes, so they must not alias a live lane: out-of-bounds scatter
-    updates are dropped.
-    """
-    return jnp.where(ok, idx, size)
-
-
 def _lanes(iota, size: int):
     """In-bounds lane offsets ``[0, pow2(size))`` for a dimension of ``size``: clamped only when padded, so an
     unpadded ``iota`` stays a plain range and Triton keeps its contiguity (16-byte vector loads)."""
     return iota if iota.shape[-1] == size else jnp.minimum(iota, size - 1)
 
 
-def _count_le(sorted_ref, value, *, n: int, width: int, levels: int):
-    """Number of entries of the non-decreasing ``sorted_ref[1 : n + 1]`` that are <= ``value``.
-
-    A B-ary search (B = ``width``): each level probes ``width`` evenly spaced entries with one vector load and
-    narrows the range by a factor ``width``; ``levels`` levels cover ``width ** levels >= n`` entries.
-    """
-    base = jnp.int32(0)
-    lane = lax.broadcasted_iota(jnp.int32, (width,), 0)
-    for level in range(levels):
-        stride = width ** (levels - 1 - level)
-        idx = base + (lane + 1) * stride - 1  # [width] candidate positions in [0, n)
-        ok = idx < n
-        vals = plgpu.load(sorted_ref.at[jnp.where(ok, idx, 0) + 1], mask=ok, other=jnp.iinfo(jnp.int32).max)
-        base = base + jnp.sum((ok & (vals <= value)).astype(jnp.int32)) * stride
-    return base
+def _locate(qsl_ref, seq_lens_ref, dims: _Dims):
+    """This program's query tile (``_common.locate_tile``): ``(live, req, t0, ntok, pos0)``, tokens
+    ``[t0, t0 + ntok)`` of request ``req`` (clamped to a valid row), token ``t0`` at position ``pos0``; padding-tail
+    tiles are not ``live`` and only write -1, tiles past the last one have ``ntok == 0``."""
+    segments = load_segments(qsl_ref, seq_lens_ref, num_rows=dims.num_requests, num_tokens=dims.num_tokens)
+    req, t0, ntok, pos0 = locate_tile(
+        pl.program_id(0), *segments, num_rows=dims.num_requests, block_q=dims.block_q
+    )
+    return req >= 0, jnp.maximum(req, 0), t0, ntok, pos0
 
 
-def _locate_tile(tile_starts_ref, qsl_ref, seq_lens_ref, dims: _Dims):
-    """Request and token range of this program's query tile.
-
-    Returns ``(live, req, t0, t_end, pos0)``: the tile holds tokens ``[t0, min(t0 + block_q, t_end))`` of
-    request ``req`` (``live``), token ``t0`` sits at position ``pos0``. Tiles past the last request's cover
-    the padding slots ``[qsl[R], T)``: ``live`` is False there and they only write -1.
-    """
-    tile = pl.program_id(0)
-    r_count = dims.num_requests
-    req = _count_le(tile_starts_ref, tile, n=r_count, width=dims.search_width, levels=dims.search_levels)
-    live = req < r_count
-    rc = jnp.minimum(req, r_count - 1)
-    q_begin = qsl_ref[rc]
-    q_end = qsl_ref[rc + 1]
-    t0_live = q_begin + (tile - tile_starts_ref[rc]) * dims.block_q
-    pos0 = seq_lens_ref[rc] - (q_end - q_begin) + (t0_live - q_begin)
-    t0_pad = qsl_ref[r_count] + (tile - tile_starts_ref[r_count]) * dims.block_q
-    t0 = jnp.where(live, t0_live, t0_pad)
-    t_end = jnp.where(live, q_end, dims.num_tokens)
-    return live, rc, t0, t_end, pos0
-
-
-def _tile_rows(live, t0, t_end, pos0, dims: _Dims, row_offset: int, num_rows: int):
+def _tile_rows(live, t0, ntok, pos0, dims: _Dims, row_offset: int, num_rows: int):
     """Per-row metadata of rows ``row_offset + [0, num_rows)`` of a tile (row = token-in-tile * pow2(H) +
     h)."""
     m = row_offset + lax.broadcasted_iota(jnp.int32, (num_rows,), 0)
     tok = t0 + m // dims.heads_p2
     head = m % dims.heads_p2
-    row_ok = (tok < t_end) & (tok < dims.num_tokens) & (head < dims.num_heads)
+    row_ok = (tok < t0 + ntok) & (tok < dims.num_tokens) & (head < dims.num_heads)
     flat = jnp.where(row_ok, tok * dims.num_heads + head, 0)  # row of the [T * H, ...] views
     pos = pos0 + m // dims.heads_p2
     seen = live & row_ok & (pos >= 0)
@@ -330,7 +175,7 @@ def _score_step(q, k_ref, bt_ref, req, b0, b_hi, pos, dims: _Dims):
     s = plgpu.dot(q, k.astype(dims.compute_dtype), trans_b=True, allow_tf32=False)  # [M, BK] fp32
     key_pos = blk * dims.page + slot
     ok = kmask[None, :] & (key_pos[None, :] <= pos[:, None])
-    s = jnp.where(ok, s, MASKED_SCORE)
+    s = jnp.where(ok, s, MASK_VALUE)
     if dims.pages_per_step == 1:
         return jnp.max(s, axis=1, keepdims=True)  # [M, 1]
     return jnp.max(s.reshape(s.shape[0], dims.pages_per_step, dims.page_p2), axis=2)  # [M, PPS]
@@ -367,20 +212,9 @@ def _store_selection(out_ref, flat, row_ok, sel, dims: _Dims):
     mask = row_ok[:, None]
     if dims.topk_p2 != dims.topk:
         mask = mask & (kc < dims.topk)[None, :]
-    rows = _masked_index(flat, row_ok, dims.num_tokens * dims.num_heads)
-    cols = _masked_index(kc, kc < dims.topk, dims.topk)
+    rows = out_of_bounds_where(row_ok, flat, dims.num_tokens * dims.num_heads)
+    cols = out_of_bounds_where(kc < dims.topk, kc, dims.topk)
     plgpu.store(out_ref.at[rows[:, None], cols[None, :]], sel, mask=mask)
-
-
-def _tile_block_range(live, t0, t_end, pos0, dims: _Dims):
-    """Number of blocks visible to the last token of the tile."""
-    n_tok = jnp.minimum(t_end - t0, dims.block_q)
-    last_pos = pos0 + n_tok - 1
-    return jnp.where(
-        live & (n_tok > 0) & (last_pos >= 0),
-        jnp.minimum(jnp.maximum(last_pos, 0) // dims.page + 1, dims.max_blocks),
-        0,
-    )
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -389,7 +223,6 @@ def _tile_block_range(live, t0, t_end, pos0, dims: _Dims):
 
 
 def _fused_kernel(
-    tile_starts_ref,  # [R + 1] int32: first query tile of each request; [R] = number of live tiles
     qsl_ref,  # [R + 1] int32: query_start_loc
     seq_lens_ref,  # [R] int32
     bt_ref,  # [R, NB] int32: logical block -> physical page
@@ -400,10 +233,10 @@ def _fused_kernel(
     dims: _Dims,
 ):
     """One program = one query tile: score every visible page once, pool, then select in registers."""
-    live, req, t0, t_end, pos0 = _locate_tile(tile_starts_ref, qsl_ref, seq_lens_ref, dims)
-    row_ok, flat, pos, nvis = _tile_rows(live, t0, t_end, pos0, dims, 0, dims.rows)
+    live, req, t0, ntok, pos0 = _locate(qsl_ref, seq_lens_ref, dims)
+    row_ok, flat, pos, nvis = _tile_rows(live, t0, ntok, pos0, dims, 0, dims.rows)
     q = _load_queries(q_ref, flat, row_ok, dims)  # [M, Dp]
-    n_blocks = _tile_block_range(live, t0, t_end, pos0, dims)
+    n_blocks = visible_blocks(live, pos0, ntok, page=dims.page, max_blocks=dims.max_blocks)
     steps = (n_blocks + dims.pages_per_step - 1) // dims.pages_per_step
     col = lax.broadcasted_iota(jnp.int32, (dims.rows, dims.blocks_p2), 1)
     pcol = lax.broadcasted_iota(jnp.int32, (dims.rows, dims.pages_per_step), 1)
@@ -418,16 +251,15 @@ def _fused_kernel(
             pooled = jnp.where(col == b0 + p, s_p, pooled)
         return pooled
 
-    pooled = lax.fori_loop(0, steps, step, jnp.full((dims.rows, dims.blocks_p2), MASKED_SCORE, jnp.float32))
+    pooled = lax.fori_loop(0, steps, step, jnp.full((dims.rows, dims.blocks_p2), MASK_VALUE, jnp.float32))
 
-    @pl.when(t0 < dims.num_tokens)  # tiles wholly past the packed slots have nothing to write
+    @pl.when(ntok > 0)  # tiles past the last one have nothing to write
     def _():
         sel = _select_topk(pooled, nvis, dims)
         _store_selection(out_ref, flat, row_ok, sel, dims)
 
 
 def _split_scores_kernel(
-    tile_starts_ref,  # [R + 1] int32: first query tile of each request
     qsl_ref,  # [R + 1] int32: query_start_loc
     seq_lens_ref,  # [R] int32
     bt_ref,  # [R, NB] int32: logical block -> physical page
@@ -438,10 +270,10 @@ def _split_scores_kernel(
     dims: _Dims,
 ):
     """Program (tile, split): score pages ``[split * bps, (split + 1) * bps)`` of the tile's visible range."""
-    live, req, t0, t_end, pos0 = _locate_tile(tile_starts_ref, qsl_ref, seq_lens_ref, dims)
-    row_ok, flat, pos, _ = _tile_rows(live, t0, t_end, pos0, dims, 0, dims.rows)
+    live, req, t0, ntok, pos0 = _locate(qsl_ref, seq_lens_ref, dims)
+    row_ok, flat, pos, _ = _tile_rows(live, t0, ntok, pos0, dims, 0, dims.rows)
     q = _load_queries(q_ref, flat, row_ok, dims)  # [M, Dp]
-    n_blocks = _tile_block_range(live, t0, t_end, pos0, dims)
+    n_blocks = visible_blocks(live, pos0, ntok, page=dims.page, max_blocks=dims.max_blocks)
     b_lo = pl.program_id(1) * dims.blocks_per_split
     b_hi = jnp.minimum(n_blocks, b_lo + dims.blocks_per_split)
     steps = (jnp.maximum(b_hi - b_lo, 0) + dims.pages_per_step - 1) // dims.pages_per_step
@@ -452,8 +284,8 @@ def _split_scores_kernel(
         s = _score_step(q, k_ref, bt_ref, req, b0, b_hi, pos, dims)  # [M, PPS]
         blk = b0 + pp
         mask = row_ok[:, None] & (blk < b_hi)[None, :]
-        rows = _masked_index(flat, row_ok, dims.num_tokens * dims.num_heads)
-        cols = _masked_index(blk, blk < b_hi, dims.max_blocks)
+        rows = out_of_bounds_where(row_ok, flat, dims.num_tokens * dims.num_heads)
+        cols = out_of_bounds_where(blk < b_hi, blk, dims.max_blocks)
         plgpu.store(scores_ref.at[rows[:, None], cols[None, :]], s, mask=mask)
         return carry
 
@@ -461,7 +293,6 @@ def _split_scores_kernel(
 
 
 def _split_select_kernel(
-    tile_starts_ref,  # [R + 1] int32: first query tile of each request
     qsl_ref,  # [R + 1] int32: query_start_loc
     seq_lens_ref,  # [R] int32
     scores_ref,  # [T * H, NB] fp32: pooled block scores from _split_scores_kernel
@@ -471,13 +302,13 @@ def _split_select_kernel(
     select_rows: int,
 ):
     """Program (tile, chunk): top-k of rows ``[chunk * select_rows, (chunk + 1) * select_rows)`` of a tile."""
-    live, _, t0, t_end, pos0 = _locate_tile(tile_starts_ref, qsl_ref, seq_lens_ref, dims)
+    live, _, t0, ntok, pos0 = _locate(qsl_ref, seq_lens_ref, dims)
     col = lax.broadcasted_iota(jnp.int32, (dims.blocks_p2,), 0)
     row_ok, flat, _, nvis = _tile_rows(
-        live, t0, t_end, pos0, dims, pl.program_id(1) * select_rows, select_rows
+        live, t0, ntok, pos0, dims, pl.program_id(1) * select_rows, select_rows
     )
 
-    @pl.when(t0 < dims.num_tokens)  # tiles wholly past the packed slots have nothing to write
+    @pl.when(ntok > 0)  # tiles past the last one have nothing to write
     def _():
         mask = (col[None, :] < nvis[:, None]) & row_ok[:, None]
         scores = plgpu.load(
@@ -528,20 +359,52 @@ def _validate(index_q, index_k_cache, block_tables, seq_lens, query_start_loc, t
         raise ValueError(f"local_blocks must be a non-negative int, got {local_blocks!r}")
 
 
-def _num_tiles(num_tokens: int, num_requests: int, block_q: int) -> int:
-    """Static bound on the query tiles of any valid batch, padding-slot tiles included.
+def _unsupported(*, page_size: int, index_head_dim: int, num_index_heads: int, dtype, interpret: bool):
+    """Why the kernel cannot run these shapes (``None`` when it can); see :func:`supports`."""
+    if min(page_size, index_head_dim, num_index_heads) < 1:
+        return f"page {page_size}, D_idx {index_head_dim} and H_idx {num_index_heads} must be >= 1"
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return f"index queries and keys must be floating, got {jnp.dtype(dtype).name}"
+    if interpret:
+        return None
+    if jnp.dtype(dtype).name not in COMPILED_DTYPES:
+        return f"compiled kernels take {', '.join(COMPILED_DTYPES)}, got {jnp.dtype(dtype).name}"
+    if next_pow2(index_head_dim) < MIN_DOT_DIM:
+        return (
+            f"compiled Triton dots need K >= {MIN_DOT_DIM}: D_idx {index_head_dim} pads to "
+            f"{next_pow2(index_head_dim)}"
+        )
+    return None
 
-    A non-empty request wastes at most ``block_q - 1`` slots of its last tile, at most ``min(R, T)`` requests
-    are non-empty, and the padding slots ``[qsl[R], T)`` take ``cdiv(T - qsl[R], block_q)`` more tiles, so
-    ``sum_r cdiv(q_r, block_q) + cdiv(T - N, block_q) <= (T + (min(R, T) + 1) * (block_q - 1)) // block_q``.
+
+def supports(
+    *,
+    page_size: int,
+    index_head_dim: int,
+    num_index_heads: int,
+    dtype,
+    chip: str | None = None,
+    interpret: bool = False,
+) -> bool:
+    """Whether ``ragged_index_topk`` runs these shapes, compiled for ``chip`` (a chip of ``tuning.CHIPS``;
+    ``None``: the default device's) or in interpret mode.
+
+    Compiled: bf16, f16 or f32 index queries and keys, and ``D_idx`` padded to a power of 2 at least 16 (the dot's
+    K). Every page size works (pages under 16 keys are scored several per step, so the dot's N stays >= 16), and
+    every number of index heads (the policy's ``block_q`` keeps the dot's M >= 16); ``topk`` and
+    ``local_blocks`` are free. Every chip has the same limits today. Interpret mode: any floating dtype.
     """
-    return (num_tokens + (min(num_requests, num_tokens) + 1) * (block_q - 1)) // block_q
-
-
-def _tile_starts(query_start_loc, block_q: int):
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    tiles = (jnp.maximum(q_lens, 0) + block_q - 1) // block_q
-    return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(tiles, dtype=jnp.int32)])
+    resolve_chip(chip)
+    return (
+        _unsupported(
+            page_size=page_size,
+            index_head_dim=index_head_dim,
+            num_index_heads=num_index_heads,
+            dtype=dtype,
+            interpret=interpret,
+        )
+        is None
+    )
 
 
 def _ragged_index_topk_pallas(
@@ -560,46 +423,44 @@ def _ragged_index_topk_pallas(
     p, page, _ = index_k_cache.shape
     r, nb = block_tables.shape
     cfg.validate()
-    hp = _next_pow2(h)
-    if cfg.block_q * hp < 16 and not interpret:
-        raise ValueError(f"block_q * pow2(H_idx) = {cfg.block_q} * {hp} must be >= 16 (Triton dot M)")
-    if not interpret and (_next_pow2(page) * cfg.pages_per_step < 16 or _next_pow2(d) < 16):
-        raise ValueError(
-            f"page {page} x pages_per_step {cfg.pages_per_step} and D_idx {d} must be >= 16 "
-            "for the Triton dot"
+    for dtype in (index_q.dtype, index_k_cache.dtype):
+        reason = _unsupported(
+            page_size=page, index_head_dim=d, num_index_heads=h, dtype=dtype, interpret=interpret
         )
-    width = max(16, min(_next_pow2(r), 1024))  # one probe level up to R = 1024
-    levels = max(1, math.ceil(math.log(max(r, 2), width)))
-    while width**levels < r:
-        levels += 1
-    blocks_per_split = _cdiv(_cdiv(nb, cfg.num_splits), cfg.pages_per_step) * cfg.pages_per_step
-    num_splits = _cdiv(nb, blocks_per_split)
+        if reason:
+            raise ValueError(f"ragged_index_topk: {reason}; use implementation='reference'")
+    hp = next_pow2(h)
+    if cfg.block_q * hp < MIN_DOT_DIM and not interpret:
+        raise ValueError(f"block_q * pow2(H_idx) = {cfg.block_q} * {hp} must be >= {MIN_DOT_DIM} (Triton dot M)")
+    if not interpret and next_pow2(page) * cfg.pages_per_step < MIN_DOT_DIM:
+        raise ValueError(
+            f"page {page} x pages_per_step {cfg.pages_per_step} must be >= {MIN_DOT_DIM} (Triton dot N)"
+        )
+    blocks_per_split = cdiv(cdiv(nb, cfg.num_splits), cfg.pages_per_step) * cfg.pages_per_step
+    num_splits = cdiv(nb, blocks_per_split)
     dims = _Dims(
         num_tokens=t,
         num_requests=r,
         num_heads=h,
         heads_p2=hp,
         dim=d,
-        dim_p2=_next_pow2(d),
+        dim_p2=next_pow2(d),
         num_pages=p,
         page=page,
-        page_p2=_next_pow2(page),
+        page_p2=next_pow2(page),
         max_blocks=nb,
-        blocks_p2=_next_pow2(nb),
+        blocks_p2=next_pow2(nb),
         topk=topk,
-        topk_p2=_next_pow2(topk),
+        topk_p2=next_pow2(topk),
         local_blocks=local_blocks,
         block_q=cfg.block_q,
         pages_per_step=cfg.pages_per_step,
         blocks_per_split=blocks_per_split,
-        search_width=width,
-        search_levels=levels,
         compute_dtype=jnp.promote_types(index_q.dtype, index_k_cache.dtype),
     )
-    num_tiles = _num_tiles(t, r, cfg.block_q)
+    num_tiles = num_tiles_bound(t, r, cfg.block_q)
     qsl = query_start_loc.astype(jnp.int32)
-    tile_starts = _tile_starts(qsl, cfg.block_q)
-    meta = (tile_starts, qsl, seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32))
+    seq = seq_lens.astype(jnp.int32)
     q2 = index_q.reshape(t * h, d)
     k2 = index_k_cache.reshape(p * page, d)
     out_shape = jax.ShapeDtypeStruct((t * h, topk), jnp.int32)
@@ -612,7 +473,7 @@ def _ragged_index_topk_pallas(
             compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
             interpret=interpret,
             name=f"ragged_index_topk_fused_{tag}",
-        )(*meta, q2, k2)
+        )(qsl, seq, block_tables.astype(jnp.int32), q2, k2)
     else:
         scores = pl.pallas_call(
             functools.partial(_split_scores_kernel, dims=dims),
@@ -621,7 +482,7 @@ def _ragged_index_topk_pallas(
             compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
             interpret=interpret,
             name=f"ragged_index_scores_{tag}_split{num_splits}",
-        )(*meta, q2, k2)
+        )(qsl, seq, block_tables.astype(jnp.int32), q2, k2)
         select_rows = min(cfg.select_rows, dims.rows)
         out = pl.pallas_call(
             functools.partial(_split_select_kernel, dims=dims, select_rows=select_rows),
@@ -630,7 +491,7 @@ def _ragged_index_topk_pallas(
             compiler_params=plgpu.CompilerParams(num_warps=cfg.select_num_warps, num_stages=1),
             interpret=interpret,
             name=f"ragged_index_select_bq{cfg.block_q}_rows{select_rows}",
-        )(tile_starts, qsl, seq_lens.astype(jnp.int32), scores)
+        )(qsl, seq, scores)
     return out.reshape(t, h, topk)
 
 
@@ -683,8 +544,8 @@ def ragged_index_topk(
       interpret: Pallas interpret mode; ``None`` = interpret on CPU, compiled Triton on GPU (CUDA or ROCm).
       implementation: ``"pallas"`` or ``"reference"`` (the plain-jnp ``ragged_index_topk_reference``).
       block_q, pages_per_step, num_splits, num_warps, num_stages, select_rows, select_num_warps: launch
-        overrides; ``None`` takes ``indexer_launch_config``'s choice for the shapes and ``chip``.
-      chip: a key of ``CHIP_POLICIES`` (default: detected from the device).
+        overrides; ``None`` takes ``tuning.indexer_launch_config``'s choice for the shapes and ``chip``.
+      chip: a chip of ``tuning.CHIPS`` whose launch table to use (``None``: the default device's).
 
     Returns:
       ``int32[T, H_idx, topk]`` logical block ids: left-packed, descending score (local blocks first), ties to
@@ -741,14 +602,24 @@ def ragged_index_topk_reference(
     topk: int,
     local_blocks: int = 1,
     interpret: bool | None = None,
-    **unused_tunables,
+    implementation: str = "reference",
+    block_q: int | None = None,
+    pages_per_step: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    select_rows: int | None = None,
+    select_num_warps: int | None = None,
+    chip: str | None = None,
 ) -> jax.Array:
-    """Plain-jnp ``ragged_index_topk`` (same signature and result; ``interpret`` and tunables are ignored).
+    """Plain-jnp ``ragged_index_topk``: the kernel's parameters and result; ``implementation``, ``interpret``,
+    the launch tunables and ``chip`` are named and ignored (changing them reuses the compiled program).
 
     Scores one logical block of every token per step (``lax.map`` over blocks), reading each token's keys
     through its request's block table, then selects with ``lax.top_k`` (ties to the lower index).
     """
-    del interpret, unused_tunables
+    del interpret, implementation, block_q, pages_per_step, num_splits, num_warps, num_stages
+    del select_rows, select_num_warps, chip
     _validate(index_q, index_k_cache, block_tables, seq_lens, query_start_loc, topk, local_blocks)
     return _reference_jit(
         index_q, index_k_cache, block_tables, seq_lens, query_start_loc, topk=topk, local_blocks=local_blocks
@@ -787,7 +658,7 @@ def _reference_scores(index_q, index_k_cache, block_tables, seq_lens, query_star
         )  # unused entries never dereferenced
         keys = index_k_cache[phys].astype(jnp.float32)  # [T, page, D]
         s = jnp.einsum("thd,tjd->thj", q32, keys, precision=lax.Precision.HIGHEST)
-        s = jnp.where((b * page + slot)[None, None, :] <= pos[:, None, None], s, MASKED_SCORE)
+        s = jnp.where((b * page + slot)[None, None, :] <= pos[:, None, None], s, MASK_VALUE)
         return jnp.max(s, axis=-1)
 
     pooled = jnp.moveaxis(lax.map(block_scores, jnp.arange(nb, dtype=jnp.int32)), 0, -1)  # [T, H, NB]

@@ -27,12 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.indexer import (
-    chip_family,
     index_block_scores_reference,
-    indexer_launch_config,
     ragged_index_topk,
     ragged_index_topk_reference,
 )
+from pallas_kernels.tuning import indexer_launch_config, resolve_chip
 from scripts.bench_common import (
     environment,
     hbm_ceiling,
@@ -193,7 +192,7 @@ def run(
         f"HBM copy bandwidth: {copy_bandwidth / 1e9:.1f} GB/s on {environment()['device']}; all (GB/s): "
         + json.dumps({k: round(v / 1e9, 1) if isinstance(v, float) else v for k, v in bandwidths.items()})
     )
-    chip = chip_family()
+    chip = resolve_chip(None)
     rows: list[dict] = []
     for case in cases:
         try:

@@ -34,13 +34,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import sparse_attention as _sa
+from pallas_kernels.attention_walk import tile_prepass
 from pallas_kernels.paged_attention import ragged_paged_attention, ragged_paged_attention_reference
 from pallas_kernels.platform import on_gpu, resolve_interpret
 from pallas_kernels.sparse_attention import (
-    attention_launch_config,
     ragged_sparse_attention,
     ragged_sparse_attention_reference,
     union_block_counts,
+)
+from pallas_kernels.tuning import (
+    MAX_SPARSE_BLOCK_Q,
+    paged_attention_launch_config,
+    sparse_attention_launch_config,
 )
 from scripts import bench_common
 
@@ -165,7 +170,7 @@ def bytes_and_flops(inp: Inputs, *, block_q: int, dense: bool) -> dict:
     pos = np.concatenate([s - ql + np.arange(ql) for s, ql in zip(seq, q_lens)])
     rows = max(16, 1 << max(0, block_q * group - 1).bit_length())
     tile_blocks = _union_blocks(inp, block_q, dense)
-    request_q = min(_sa.MAX_SPARSE_BLOCK_Q, 1 << max(0, int(q_lens.max()) - 1).bit_length())
+    request_q = min(MAX_SPARSE_BLOCK_Q, 1 << max(0, int(q_lens.max()) - 1).bit_length())
     request_blocks = tile_blocks if request_q == block_q else _union_blocks(inp, request_q, dense)
     union_sizes = tile_blocks[tile_blocks > 0]
     if dense:
@@ -306,18 +311,15 @@ def _device_times(fn, arg_sets, calls: int) -> dict | None:
 
 
 def _time_prepass(inp: Inputs, cfg, dense: bool) -> dict:
-    """Seconds per call of the tile/union pre-pass kernel alone (back to back, and chained in one loop)."""
-    fn = jax.jit(
-        functools.partial(
-            _sa._tile_union_prepass,
-            num_tokens=inp.q.shape[0],
-            page=inp.caches[0][0].shape[2],
-            config=cfg,
-            interpret=resolve_interpret(None),
-        )
-    )
-    sel = None if dense else inp.block_indices
-    args = (inp.query_start_loc, inp.seq_lens, inp.block_tables, sel)
+    """Seconds per call of the tile (dense) / tile and union (sparse) pre-pass kernel alone (back to back, and
+    chained in one loop)."""
+    common = {"num_tokens": inp.q.shape[0], "config": cfg, "interpret": resolve_interpret(None)}
+    if dense:
+        fn = jax.jit(lambda qsl, seq: [tile_prepass(qsl, seq, kind="paged", **common)])
+        args = (inp.query_start_loc, inp.seq_lens)
+    else:
+        fn = jax.jit(functools.partial(_sa._tile_union_prepass, page=inp.caches[0][0].shape[2], **common))
+        args = (inp.query_start_loc, inp.seq_lens, inp.block_tables, inp.block_indices)
     jax.block_until_ready(fn(*args))
     profile = device_times(fn, [args])
 
@@ -425,19 +427,19 @@ def run(
             except Exception as e:  # noqa: BLE001  (an OOM must not lose the other rows)
                 log(f"[{name}] reference failed: {type(e).__name__}: {str(e)[:200]}")
         policy_args = {
-            "backend": None,
             "num_tokens": inp.q.shape[0],
             "num_requests": shape["num_requests"],
             "num_q_heads": M3["num_q_heads"],
             "num_kv_heads": M3["num_kv_heads"],
-            "topk": M3["topk"],
             "max_blocks": inp.block_tables.shape[1],
-            "dense": dense,
             "page": M3["page"],
             "head_dim": M3["head_dim"],
             "itemsize": inp.q.dtype.itemsize,
         }
-        policy = attention_launch_config(**policy_args)
+        if dense:
+            policy = paged_attention_launch_config(**policy_args)
+        else:
+            policy = sparse_attention_launch_config(topk=M3["topk"], **policy_args)
         loop_timing = inp.q.shape[0] * shape["context"] <= 8 * 32768  # latency-bound sizes
         jobs_here = [{}] + list(variants.get(("paged:" if dense else "") + name, []))
         jobs_here.append({"_prepass": True})
@@ -445,8 +447,8 @@ def run(
             jobs_here.append({"_baseline": True})
         for variant in jobs_here:
             special = next((k for k in variant if k.startswith("_")), None)
-            if special == "_baseline":  # the earlier module's own launch policy
-                cfg = baseline.attention_launch_config(**policy_args)
+            if special == "_baseline":  # the earlier module's own launch policy (its backend / dense API)
+                cfg = baseline.attention_launch_config(backend=None, topk=M3["topk"], dense=dense, **policy_args)
             else:
                 cfg = dataclasses.replace(
                     policy, **{k: v for k, v in variant.items() if k in dataclasses.asdict(policy)}
@@ -559,7 +561,7 @@ def _one_line(row: dict) -> str:
 
 
 # Launch variants (each a dict of ``ragged_sparse_attention`` overrides) timed by ``--sweep``, around the CUDA
-# policy (sparse verify: 64-row tiles, 4 warps, 32-key steps, 5 stages; see CHIP_POLICIES).
+# policy (sparse verify: 64-row tiles, 4 warps, 32-key steps, 3 stages; see tuning.TABLES["hopper"]).
 _Q8 = {"block_q": 8, "num_warps": 8, "block_k": 64, "num_stages": 5}  # 128-row tiles, one program per SM
 DEFAULT_SWEEP = {
     "512x8x4K": [
@@ -575,7 +577,9 @@ DEFAULT_SWEEP = {
 
 
 def _baseline(sparse_path: str | None, dense_path: str | None):
-    """A namespace with an earlier version's ``ragged_sparse_attention`` / ``ragged_paged_attention``."""
+    """A namespace with an earlier version's ``ragged_sparse_attention`` / ``ragged_paged_attention``: files of
+    the layout before ``tuning.py`` (commit 58866cb and earlier), whose ``sparse_attention.py`` held both kernels
+    and ``attention_launch_config(backend=..., dense=...)``."""
     if not sparse_path:
         return None
     import types

@@ -144,8 +144,9 @@ class Engine:
             if verification == "adaptive":
                 warnings.warn("the drafter has no confidence head (or its checkpoint lacks the weights): adaptive "
                               "verification runs on the online acceptance estimator", stacklevel=2)
-        self.implementation = choose_implementation(implementation, self.page_size, cfg.head_dim, interpret) \
-            if isinstance(implementation, str) else implementation
+        self.implementation = choose_implementation(implementation, cfg, page_size=self.page_size,
+                                                    dtype=target.dtype if cache_dtype is None else cache_dtype,
+                                                    interpret=interpret)
         self.interpret = interpret
         self.cache_dtype = target.dtype if cache_dtype is None else cache_dtype
         self.num_pages = self._pool_size(num_pages, memory_fraction)

@@ -8,9 +8,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from minimax_jax import load_model
+from minimax_jax import decode, load_model
 from minimax_jax.cache import OutOfPagesError, PageAllocator, init_cache, slot_mapping, write_tokens
-from minimax_jax.decode import RaggedBatch, forward_ragged, make_step_fn, pack_batch, unpack_rows
+from minimax_jax.config import MiniMaxM3Config
+from minimax_jax.decode import (
+    RaggedBatch,
+    choose_implementation,
+    forward_ragged,
+    make_step_fn,
+    pack_batch,
+    unpack_rows,
+)
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 GOLDEN = np.load(os.path.join(FIXTURES, "golden.npz"))
@@ -131,3 +139,30 @@ def test_page_allocator():
     np.testing.assert_array_equal(alloc.block_table(["a", None, "b"]), [[5, 4, 0], [0, 0, 0], [3, 2, 0]])
     alloc.free("a")
     assert alloc.num_free == 4 and "a" not in alloc.lengths
+
+
+def test_auto_is_compiled_kernels_on_a_gpu_else_references(monkeypatch):
+    """"auto" never picks Pallas interpret mode on its own (too slow to serve from); on a GPU it picks the
+    compiled kernels only where every kernel the model runs supports the shapes."""
+    tiny = MiniMaxM3Config.tiny()  # pages of 4 tokens
+    kw = {"page_size": tiny.index_block_size, "dtype": jnp.float32}
+    assert choose_implementation("auto", tiny, **kw) == "reference"  # CPU
+    assert choose_implementation("auto", tiny, interpret=False, **kw) == "reference"
+    assert choose_implementation("auto", tiny, interpret=True, **kw) == "pallas"  # asked for: interpret mode
+    assert choose_implementation("pallas", tiny, **kw) == "pallas"
+    assert choose_implementation("reference", tiny, interpret=True, **kw) == "reference"
+    with pytest.raises(ValueError, match="implementation"):
+        choose_implementation("triton", tiny, **kw)
+
+    monkeypatch.setattr(decode, "on_gpu", lambda: True)
+    gpu = tiny.replace(index_block_size=16, head_dim=32, rotary_dim=16, index_head_dim=32)
+    assert choose_implementation("auto", gpu, page_size=16, dtype=jnp.bfloat16) == "pallas"
+    assert choose_implementation("auto", tiny, **kw) == "reference"  # 4-token pages: the attention dots' N
+    # 8-dim index keys: the indexer's dot K is too small although both attention kernels would compile.
+    small_index = gpu.replace(index_head_dim=8, rotary_dim=8)
+    assert choose_implementation("auto", small_index, page_size=16, dtype=jnp.bfloat16) == "reference"
+    # A dense-only model never runs the indexer.
+    dense_only = small_index.replace(layer_types=["full_attention"] * small_index.num_hidden_layers)
+    assert not dense_only.sparse_layer_ids
+    assert choose_implementation("auto", dense_only, page_size=16, dtype=jnp.bfloat16) == "pallas"
+    assert choose_implementation("auto", gpu, page_size=16, dtype=jnp.float64) == "reference"  # not compiled

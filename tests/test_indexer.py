@@ -7,21 +7,23 @@ runs, so comparing full output arrays (with -1 where expected) also proves that 
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import indexer
+from pallas_kernels import indexer, tuning
+from pallas_kernels._common import num_tiles_bound
 from pallas_kernels.indexer import (
-    IndexerLaunchConfig,
     index_block_scores_reference,
-    indexer_launch_config,
     ragged_index_topk,
     ragged_index_topk_reference,
 )
 from pallas_kernels.platform import lower_for_gpu
+from pallas_kernels.tuning import IndexerLaunchConfig, indexer_launch_config
 
 # ------------------------------------------------------------------------------------------------------------
 # Oracle and batch builder.
@@ -322,8 +324,9 @@ def test_unused_table_entries_do_not_matter():
         np.testing.assert_array_equal(np.asarray(ragged_index_topk_reference(*args_of(b), topk=3)), want)
 
 
-def test_many_requests_two_level_search():
-    """R > the search width: the B-ary tile search takes two levels; most rows are zero-length."""
+def test_many_requests():
+    """R = 1100 rows (more rows than packed slots, most of them zero-length): the tile search scans 2048
+    segments and the grid bound counts at most one non-empty segment per slot."""
     rng = np.random.default_rng(51)
     r = 1100
     q_lens = np.zeros(r, np.int64)
@@ -373,7 +376,7 @@ def test_bad_inputs_raise_value_errors():
         ragged_index_topk(q, kc, bt, sl, qsl, topk=3, block_q=3)
 
 
-@pytest.mark.parametrize("chip", ["hopper", "cdna3", "default"])
+@pytest.mark.parametrize("chip", tuning.CHIPS)
 def test_policy_configs_are_valid(chip):
     for t, r in ((512, 512), (4096, 512), (8, 1), (8192, 1), (2048, 2), (64, 64)):
         for nb in (1, 32, 256, 1024):
@@ -383,7 +386,7 @@ def test_policy_configs_are_valid(chip):
             cfg.validate()
             assert cfg.block_q * 4 >= 16
             if cfg.num_splits == 1:  # fused: the pooled-score tile must fit the register budget
-                assert cfg.block_q * 4 * max(nb, 1) <= indexer.CHIP_POLICIES[chip].fused_max_elems
+                assert cfg.block_q * 4 * max(nb, 1) <= tuning.TABLES[chip].indexer.fused_max_elems
     # many requests -> one program per request (fused); one long request -> its key range is split
     assert (
         indexer_launch_config(
@@ -414,21 +417,28 @@ def _serving_shapes(r, q_len, ctx, *, page=128, dim=128, heads=4):
     )
 
 
-@pytest.mark.parametrize("platform", ["cuda", "rocm"])
+@pytest.mark.parametrize("chip", ["hopper", "cdna3"])
 @pytest.mark.parametrize(
     "case",
     [
-        (512, 8, 4096, {"chip": "hopper"}, 1),  # fused path: one Triton kernel
-        (512, 1, 4096, {"chip": "cdna3"}, 1),
-        (1, 8, 32768, {"chip": "hopper"}, 2),  # split path: scores kernel + selection kernel
+        (512, 8, 4096, {}, 1),  # fused path: one Triton kernel
+        (512, 1, 4096, {}, 1),
+        (1, 8, 32768, {}, 2),  # split path: scores kernel + selection kernel
         (64, 8, 4096, {"pages_per_step": 2, "num_splits": 2}, 2),
         (64, 8, 4096, {"pages_per_step": 2, "num_splits": 1}, 1),
     ],
 )
-def test_lowers_for_gpu(platform, case):
+def test_lowers_for_gpu(chip, case):
+    """Deviceless Triton lowering for each platform with its chip's launch table."""
     r, q_len, ctx, kw, num_kernels = case
     text = lower_for_gpu(
-        ragged_index_topk, *_serving_shapes(r, q_len, ctx), platform=platform, topk=16, interpret=False, **kw
+        ragged_index_topk,
+        *_serving_shapes(r, q_len, ctx),
+        platform=tuning.chip_platform(chip),
+        topk=16,
+        interpret=False,
+        chip=chip,
+        **kw,
     )
     assert text.count(f"custom_call @{plgpu.CUSTOM_CALL_TARGET_NAME}(") == num_kernels
     assert "ragged_index_" in text
@@ -444,7 +454,7 @@ def test_tile_bound_worst_case():
     b = make_batch(rng, q_lens=q_lens, seq_lens=seq_lens, page=4, dim=16, pad_slots=block_q + 1)
     t_cap = b["q"].shape[0]
     needed = sum(-(-q // block_q) for q in q_lens) + -(-(t_cap - sum(q_lens)) // block_q)
-    assert needed == indexer._num_tiles(t_cap, r, block_q)  # the bound is tight here
+    assert needed == num_tiles_bound(t_cap, r, block_q)  # the bound is tight here
     want, _ = run_naive(b, topk=3, local_blocks=1)
     for ns in (1, 2):
         got = ragged_index_topk(*args_of(b), topk=3, interpret=True, block_q=block_q, num_splits=ns)
@@ -461,3 +471,75 @@ def test_fewer_blocks_than_topk():
         got = ragged_index_topk(*args_of(b), topk=4, interpret=True, block_q=4, num_splits=ns)
         np.testing.assert_array_equal(np.asarray(got), want)
     np.testing.assert_array_equal(np.asarray(ragged_index_topk_reference(*args_of(b), topk=4)), want)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Supported shapes and the reference's signature.
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_supports_reports_the_compiled_limits():
+    bf16 = {"num_index_heads": 4, "dtype": jnp.bfloat16}
+    assert indexer.supports(page_size=128, index_head_dim=128, **bf16)
+    assert indexer.supports(page_size=4, index_head_dim=16, **bf16)  # small pages: several pages per step
+    assert indexer.supports(page_size=6, index_head_dim=9, num_index_heads=3, dtype=jnp.float32)  # D pads to 16
+    assert not indexer.supports(page_size=128, index_head_dim=8, **bf16)  # the dot's K would be 8
+    assert indexer.supports(page_size=128, index_head_dim=8, interpret=True, **bf16)
+    assert not indexer.supports(page_size=128, index_head_dim=128, num_index_heads=4, dtype=jnp.float64)
+    assert indexer.supports(page_size=128, index_head_dim=128, num_index_heads=4, dtype=jnp.float64, interpret=True)
+    assert not indexer.supports(page_size=16, index_head_dim=16, num_index_heads=4, dtype=jnp.int32, interpret=True)
+    for chip in tuning.CHIPS:
+        assert indexer.supports(page_size=4, index_head_dim=16, chip=chip, **bf16)
+    with pytest.raises(ValueError, match="chip"):
+        indexer.supports(page_size=128, index_head_dim=128, chip="rocm", **bf16)
+
+
+@pytest.mark.parametrize("page, dim, dtype", [(4, 16, "bfloat16"), (6, 9, "float32"), (16, 8, "bfloat16"),
+                                              (16, 16, "float8_e4m3fn")])
+def test_supports_agrees_with_the_compiled_kernel(page, dim, dtype):
+    """Where ``supports`` says yes the kernel lowers to Triton; where it says no the kernel refuses."""
+    s = jax.ShapeDtypeStruct
+    shapes = (s((8, 4, dim), dtype), s((9, page, dim), dtype), s((2, 4), jnp.int32), s((2,), jnp.int32),
+              s((3,), jnp.int32))
+    expected = indexer.supports(page_size=page, index_head_dim=dim, num_index_heads=4, dtype=dtype, chip="hopper")
+    assert expected == (dim >= 9 and dtype != "float8_e4m3fn")
+    if expected:
+        text = lower_for_gpu(ragged_index_topk, *shapes, platform="cuda", topk=2, interpret=False, chip="hopper")
+        assert text.count(f"custom_call @{plgpu.CUSTOM_CALL_TARGET_NAME}(") >= 1
+    else:
+        with pytest.raises(ValueError, match="implementation='reference'"):
+            lower_for_gpu(ragged_index_topk, *shapes, platform="cuda", topk=2, interpret=False, chip="hopper")
+
+
+def test_reference_takes_the_kernel_signature():
+    kernel = inspect.signature(ragged_index_topk).parameters
+    reference = inspect.signature(ragged_index_topk_reference).parameters
+    assert list(kernel) == list(reference)
+    for name, p in kernel.items():
+        assert (p.kind, p.annotation) == (reference[name].kind, reference[name].annotation), name
+        if name != "implementation":  # the reference's default names itself
+            assert p.default == reference[name].default, name
+
+
+def test_misspelt_keyword_raises():
+    b = make_batch(np.random.default_rng(2), q_lens=[1], seq_lens=[5], page=4, dim=16)
+    for fn in (ragged_index_topk_reference, ragged_index_topk):
+        with pytest.raises(TypeError, match="local_block"):
+            fn(*args_of(b), topk=3, local_block=2)  # local_blocks misspelt
+        with pytest.raises(TypeError, match="blockq"):
+            fn(*args_of(b), topk=3, blockq=4)
+
+
+def test_reference_ignores_tunables_without_recompiling():
+    """The reference's jitted core sees only what changes its result: a new launch tunable, chip or interpret
+    flag reuses the compiled program; a new ``topk`` (positive control) compiles a new one."""
+    b = make_batch(np.random.default_rng(3), q_lens=[3, 2], seq_lens=[17, 9], page=4, dim=16, pad_slots=6)
+    want = np.asarray(ragged_index_topk_reference(*args_of(b), topk=3))
+    compiled = indexer._reference_jit._cache_size()
+    for tunables in ({"block_q": 8}, {"num_splits": 3, "num_warps": 8}, {"chip": "cdna3", "interpret": True},
+                     {"pages_per_step": 2, "select_rows": 4, "select_num_warps": 2, "num_stages": 1}):
+        got = ragged_index_topk_reference(*args_of(b), topk=3, **tunables)
+        np.testing.assert_array_equal(np.asarray(got), want)
+    assert indexer._reference_jit._cache_size() == compiled
+    ragged_index_topk_reference(*args_of(b), topk=2)
+    assert indexer._reference_jit._cache_size() == compiled + 1

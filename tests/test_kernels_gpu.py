@@ -13,15 +13,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import paged_attention as pa
 from pallas_kernels import sparse_attention as sa
+from pallas_kernels import tuning
 from pallas_kernels.indexer import (
     index_block_scores_reference,
     ragged_index_topk,
     ragged_index_topk_reference,
 )
 from pallas_kernels.paged_attention import ragged_paged_attention
-from pallas_kernels.platform import on_gpu
-from pallas_kernels.sparse_attention import AttentionLaunchConfig, ragged_sparse_attention
+from pallas_kernels.platform import gpu_platform_name, on_gpu
+from pallas_kernels.sparse_attention import ragged_sparse_attention
+from pallas_kernels.tuning import AttentionLaunchConfig
 from tests import test_indexer as ti
 from tests.test_sparse_attention import VERIFY, args_of, assert_close, make_batch, oracle
 
@@ -30,6 +33,14 @@ pytestmark = pytest.mark.skipif(not on_gpu(), reason="compiled Triton kernels ne
 # Longer contexts than the interpret-mode tests: several past blocks before the causal ones, split-K ranges
 # that cut through blocks.
 LONG = {"q_lens": [8, 0, 1, 5, 8, 3, 0], "seq_lens": [300, 0, 17, 130, 96, 47, 0]}
+
+
+def test_device_is_a_known_chip():
+    """The launch tables are chosen for the detected chip; its platform is the device's runtime."""
+    chip = tuning.detect_chip()
+    assert chip in tuning.CHIPS
+    assert tuning.resolve_chip(None) == chip
+    assert tuning.chip_platform(chip) == gpu_platform_name()
 
 
 @pytest.mark.parametrize(
@@ -54,7 +65,9 @@ def test_sparse_attention_compiled(
     batch = make_batch(rng, **lens, page=page, dim=dim, kv_heads=kv_heads, group=group, topk=topk, dtype=dtype)
     scale = dim**-0.5
     config = AttentionLaunchConfig(block_q, num_splits, num_warps, num_stages, block_k)
-    out = sa.ragged_attention_pallas(*args_of(batch), scale=scale, config=config, interpret=False, poison=True)
+    out = sa.ragged_sparse_attention_pallas(
+        *args_of(batch), scale=scale, config=config, interpret=False, poison=True
+    )
     assert out.dtype == batch["q"].dtype
     assert_close(out, oracle(batch, scale), dtype, int(batch["query_start_loc"][-1]))
 
@@ -83,8 +96,8 @@ def test_paged_attention_compiled(dtype, page, dim, group, block_q, num_splits, 
     batch = make_batch(rng, **LONG, page=page, dim=dim, kv_heads=2, group=group, dtype=dtype)
     scale = dim**-0.5
     config = AttentionLaunchConfig(block_q, num_splits, 4, 3, block_k)
-    out = sa.ragged_attention_pallas(
-        *args_of(batch, dense=True), None, scale=scale, config=config, interpret=False, poison=True
+    out = pa.ragged_paged_attention_pallas(
+        *args_of(batch, dense=True), scale=scale, config=config, interpret=False, poison=True
     )
     assert_close(out, oracle(batch, scale, dense=True), dtype, int(batch["query_start_loc"][-1]))
     public = ragged_paged_attention(*args_of(batch, dense=True), scale=scale, interpret=False)
@@ -94,7 +107,7 @@ def test_paged_attention_compiled(dtype, page, dim, group, block_q, num_splits, 
 def test_all_padding_batch_is_zero_compiled():
     rng = np.random.default_rng(5)
     batch = make_batch(rng, q_lens=[0, 0], seq_lens=[0, 0], page=16, dim=32, kv_heads=1, group=2, pad_slots=4)
-    out = sa.ragged_attention_pallas(
+    out = sa.ragged_sparse_attention_pallas(
         *args_of(batch), scale=0.2, config=AttentionLaunchConfig(2, 2, 4, 2, 16), interpret=False, poison=True
     )
     assert np.all(np.asarray(out) == 0.0)

@@ -7,15 +7,20 @@ rows.
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import paged_attention as pa
 from pallas_kernels import sparse_attention as sa
+from pallas_kernels import tuning
 from pallas_kernels.paged_attention import ragged_paged_attention, ragged_paged_attention_reference
 from pallas_kernels.platform import lower_for_gpu
-from pallas_kernels.sparse_attention import AttentionLaunchConfig, ragged_sparse_attention_reference
+from pallas_kernels.sparse_attention import ragged_sparse_attention_reference
+from pallas_kernels.tuning import AttentionLaunchConfig
 from tests.test_sparse_attention import VERIFY, args_of, assert_close, make_batch, oracle
 
 
@@ -56,8 +61,8 @@ def test_kernel_matches_oracle_verify_batch(dtype, page, dim, group, block_q, nu
     config = AttentionLaunchConfig(
         block_q=block_q, num_splits=num_splits, num_warps=4, num_stages=2, block_k=page // 2
     )
-    out = sa.ragged_attention_pallas(
-        *args_of(batch, dense=True), None, scale=scale, config=config, interpret=True, poison=True
+    out = pa.ragged_paged_attention_pallas(
+        *args_of(batch, dense=True), scale=scale, config=config, interpret=True, poison=True
     )
     assert out.dtype == batch["q"].dtype
     assert_close(out, oracle(batch, scale, dense=True), dtype, int(batch["query_start_loc"][-1]))
@@ -86,8 +91,8 @@ def test_bad_inputs_raise_value_errors():
         ragged_paged_attention(*a, scale=0.1, implementation="triton")
 
 
-@pytest.mark.parametrize("platform", ["cuda", "rocm"])
-def test_lowers_for_gpu(platform):
+@pytest.mark.parametrize("chip", ["hopper", "cdna3"])
+def test_lowers_for_gpu(chip):
     S = jax.ShapeDtypeStruct
     for num_tokens, num_rows, max_blocks in ((512, 64, 64), (8, 1, 256)):
         shapes = (
@@ -101,9 +106,54 @@ def test_lowers_for_gpu(platform):
         text = lower_for_gpu(
             ragged_paged_attention,
             *shapes,
-            platform=platform,
+            platform=tuning.chip_platform(chip),
             scale=128**-0.5,
             interpret=False,
-            backend=platform,
+            chip=chip,
         )
         assert "triton" in text.lower() and "ragged_paged_attention_bq" in text
+
+
+def test_supports_reports_the_limits():
+    m3 = {"num_q_heads": 64, "num_kv_heads": 4}
+    assert pa.supports(page_size=128, head_dim=128, dtype=jnp.bfloat16, **m3)
+    assert pa.supports(page_size=16, head_dim=16, dtype=jnp.float16, **m3)
+    assert not pa.supports(page_size=8, head_dim=128, dtype=jnp.bfloat16, **m3)  # the dots' N: 8 keys
+    assert not pa.supports(page_size=128, head_dim=8, dtype=jnp.bfloat16, **m3)  # the dots' K
+    assert pa.supports(page_size=4, head_dim=8, dtype=jnp.float32, interpret=True, **m3)
+    assert not pa.supports(page_size=128, head_dim=96, dtype=jnp.bfloat16, interpret=True, **m3)
+    assert not pa.supports(page_size=128, head_dim=128, dtype=jnp.bfloat16, num_q_heads=64, num_kv_heads=3)
+    for chip in tuning.CHIPS:
+        assert pa.supports(page_size=16, head_dim=16, dtype=jnp.bfloat16, chip=chip, **m3)
+
+
+def test_small_pages_refused_when_compiled():
+    """Compiled, a page under 16 keys cannot feed the walk's dots: the kernel says so and names the way out."""
+    S = jax.ShapeDtypeStruct
+    shapes = (S((8, 4, 32), jnp.bfloat16), S((2, 9, 8, 32), jnp.bfloat16), S((2, 9, 8, 32), jnp.bfloat16),
+              S((2, 4), jnp.int32), S((2,), jnp.int32), S((3,), jnp.int32))
+    assert not pa.supports(page_size=8, head_dim=32, num_q_heads=4, num_kv_heads=2, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="implementation='reference'"):
+        lower_for_gpu(ragged_paged_attention, *shapes, platform="cuda", scale=0.1, interpret=False, chip="hopper")
+
+
+def test_reference_takes_the_kernel_signature_and_ignores_tunables():
+    kernel = inspect.signature(ragged_paged_attention).parameters
+    reference = inspect.signature(ragged_paged_attention_reference).parameters
+    assert list(kernel) == list(reference)
+    for name, p in kernel.items():
+        assert (p.kind, p.annotation) == (reference[name].kind, reference[name].annotation), name
+        if name != "implementation":  # the reference's default names itself
+            assert p.default == reference[name].default, name
+    b = make_batch(np.random.default_rng(6), q_lens=[3, 1], seq_lens=[19, 6], page=4, dim=16, pad_slots=5)
+    with pytest.raises(TypeError, match="blockk"):
+        ragged_paged_attention_reference(*args_of(b, dense=True), scale=0.3, blockk=2)
+    with pytest.raises(TypeError, match="blockk"):
+        ragged_paged_attention(*args_of(b, dense=True), scale=0.3, blockk=2)
+    want = np.asarray(ragged_paged_attention_reference(*args_of(b, dense=True), scale=0.3))
+    assert_close(want, oracle(b, 0.3, dense=True), "f32", 4)
+    compiled = sa._reference._cache_size()
+    for tunables in ({"block_q": 8, "num_splits": 2}, {"chip": "cdna3", "interpret": False, "block_k": 2}):
+        got = ragged_paged_attention_reference(*args_of(b, dense=True), scale=0.3, **tunables)
+        np.testing.assert_array_equal(np.asarray(got), want)
+    assert sa._reference._cache_size() == compiled

@@ -11,19 +11,28 @@ where the test asks for it (``poison=``, aliased into the kernel), so an unwritt
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import attention_walk, tuning
 from pallas_kernels import sparse_attention as sa
+from pallas_kernels._common import num_tiles_bound, tile_table
 from pallas_kernels.platform import lower_for_gpu
 from pallas_kernels.sparse_attention import (
-    AttentionLaunchConfig,
-    attention_launch_config,
     ragged_sparse_attention,
     ragged_sparse_attention_reference,
     union_block_counts,
+)
+from pallas_kernels.tuning import (
+    AttentionLaunchConfig,
+    paged_attention_launch_config,
+    sparse_attention_launch_config,
 )
 
 # ------------------------------------------------------------------------------------------------------------
@@ -238,7 +247,9 @@ def test_kernel_matches_reference_verify_batch(
     config = AttentionLaunchConfig(
         block_q=block_q, num_splits=num_splits, num_warps=4, num_stages=2, block_k=block_k
     )
-    out = sa.ragged_attention_pallas(*args_of(batch), scale=scale, config=config, interpret=True, poison=True)
+    out = sa.ragged_sparse_attention_pallas(
+        *args_of(batch), scale=scale, config=config, interpret=True, poison=True
+    )
     assert out.dtype == batch["q"].dtype
     ref = ragged_sparse_attention_reference(*args_of(batch), scale=scale)
     num_valid = int(batch["query_start_loc"][-1])
@@ -291,7 +302,7 @@ def test_all_padding_batch_is_zero():
     batch = make_batch(
         rng, q_lens=[0, 0], seq_lens=[0, 0], page=4, dim=16, kv_heads=1, group=2, pad_slots=4, spare_pages=2
     )
-    out = sa.ragged_attention_pallas(
+    out = sa.ragged_sparse_attention_pallas(
         *args_of(batch), scale=0.2, config=AttentionLaunchConfig(2, 2, 4, 2, 2), interpret=True, poison=True
     )
     assert np.all(np.asarray(out) == 0.0)
@@ -310,9 +321,9 @@ def test_tile_table_covers_every_slot_once(block_q):
         seq_lens = q_lens + rng.integers(0, 50, len(q_lens))
         qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
         num_tokens = int(qsl[-1]) + int(rng.integers(0, 9))
-        num_tiles = sa._num_tiles_bound(num_tokens, len(q_lens), block_q)
+        num_tiles = num_tiles_bound(num_tokens, len(q_lens), block_q)
         tiles = np.asarray(
-            sa._tile_table(jnp.asarray(qsl), jnp.asarray(seq_lens, jnp.int32), num_tokens, block_q, num_tiles)
+            tile_table(jnp.asarray(qsl), jnp.asarray(seq_lens, jnp.int32), num_tokens, block_q, num_tiles)
         )
         owner = np.full(num_tokens, -2)
         for req, start, length, pos0 in tiles:
@@ -360,7 +371,7 @@ def test_union_prepass_matches_sets(block_q, chunk_elements, monkeypatch):
         )
     )
     expected_tiles = np.asarray(
-        sa._tile_table(batch["query_start_loc"], batch["seq_lens"], num_tokens, block_q, tiles.shape[0])
+        tile_table(batch["query_start_loc"], batch["seq_lens"], num_tokens, block_q, tiles.shape[0])
     )
     np.testing.assert_array_equal(tiles[:, [0, 2, 3]], expected_tiles[:, [0, 2, 3]])
     live = tiles[:, 2] > 0
@@ -413,26 +424,29 @@ def test_union_block_counts_match_sets():
 
 
 def test_launch_policy():
-    m3 = {"num_q_heads": 64, "num_kv_heads": 4, "topk": 16, "dense": False}
-    verify = attention_launch_config(backend="cuda", num_tokens=4096, num_requests=512, max_blocks=32, **m3)
+    m3 = {"num_q_heads": 64, "num_kv_heads": 4}
+    sparse = {**m3, "topk": 16}
+    verify = sparse_attention_launch_config(
+        chip="hopper", num_tokens=4096, num_requests=512, max_blocks=32, **sparse
+    )
     # 4 tokens x 16 heads = 64-row tiles, one warpgroup (two programs per SM), 32-key steps.
     assert (verify.block_q, verify.num_splits, verify.num_warps, verify.block_k) == (4, 1, 4, 32)
     # The query tile plus num_stages K/V buffers fit the shared-memory budget.
     rows = verify.block_q * 16
     smem = rows * 128 * 2 + verify.num_stages * 2 * verify.block_k * 128 * 2
-    assert smem <= sa.CHIP_POLICIES["cuda"].smem_bytes
-    dense = attention_launch_config(
-        backend="cuda", num_tokens=4096, num_requests=512, max_blocks=32, **{**m3, "dense": True}
+    assert smem <= tuning.TABLES["hopper"].sparse_attention.smem_bytes
+    dense = paged_attention_launch_config(
+        chip="hopper", num_tokens=4096, num_requests=512, max_blocks=32, **m3
     )
     assert (dense.block_q, dense.num_warps) == (8, 8)  # dense tiles: 128 rows, two warpgroups
-    decode = attention_launch_config(backend="cuda", num_tokens=512, num_requests=512, max_blocks=32, **m3)
+    decode = sparse_attention_launch_config(chip="hopper", num_tokens=512, num_requests=512, max_blocks=32, **sparse)
     assert (decode.block_q, decode.num_splits) == (1, 1)
-    single = attention_launch_config(backend="cuda", num_tokens=8, num_requests=1, max_blocks=256, **m3)
+    single = sparse_attention_launch_config(chip="hopper", num_tokens=8, num_requests=1, max_blocks=256, **sparse)
     assert single.block_q == 4 and single.num_splits > 1
-    rocm = attention_launch_config(backend="rocm", num_tokens=8, num_requests=1, max_blocks=256, **m3)
+    rocm = sparse_attention_launch_config(chip="cdna3", num_tokens=8, num_requests=1, max_blocks=256, **sparse)
     assert rocm.num_warps <= 16 and rocm.num_splits > 1
-    override = attention_launch_config(
-        backend="cuda",
+    override = sparse_attention_launch_config(
+        chip="hopper",
         num_tokens=8,
         num_requests=1,
         max_blocks=256,
@@ -441,11 +455,11 @@ def test_launch_policy():
         num_warps=2,
         num_stages=1,
         block_k=32,
-        **m3,
+        **sparse,
     )
     assert override == AttentionLaunchConfig(2, 3, 2, 1, 32)
-    with pytest.raises(ValueError, match="backend"):
-        attention_launch_config(backend="tpu", num_tokens=8, num_requests=1, max_blocks=4, **m3)
+    with pytest.raises(ValueError, match="chip"):
+        sparse_attention_launch_config(chip="rocm", num_tokens=8, num_requests=1, max_blocks=4, **sparse)
 
 
 def test_bad_inputs_raise_value_errors():
@@ -470,9 +484,10 @@ def test_bad_inputs_raise_value_errors():
         ragged_sparse_attention(*a, scale=0.1, block_k=3)
 
 
-@pytest.mark.parametrize("platform", ["cuda", "rocm"])
-def test_lowers_for_gpu(platform):
-    """Deviceless Triton lowering at M3 TP1 shapes (64/4 heads of 128, topk 16, page 128, bf16)."""
+@pytest.mark.parametrize("chip", ["hopper", "cdna3"])
+def test_lowers_for_gpu(chip):
+    """Deviceless Triton lowering at M3 TP1 shapes (64/4 heads of 128, topk 16, page 128, bf16), for each
+    platform with its chip's launch tables."""
     S = jax.ShapeDtypeStruct
     for num_tokens, num_rows, max_blocks in ((4096, 512, 32), (8, 1, 256)):
         shapes = (
@@ -487,10 +502,10 @@ def test_lowers_for_gpu(platform):
         text = lower_for_gpu(
             ragged_sparse_attention,
             *shapes,
-            platform=platform,
+            platform=tuning.chip_platform(chip),
             scale=128**-0.5,
             interpret=False,
-            backend=platform,
+            chip=chip,
         )
         assert "triton" in text.lower() and "ragged_sparse_attention_bq" in text
         if num_rows == 1:  # split-K: the merge kernel is there too
@@ -503,6 +518,129 @@ def test_kernel_dots_are_full_fp32_for_fp32_inputs(dtype):
     cache gives fp32 attention on a GPU, and leave bf16 dots on the bf16 tensor-core path."""
     a = jax.ShapeDtypeStruct((16, 32), dtype)
     with jax.default_matmul_precision("default"):  # JAX's own default, not the suite's "highest"
-        (eqn,) = jax.make_jaxpr(lambda x, y: sa._dot(x, y, contract_b=1))(a, a).eqns
+        (eqn,) = jax.make_jaxpr(lambda x, y: attention_walk._dot(x, y, contract_b=1))(a, a).eqns
     highest = (jax.lax.Precision.HIGHEST,) * 2
     assert (eqn.params["precision"] == highest) == (dtype == jnp.float32)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Supported shapes, the chip's own merge table, the reference's signature.
+# ------------------------------------------------------------------------------------------------------------
+
+
+def pallas_calls(fn, *args) -> dict:
+    """``{kernel name: pallas_call params}`` of every Pallas call ``fn(*args)`` traces (nested jits included)."""
+    found = {}
+
+    def visit(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                found[str(eqn.params["name"])] = eqn.params
+                continue
+            for value in eqn.params.values():
+                inner = getattr(value, "jaxpr", value)
+                if hasattr(inner, "eqns"):
+                    visit(inner)
+
+    visit(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def test_supports_reports_the_limits():
+    m3 = {"num_q_heads": 64, "num_kv_heads": 4, "topk": 16}
+    assert sa.supports(page_size=128, head_dim=128, dtype=jnp.bfloat16, **m3)
+    assert sa.supports(page_size=16, head_dim=16, dtype=jnp.float32, **m3)
+    assert not sa.supports(page_size=8, head_dim=128, dtype=jnp.bfloat16, **m3)  # the dots' N: 8 keys
+    assert not sa.supports(page_size=128, head_dim=8, dtype=jnp.bfloat16, **m3)  # the dots' K
+    assert sa.supports(page_size=8, head_dim=8, dtype=jnp.bfloat16, interpret=True, **m3)
+    assert not sa.supports(page_size=24, head_dim=128, dtype=jnp.bfloat16, interpret=True, **m3)  # not a power of 2
+    assert not sa.supports(page_size=128, head_dim=128, dtype=jnp.float64, **m3)
+    assert sa.supports(page_size=128, head_dim=128, dtype=jnp.float64, interpret=True, **m3)
+    assert not sa.supports(page_size=128, head_dim=128, dtype=jnp.bfloat16, num_q_heads=6, num_kv_heads=4, topk=16)
+    assert sa.supports(page_size=128, head_dim=128, dtype=jnp.bfloat16, num_q_heads=8, num_kv_heads=8, topk=256)
+    assert not sa.supports(
+        page_size=128, head_dim=128, dtype=jnp.bfloat16, num_q_heads=8, num_kv_heads=8, topk=257, interpret=True
+    )  # a one-token tile would hold 512 selection entries
+    with pytest.raises(ValueError, match="chip"):
+        sa.supports(page_size=128, head_dim=128, dtype=jnp.bfloat16, chip="cuda", **m3)
+
+
+@pytest.mark.parametrize("page, dim", [(16, 32), (8, 32), (16, 8)])
+def test_supports_agrees_with_the_compiled_kernel(page, dim):
+    """Where ``supports`` says yes the kernel lowers to Triton; where it says no the kernel refuses."""
+    S = jax.ShapeDtypeStruct
+    shapes = (S((8, 4, dim), jnp.bfloat16), S((2, 9, page, dim), jnp.bfloat16), S((2, 9, page, dim), jnp.bfloat16),
+              S((2, 4), jnp.int32), S((2,), jnp.int32), S((3,), jnp.int32), S((8, 2, 3), jnp.int32))
+    kw = {"platform": "cuda", "scale": 0.1, "interpret": False, "chip": "hopper"}
+    expected = sa.supports(page_size=page, head_dim=dim, num_q_heads=4, num_kv_heads=2, topk=3,
+                           dtype=jnp.bfloat16, chip="hopper")
+    assert expected == (min(page, dim) >= 16)
+    if expected:
+        assert "ragged_sparse_attention_bq" in lower_for_gpu(ragged_sparse_attention, *shapes, **kw)
+    else:
+        with pytest.raises(ValueError, match="implementation='reference'"):
+            lower_for_gpu(ragged_sparse_attention, *shapes, **kw)
+
+
+def test_split_k_merge_uses_the_chips_own_table(monkeypatch):
+    """Each chip's merge (and pre-pass) settings reach the kernels: a cdna3 merge table of 8 rows and 2 warps
+    launches ``cdiv(T * H_q, 8)`` merge programs with 2 warps, while hopper keeps its own."""
+    monkeypatch.setitem(
+        tuning.TABLES,
+        "cdna3",
+        dataclasses.replace(
+            tuning.TABLES["cdna3"], merge=tuning.MergeTable(block_rows=8, num_warps=2), prepass=tuning.PrepassTable(1)
+        ),
+    )
+    batch = make_batch(np.random.default_rng(9), q_lens=[5], seq_lens=[40], page=4, dim=16, kv_heads=2, group=2)
+    shape = {"num_tokens": 8, "num_requests": 1, "num_q_heads": 4, "num_kv_heads": 2, "topk": 3, "max_blocks": 12,
+             "page": 4, "head_dim": 16, "num_splits": 3}
+    for chip, rows, warps, prepass in (("cdna3", 8, 2, 1), ("hopper", 32, 4, 4)):
+        config = sparse_attention_launch_config(chip=chip, **shape)
+        assert (config.merge_rows, config.merge_warps, config.prepass_warps) == (rows, warps, prepass)
+        calls = pallas_calls(
+            functools.partial(sa.ragged_sparse_attention_pallas, scale=0.25, config=config, interpret=True),
+            *args_of(batch),
+        )
+        (merge,) = (p for name, p in calls.items() if "merge" in name)
+        assert merge["grid_mapping"].grid == (-(-8 * 4 // rows),)
+        assert merge["compiler_params"].num_warps == warps
+        (prepass_call,) = (p for name, p in calls.items() if "tiles" in name)
+        assert prepass_call["compiler_params"].num_warps == prepass
+        out = sa.ragged_sparse_attention_pallas(*args_of(batch), scale=0.25, config=config, interpret=True)
+        assert_close(out, oracle(batch, 0.25), "f32", 5)
+
+
+def test_reference_takes_the_kernel_signature():
+    kernel = inspect.signature(ragged_sparse_attention).parameters
+    reference = inspect.signature(ragged_sparse_attention_reference).parameters
+    assert list(kernel) == list(reference)
+    for name, p in kernel.items():
+        assert (p.kind, p.annotation) == (reference[name].kind, reference[name].annotation), name
+        if name != "implementation":  # the reference's default names itself
+            assert p.default == reference[name].default, name
+
+
+def test_misspelt_keyword_raises():
+    b = make_batch(np.random.default_rng(4), q_lens=[2], seq_lens=[10], page=4, dim=16)
+    for fn in (ragged_sparse_attention_reference, ragged_sparse_attention):
+        with pytest.raises(TypeError, match="num_split"):
+            fn(*args_of(b), scale=0.1, num_split=2)
+        with pytest.raises(TypeError, match="backend"):
+            fn(*args_of(b), scale=0.1, backend="rocm")  # the old name of ``chip``
+
+
+def test_reference_ignores_tunables_without_recompiling():
+    """Launch tunables, ``chip`` and ``interpret`` reuse the reference's compiled program; a new ``scale``
+    (positive control) compiles a new one."""
+    b = make_batch(np.random.default_rng(5), q_lens=[3, 1], seq_lens=[19, 6], page=4, dim=16, pad_slots=5)
+    want = np.asarray(ragged_sparse_attention_reference(*args_of(b), scale=0.3))
+    compiled = sa._reference._cache_size()
+    for tunables in ({"block_q": 8}, {"num_splits": 3, "num_warps": 8, "num_stages": 1}, {"block_k": 2},
+                     {"chip": "cdna3", "interpret": True, "implementation": "pallas"}):
+        np.testing.assert_array_equal(
+            np.asarray(ragged_sparse_attention_reference(*args_of(b), scale=0.3, **tunables)), want
+        )
+    assert sa._reference._cache_size() == compiled
+    ragged_sparse_attention_reference(*args_of(b), scale=0.2)
+    assert sa._reference._cache_size() == compiled + 1

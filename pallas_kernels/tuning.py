@@ -1,0 +1,474 @@
+"""Kernel launch policy: one chip vocabulary, one chip detection, and every kernel's per-chip launch table.
+
+Chips (each runs on one platform, ``"cuda"`` or ``"rocm"``):
+
+* ``"hopper"``: NVIDIA H100 / H200 (sm_90). Every CUDA value below was measured on an H200
+  (``docs/BENCHMARKS.md``, ``docs/kernels/*.md``).
+* ``"ampere"``: any other NVIDIA GPU (Ampere, Ada, Blackwell): the indexer's conservative table, the Hopper
+  attention tables; none of it measured on such a part.
+* ``"cdna3"``: AMD MI300X / MI325X (gfx942); also AMD parts not named below. Untuned guesses.
+* ``"cdna4"``: AMD MI350X / MI355X (gfx950): cdna3's untuned tables.
+
+:func:`detect_chip` names the default device's chip (``None`` off GPU); :func:`resolve_chip` turns a kernel's
+``chip=`` argument into a chip, ``DEFAULT_CHIP`` when there is no GPU (interpret mode then makes the launch
+choices of the measured chip). The tables sit side by side in ``TABLES`` (one :class:`ChipTables` per chip:
+the indexer, the sparse and the dense attention walks, the walks' tile pre-pass and split-K merge), and the
+policy functions (:func:`indexer_launch_config`, :func:`sparse_attention_launch_config`,
+:func:`paged_attention_launch_config`) turn static shapes and a chip into a launch config. Retune here, nowhere
+else. Every in-kernel shape is a power of 2 and ``num_warps <= 16`` (AMD wavefronts are 64 lanes wide), so the
+kernels stay portable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from pallas_kernels._common import cdiv, next_pow2, num_tiles_bound
+from pallas_kernels.platform import gpu_platform_name
+
+# ------------------------------------------------------------------------------------------------------------
+# Kernel limits the policies respect (and each kernel module's ``supports`` reports).
+# ------------------------------------------------------------------------------------------------------------
+
+# Triton's dot needs M, N and K of at least 16 when compiled (interpret mode has no such limit).
+MIN_DOT_DIM = 16
+# Input dtypes of the compiled kernels (interpret mode takes any floating dtype).
+COMPILED_DTYPES = ("bfloat16", "float16", "float32")
+# Tokens per sparse-attention tile: a union block's token mask is one int32.
+MAX_SPARSE_BLOCK_Q = 32
+# Entries of one sparse tile's selection list (block_q * next_pow2(topk)); the pre-pass compares them against a
+# fixed number of (selection, block id) pairs per step, so the cap keeps its block-id chunks at >= 32 ids.
+MAX_SELECTION_ENTRIES = 256
+
+# ------------------------------------------------------------------------------------------------------------
+# Chips and their detection.
+# ------------------------------------------------------------------------------------------------------------
+
+DEFAULT_CHIP = "hopper"
+
+_HOPPER_KINDS = ("h100", "h200", "h800", "h20", "gh200")
+_CDNA4_KINDS = ("gfx950", "mi350", "mi355")
+
+
+def chip_for(platform: str, device_kind: str) -> str:
+    """The chip of a GPU from its platform (``"cuda"`` / ``"rocm"``) and ``device_kind``."""
+    kind = device_kind.lower()
+    if platform == "cuda":
+        return "hopper" if any(n in kind for n in _HOPPER_KINDS) else "ampere"
+    if platform == "rocm":
+        return "cdna4" if any(n in kind for n in _CDNA4_KINDS) else "cdna3"
+    raise ValueError(f"platform must be 'cuda' or 'rocm', got {platform!r}")
+
+
+def detect_chip() -> str | None:
+    """The chip of JAX's default device; ``None`` without a GPU."""
+    platform = gpu_platform_name()
+    return None if platform is None else chip_for(platform, jax.devices()[0].device_kind)
+
+
+def resolve_chip(chip: str | None) -> str:
+    """A kernel's ``chip=`` argument: a chip of ``TABLES``; ``None`` = the default device's, or
+    ``DEFAULT_CHIP`` without a GPU."""
+    if chip is None:
+        chip = detect_chip() or DEFAULT_CHIP
+    if chip not in TABLES:
+        raise ValueError(f"chip must be one of {sorted(TABLES)}, got {chip!r}")
+    return chip
+
+
+def chip_platform(chip: str) -> str:
+    """``"cuda"`` or ``"rocm"``: the platform ``chip`` runs on (what ``platform.lower_for_gpu`` takes)."""
+    return TABLES[resolve_chip(chip)].platform
+
+
+def core_count(chip: str) -> int:
+    """SMs (NVIDIA) / CUs (AMD) to fill: the device's own count when it is a ``chip`` that reports one, else
+    the table's."""
+    if detect_chip() == chip:
+        count = getattr(jax.devices()[0], "core_count", None)
+        if isinstance(count, int) and count > 0:
+            return count
+    return TABLES[chip].num_cores
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Per-chip launch tables.
+# ------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerTable:
+    """``ragged_index_topk``'s knobs."""
+
+    num_warps: int  # scoring kernel, for score tiles up to 4096 elements; doubled above
+    num_stages: int  # software pipelining depth of the key loop
+    programs_per_core: int  # resident programs to aim for when splitting the key range
+    max_block_q: int  # largest query tile (prefill chunks)
+    fused_max_elems: int  # largest pooled-score tile [block_q * H, max_blocks] kept in registers (fused)
+    select_elems: int = 1024  # pooled scores per program of the split path's selection kernel
+    long_context_blocks: int = 128  # from this many blocks per request on, split the key range ...
+    long_context_splits: int = 4  # ... at least this many ways: ragged context lengths unbalance programs
+
+
+@dataclasses.dataclass(frozen=True)
+class WalkTile:
+    """Launch settings of an attention walk for query tiles of at least ``min_rows`` rows."""
+
+    min_rows: int
+    num_warps: int
+    num_stages: int
+    block_k: int  # keys per step of the walk (a power-of-2 part of a page)
+
+
+@dataclasses.dataclass(frozen=True)
+class WalkTable:
+    """One attention walk's knobs (sparse or dense paged attention)."""
+
+    tiles: tuple[WalkTile, ...]  # largest min_rows first: the first a tile reaches applies
+    smem_bytes: int  # budget for the query tile + num_stages K/V buffers; block_k is halved to fit
+    max_splits: int  # split-K cap (partial outputs cost T * H_q * D * 4 bytes per split)
+    max_rows: int = 128  # query rows per program (block_q * group)
+
+    def tile(self, rows: int) -> WalkTile:
+        return next((t for t in self.tiles if rows >= t.min_rows), self.tiles[-1])
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepassTable:
+    """The walks' tile (sparse: tile and union) pre-pass kernel."""
+
+    num_warps: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class MergeTable:
+    """The walks' split-K merge kernel."""
+
+    block_rows: int = 32  # output rows per program
+    num_warps: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class ChipTables:
+    platform: str  # "cuda" or "rocm"
+    num_cores: int  # SMs / CUs; the device's own count is used when it reports one (core_count)
+    indexer: IndexerTable
+    sparse_attention: WalkTable
+    paged_attention: WalkTable
+    prepass: PrepassTable = PrepassTable()
+    merge: MergeTable = MergeTable()
+
+
+# Hopper walk tiles, from the H200 sweeps (docs/kernels/sparse_attention.md): the sparse walk is fastest in 64-row
+# tiles (4 tokens x 16 heads: one warpgroup, 4 warps) with 32-key steps and 3 stages: ~166 registers and 49 KiB
+# of shared memory, so several programs share an SM and one's softmax overlaps another's tensor-core work;
+# 128-row tiles (8 warps, both warpgroups in lockstep at every barrier) are 1.13x slower there. Dense tiles read
+# every block, where the doubled L2 traffic of 64-row tiles costs more than it saves (1.21x slower): 128 rows,
+# 64-key steps, 5 stages (the page-id load, the K/V copy and the math each get a pipeline stage, two K/V steps
+# in flight). Decode tiles (16 rows) are HBM-bound; 3 stages. 227 KiB of shared memory per block.
+_HOPPER_TILES = (
+    WalkTile(min_rows=128, num_warps=8, num_stages=5, block_k=64),
+    WalkTile(min_rows=64, num_warps=4, num_stages=3, block_k=32),
+    WalkTile(min_rows=16, num_warps=4, num_stages=3, block_k=64),
+)
+# Split-K: the merge kernel costs more per split than a short sparse walk gains (8 splits beat 11 and 32 at
+# 1x8x32K); the long dense walk wants more.
+_HOPPER_SPARSE = WalkTable(tiles=_HOPPER_TILES, smem_bytes=200 * 1024, max_splits=8, max_rows=64)
+_HOPPER_DENSE = WalkTable(tiles=_HOPPER_TILES, smem_bytes=200 * 1024, max_splits=16, max_rows=128)
+
+# CDNA3 (MI300X, gfx942): 304 CUs, 64-wide wavefronts (4 warps = 256 lanes), 64 KiB LDS per CU. Not measured:
+# conservative 2-stage pipelines, 32-key walk steps.
+_CDNA3_WALK_TILES = (WalkTile(min_rows=16, num_warps=4, num_stages=2, block_k=32),)
+_CDNA3 = ChipTables(
+    platform="rocm",
+    num_cores=304,
+    indexer=IndexerTable(
+        num_warps=4, num_stages=2, programs_per_core=2, max_block_q=32, fused_max_elems=8192
+    ),
+    sparse_attention=WalkTable(tiles=_CDNA3_WALK_TILES, smem_bytes=64 * 1024, max_splits=16),
+    paged_attention=WalkTable(tiles=_CDNA3_WALK_TILES, smem_bytes=64 * 1024, max_splits=16),
+)
+
+TABLES: dict[str, ChipTables] = {
+    # Hopper: 132 SMs (H100 SXM / H200), 228 KiB shared memory per SM.
+    "hopper": ChipTables(
+        platform="cuda",
+        num_cores=132,
+        indexer=IndexerTable(
+            num_warps=4, num_stages=3, programs_per_core=4, max_block_q=32, fused_max_elems=8192
+        ),
+        sparse_attention=_HOPPER_SPARSE,
+        paged_attention=_HOPPER_DENSE,
+    ),
+    # Other NVIDIA parts (A100: 108 SMs): shallower indexer pipelines; the attention walks keep Hopper's tables
+    # (their 200 KiB shared-memory budget is more than an A100 block gets: retune before serving there).
+    "ampere": ChipTables(
+        platform="cuda",
+        num_cores=108,
+        indexer=IndexerTable(
+            num_warps=4, num_stages=2, programs_per_core=4, max_block_q=32, fused_max_elems=8192
+        ),
+        sparse_attention=_HOPPER_SPARSE,
+        paged_attention=_HOPPER_DENSE,
+    ),
+    "cdna3": _CDNA3,
+    # CDNA4 (MI350X / MI355X, gfx950): 256 CUs, 160 KiB LDS per CU; cdna3's tables until measured.
+    "cdna4": dataclasses.replace(_CDNA3, num_cores=256),
+}
+
+CHIPS = tuple(TABLES)
+
+# ------------------------------------------------------------------------------------------------------------
+# Launch configs and the policy functions.
+# ------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerLaunchConfig:
+    """Static launch settings of one ``ragged_index_topk`` call.
+
+    block_q: query tokens per program (power of 2; ``block_q * pow2(H)`` is the dot's M and must be >= 16).
+    pages_per_step: key pages loaded and scored per loop iteration (power of 2).
+    num_splits: programs sharing one query tile's key range; 1 selects the fused single-kernel path.
+    num_warps / num_stages: Triton settings of the scoring kernel.
+    select_rows: rows (token x head) per selection chunk of the split path's selection kernel (power of 2).
+    select_num_warps: Triton warps of that selection kernel.
+    """
+
+    block_q: int = 8
+    pages_per_step: int = 1
+    num_splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    select_rows: int = 16
+    select_num_warps: int = 4
+
+    def validate(self) -> None:
+        for name in ("block_q", "pages_per_step", "select_rows"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of 2, got {v}")
+        if self.num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
+        for name in ("num_warps", "select_num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v > 16 or v & (v - 1):  # <= 16: AMD wavefronts are 64 lanes wide
+                raise ValueError(f"{name} must be a power of 2 in [1, 16], got {v}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+
+
+def indexer_launch_config(
+    *,
+    num_tokens: int,
+    num_requests: int,
+    num_heads: int,
+    max_blocks: int,
+    page_size: int,
+    chip: str | None = None,
+) -> IndexerLaunchConfig:
+    """Launch settings from static shapes only (``T``, ``R``, ``H``, ``max_blocks``, page) and the chip."""
+    chip = resolve_chip(chip)
+    pol = TABLES[chip].indexer
+    hp = next_pow2(num_heads)
+    min_block_q = max(1, MIN_DOT_DIM // hp)  # the dot needs M >= 16
+    avg_q = cdiv(max(num_tokens, 1), max(num_requests, 1))
+    block_q = min(max(next_pow2(avg_q), min_block_q), max(pol.max_block_q, min_block_q))
+    page_p2 = next_pow2(page_size)
+    m = block_q * hp
+    num_warps = pol.num_warps if m * page_p2 <= 4096 else 2 * pol.num_warps
+    # Tiles that will hold tokens: one per request for short queries, else T / block_q.
+    live_tiles = max(1, min(num_requests, num_tokens) if avg_q <= block_q else cdiv(num_tokens, block_q))
+    target = core_count(chip) * pol.programs_per_core
+    min_blocks_per_split = 4
+    max_splits = max(1, cdiv(max_blocks, min_blocks_per_split))
+    num_splits = max(1, min(target // live_tiles, max_splits))
+    if max_blocks >= pol.long_context_blocks:
+        # One program per request waits for the longest context; 4 splits cut the ragged 512 x 1..8 x <=32K
+        # batch from 667 to 601 us on the H200 (docs/bench_results/indexer_h200.json).
+        num_splits = max(num_splits, min(pol.long_context_splits, max_splits))
+    if num_splits == 1 and m * next_pow2(max_blocks) > pol.fused_max_elems:
+        num_splits = 2  # pooled scores too large for registers: go through the scratch + selection kernel
+    # Selection is a chain of topk dependent row reductions: many small programs (about 1024 scores each, one
+    # warp) finish it with the least latency.
+    nb_p2 = next_pow2(max_blocks)
+    select_rows = max(1, min(m, pol.select_elems // nb_p2))
+    select_num_warps = min(4, max(1, select_rows * nb_p2 // pol.select_elems))
+    # The dot's N is page x pages_per_step and must be >= 16: small pages are scored several at a time.
+    pages_per_step = max(1, MIN_DOT_DIM // page_p2)
+    return IndexerLaunchConfig(
+        block_q=block_q,
+        pages_per_step=pages_per_step,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        num_stages=pol.num_stages,
+        select_rows=select_rows,
+        select_num_warps=select_num_warps,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionLaunchConfig:
+    """Static launch settings of one sparse or dense attention call: the walk, its pre-pass and its merge."""
+
+    block_q: int  # tokens of one request per program (power of 2)
+    num_splits: int  # split-K programs per (request tile, KV head)
+    num_warps: int
+    num_stages: int
+    block_k: int = 0  # keys per step (power of 2 dividing the page); 0: the whole page
+    prepass_warps: int = 4  # warps of the tile (and union) pre-pass kernel
+    merge_rows: int = 32  # output rows per program of the split-K merge kernel
+    merge_warps: int = 4  # warps of the split-K merge kernel
+
+
+def sparse_attention_launch_config(
+    *,
+    num_tokens: int,
+    num_requests: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    topk: int,
+    max_blocks: int,
+    page: int = 128,
+    head_dim: int = 128,
+    itemsize: int = 2,
+    chip: str | None = None,
+    block_q: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    block_k: int | None = None,
+) -> AttentionLaunchConfig:
+    """Launch settings of ``ragged_sparse_attention``; explicit arguments win over the policy.
+
+    ``block_q``: the mean query length ``T / R`` rounded up to a power of 2, capped so that a tile has at most
+    the table's ``max_rows`` query rows, at most ``MAX_SELECTION_ENTRIES`` selection entries and at most
+    ``MAX_SPARSE_BLOCK_Q`` tokens. At M3 shapes on Hopper: decode gets 1-token tiles (16 rows), K = 7
+    verification 4-token tiles (64 rows). The rest as in :func:`paged_attention_launch_config`, with a walk of
+    at most ``min(max_blocks, block_q * topk)`` blocks.
+    """
+    return _attention_launch_config(
+        "sparse_attention",
+        topk=topk,
+        chip=chip,
+        num_tokens=num_tokens,
+        num_requests=num_requests,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        max_blocks=max_blocks,
+        page=page,
+        head_dim=head_dim,
+        itemsize=itemsize,
+        block_q=block_q,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        block_k=block_k,
+    )
+
+
+def paged_attention_launch_config(
+    *,
+    num_tokens: int,
+    num_requests: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    max_blocks: int,
+    page: int = 128,
+    head_dim: int = 128,
+    itemsize: int = 2,
+    chip: str | None = None,
+    block_q: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    block_k: int | None = None,
+) -> AttentionLaunchConfig:
+    """Launch settings of ``ragged_paged_attention``; explicit arguments win over the policy.
+
+    ``block_q``: the mean query length rounded up to a power of 2, capped at the table's ``max_rows`` query
+    rows (M3 on Hopper: 8-token, 128-row verification tiles). ``num_warps``, ``num_stages``, ``block_k``: the
+    table's ``WalkTile`` for the tile's row count; ``block_k`` is halved until the query tile and
+    ``num_stages`` K/V buffers fit ``smem_bytes``. ``num_splits``: 1 when the tiles already fill the chip, else
+    enough splits for about one program per core, at most ``max_splits``. Pre-pass and merge: the chip's tables.
+    """
+    return _attention_launch_config(
+        "paged_attention",
+        topk=None,
+        chip=chip,
+        num_tokens=num_tokens,
+        num_requests=num_requests,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        max_blocks=max_blocks,
+        page=page,
+        head_dim=head_dim,
+        itemsize=itemsize,
+        block_q=block_q,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        block_k=block_k,
+    )
+
+
+def _attention_launch_config(
+    kernel: str,
+    *,
+    topk: int | None,
+    chip: str | None,
+    num_tokens: int,
+    num_requests: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    max_blocks: int,
+    page: int,
+    head_dim: int,
+    itemsize: int,
+    block_q: int | None,
+    num_splits: int | None,
+    num_warps: int | None,
+    num_stages: int | None,
+    block_k: int | None,
+) -> AttentionLaunchConfig:
+    """The walk policy of ``kernel`` (a ``WalkTable`` field of ``ChipTables``); ``topk`` is None for dense."""
+    chip = resolve_chip(chip)
+    tables = TABLES[chip]
+    table: WalkTable = getattr(tables, kernel)
+    group = num_q_heads // num_kv_heads
+    if block_q is None:
+        mean_q = cdiv(num_tokens, max(num_requests, 1))
+        block_q = min(next_pow2(mean_q), max(1, table.max_rows // group))
+        if topk is not None:
+            block_q = min(block_q, max(1, MAX_SELECTION_ENTRIES // next_pow2(topk)), MAX_SPARSE_BLOCK_Q)
+        block_q = max(1, min(block_q, next_pow2(num_tokens)))
+    rows = max(16, next_pow2(block_q * group))
+    tile = table.tile(rows)
+    if num_splits is None:
+        programs = num_tiles_bound(num_tokens, num_requests, block_q) * num_kv_heads
+        cores = core_count(chip)
+        walk = max_blocks if topk is None else min(max_blocks, block_q * topk)
+        num_splits = 1 if programs >= cores else min(table.max_splits, cdiv(cores, programs), max(1, walk))
+    if num_warps is None:
+        num_warps = tile.num_warps
+    if num_stages is None:
+        num_stages = tile.num_stages
+    if block_k is None:
+        block_k = min(page, tile.block_k)
+        q_bytes = rows * head_dim * itemsize
+        while (
+            block_k > 16 and q_bytes + max(num_stages, 1) * 2 * block_k * head_dim * itemsize > table.smem_bytes
+        ):
+            block_k //= 2
+    return AttentionLaunchConfig(
+        block_q=int(block_q),
+        num_splits=int(num_splits),
+        num_warps=int(num_warps),
+        num_stages=int(num_stages),
+        block_k=int(min(block_k, page)),
+        prepass_warps=tables.prepass.num_warps,
+        merge_rows=tables.merge.block_rows,
+        merge_warps=tables.merge.num_warps,
+    )
