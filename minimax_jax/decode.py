@@ -190,6 +190,10 @@ def forward_ragged(
     in attention and never write the caches.
     """
     cfg = model.cfg
+    bad = [i for i in capture_layers if not 0 <= i < cfg.num_hidden_layers]
+    if bad:
+        raise ValueError(f"capture_layers {bad} are not layers of this {cfg.num_hidden_layers}-layer model (the "
+                         f"embedding output, -1, is the caller's: model.embed(input_ids))")
     check_cache(cache, cfg)
     check_batch(batch, page_size=cache.page_size, max_positions=cfg.max_position_embeddings)
     t = batch.num_tokens

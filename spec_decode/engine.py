@@ -112,10 +112,10 @@ class Engine:
         else:
             if drafter is None:
                 raise ValueError(f"verification={verification!r} needs a drafter (or use verification='none')")
+            _check_drafter_fits(drafter, target)
             if not 1 <= k <= drafter.block_size:
                 raise ValueError(f"num_speculative_tokens must be in [1, {drafter.block_size}] (the drafter's "
                                  f"block size), got {num_speculative_tokens}")
-            _check_drafter_fits(drafter, target)
         for name, v, lo in (("max_num_seqs", max_num_seqs, 1), ("max_num_batched_tokens", max_num_batched_tokens, 1)):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
@@ -344,6 +344,12 @@ class Engine:
         budget = self._budget(stale, a["scheduled"][dec], n_sampling, base, rb)
         return self._rebudget(step, budget)
 
+    def _prepare(self, step: ScheduledStep, sched: Scheduler) -> ScheduledStep:
+        """Last host decisions before a step runs: profile the cost table where it is incomplete."""
+        if self._profile_costs and step.num_decode and self.k:
+            step = self._profile(step, sched)
+        return step
+
     # ------------------------------------------------------------------ running
     def stream(self, prompts, *, max_new_tokens: int | None = None, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int = 0, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
@@ -422,8 +428,7 @@ class Engine:
                 step = sched.schedule(budget_fn=self._budget)
                 if step is None:
                     raise RuntimeError("the scheduler could not place any work (page pool too small?)")
-                if self._profile_costs and step.num_decode and self.k:
-                    step = self._profile(step, sched)
+                step = self._prepare(step, sched)
                 h1 = time.perf_counter()
                 out = jax.device_get(self._run(step))  # the one read-back of the step
                 h2 = time.perf_counter()

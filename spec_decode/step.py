@@ -145,7 +145,8 @@ def init_state(target, drafter, *, num_slots: int, num_pages: int, max_model_len
         num_cached=jnp.zeros((num_slots,), jnp.int32),
         last_token=jnp.zeros((num_slots,), jnp.int32),
         prev_confidences=jnp.ones((num_slots, max(k, 1)), jnp.float32),
-        estimator=init_estimator(k) if use_estimator and k > 0 else None,
+        # distinct buffers for every leaf: the state is donated, and one buffer may not be donated twice
+        estimator=jax.tree.map(jnp.copy, init_estimator(k)) if use_estimator and k > 0 else None,
     )
 
 

@@ -5,7 +5,9 @@ import jax
 import numpy as np
 import pytest
 
-from minimax_jax import init_drafter
+from flax import nnx
+
+from minimax_jax import DSparkDrafter, init_drafter
 from minimax_jax.drafter_config import DSparkConfig
 from spec_decode import Engine, SamplingParams
 from spec_decode.cost_table import CostTable
@@ -191,8 +193,10 @@ def test_drafter_for_another_target_is_refused(target):
     with pytest.raises(ValueError, match="hidden_size"):
         Engine(target, init_drafter(cfg, wide), verification="fixed")
     deep_cfg = DSparkConfig.for_target(target_config(), mask_token_id=VOCAB - 1, block_size=4,
-                                       target_layer_ids=(1, 3))
-    deep = init_drafter(deep_cfg.replace(target_layer_ids=(1, 9), num_target_layers=None), target)
+                                       target_layer_ids=(1, 3)).replace(target_layer_ids=(1, 9), num_target_layers=12)
+    # built directly (init_drafter would refuse it too): features of layer 9 of a 12-layer target
+    deep = DSparkDrafter(deep_cfg, embed_tokens=target.embed_tokens[...], lm_head=target.lm_head[...],
+                         dtype=target.dtype, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="target_layer_ids"):
         Engine(target, deep, verification="fixed")
 

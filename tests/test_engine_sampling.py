@@ -1,0 +1,121 @@
+"""Stochastic speculative decoding is lossless: the engine's samples follow target-only sampling (chi-square over
+many seeds, temperature 1 and top-p), and the budget's staleness is what keeps adaptive verification lossless: a
+variant that plans the budget from the *current* confidences (a negative control built only here) is biased."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spec_decode import Engine
+from spec_decode.cost_table import CostTable
+from tests.engine_models import VOCAB, bigram_drafter, damped_target, target_probs
+
+PROMPT = [1, 7, 19, 4, 25, 11, 9, 30, 6, 14, 22, 5, 17, 8]  # 14 tokens: MSA selection live (topk x block = 12)
+N = 1200  # requests (seeds) per engine
+HIGH = set(range(0, VOCAB, 2))  # confidence of the next draft is high after an even draft token
+
+
+def staleness_pair():
+    """K = 2. c_1 = 0.5 whatever the anchor (STS temperature 1000); c_2 = sigmoid(+-4): high iff draft 1 is even.
+
+    With the cost table below, a budget planned from these *current* confidences verifies both drafts when draft 1
+    is even and none when it is odd, so whether draft 1 is verified depends on draft 1 itself."""
+    target = damped_target(damping=0.3, sharpness=2.0)
+    drafter = bigram_drafter(target, block_size=2, confidence=True)
+    w = drafter.confidence_head.proj.kernel[...]
+    d = target.cfg.hidden_size
+    markov_w = jnp.asarray([4.0 if t in HIGH else -4.0 for t in range(VOCAB)], jnp.float32)
+    drafter.confidence_head.proj.kernel[...] = w.at[:d].set(0.0).at[d:, 0].set(markov_w)
+    drafter.confidence_head.proj.bias[...] = jnp.zeros_like(drafter.confidence_head.proj.bias[...])
+    drafter.set_sts_temperatures([1000.0, 1.0])
+    return target, drafter
+
+
+# value(0) = 1 / 1.0 beats value(2) = (1 + 0.5 + 0.5 c_2) / 1.75 unless c_2 is high (module docstring)
+COSTS = CostTable.from_measurements({1: 1.0, 2: 1.75, 3: 1.75})
+
+
+class CurrentConfidenceBudget(Engine):
+    """NEGATIVE CONTROL: plans each step's budget from the confidences of the drafts it is about to verify."""
+
+    def _prepare(self, step, sched):
+        dry = dataclasses.replace(step, arrays={**step.arrays, "commit": np.asarray(False)})
+        out = jax.device_get(self._run(dry))  # same drafts: keys depend on (seed, position) only
+        a = step.arrays
+        dec = [i for i, r in enumerate(step.row_requests) if r is not None and a["prefill_len"][i] == 0]
+        if not dec:
+            return step
+        budget = self._budget(out.confidences[dec], a["scheduled"][dec], len(dec), len(dec), step.key[0])
+        return self._rebudget(step, budget)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return staleness_pair()
+
+
+def exact_marginals(target, temperature=1.0, top_p=1.0):
+    """P(token 2) and P(token 3) of target-only sampling after PROMPT (filtered by top-p)."""
+    def dist(prefixes):
+        p = target_probs(target, prefixes, temperature, length=32)
+        if top_p < 1.0:
+            srt = np.sort(p, axis=-1)[:, ::-1]
+            before = np.cumsum(srt, axis=-1) - srt
+            thresh = np.min(np.where(before < top_p, srt, np.inf), axis=-1, keepdims=True)
+            p = np.where(p >= thresh, p, 0.0)
+            p /= p.sum(-1, keepdims=True)
+        return p
+
+    p1 = dist([PROMPT])[0]
+    p2_given = dist([PROMPT + [a] for a in range(VOCAB)])  # [V, V]
+    p12 = p1[:, None] * p2_given
+    p3_given = dist([PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)]).reshape(VOCAB, VOCAB, VOCAB)
+    return p12.sum(0), (p12[:, :, None] * p3_given).sum((0, 1))
+
+
+def sample_tokens(engine, **kw):
+    res = engine.generate([PROMPT] * N, max_new_tokens=3, ignore_eos=True, seed=0, progress=False, **kw)
+    toks = np.asarray([r.token_ids for r in res])
+    return toks, res.stats
+
+
+def chi2_pvalue(samples, probs):
+    counts = np.bincount(samples, minlength=VOCAB).astype(np.float64)
+    expected = probs * len(samples)
+    keep = expected >= 5  # pool rare cells
+    obs = np.concatenate([counts[keep], [counts[~keep].sum()]])
+    exp = np.concatenate([expected[keep], [expected[~keep].sum()]])
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+        assert counts[~keep].sum() == 0, "samples outside the support"
+    stat = float(np.sum((obs - exp) ** 2 / exp))
+    return float(jax.scipy.special.gammaincc((len(obs) - 1) / 2.0, stat / 2.0))
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_adaptive_sampling_matches_target_only_sampling(pair, top_p):
+    target, drafter = pair
+    eng = Engine(target, drafter, num_speculative_tokens=2, verification="adaptive", cost_table={1: COSTS},
+                 max_num_seqs=1, max_model_len=32, implementation="reference")
+    toks, st = sample_tokens(eng, temperature=1.0, top_p=top_p)
+    p2, p3 = exact_marginals(target, top_p=top_p)
+    assert st["mean_verified_drafts_per_step"] > 0.5  # drafts were verified (and some rejected)
+    assert st["mean_acceptance_length"] > 1.1
+    assert chi2_pvalue(toks[:, 1], p2) > 1e-3
+    assert chi2_pvalue(toks[:, 2], p3) > 1e-3
+
+
+def test_budget_from_current_confidences_is_biased(pair):
+    target, drafter = pair
+    control = CurrentConfidenceBudget(target, drafter, num_speculative_tokens=2, verification="adaptive",
+                                      cost_table={1: COSTS}, max_num_seqs=1, max_model_len=32,
+                                      implementation="reference")
+    toks, _ = sample_tokens(control, temperature=1.0)
+    p2, _ = exact_marginals(target)
+    # the control verifies draft 1 only when it is even: even second tokens are over-represented
+    even = np.isin(toks[:, 1], list(HIGH)).mean()
+    assert even > p2[list(HIGH)].sum() + 0.05
+    assert chi2_pvalue(toks[:, 1], p2) < 1e-6
