@@ -207,3 +207,14 @@ def test_drafter_without_confidence_head_runs_on_the_estimator(target, prompts, 
         eng = Engine(target, drafter, num_speculative_tokens=3, verification="adaptive", cost_table=None, **COMMON)
     res = eng.generate(prompts[:2], sampling_params=greedy_params(MAX_NEW[:2]), progress=False)
     assert [r.token_ids for r in res] == references[:2]
+
+
+def test_logits_cap_holds_in_fixed_mode(target, drafters, prompts, references):
+    """2 rows x (1 + 7) would need 16 verify-logits rows; with a cap of 10 fixed K verifies fewer, evenly."""
+    with pytest.warns(UserWarning, match="verifies fewer than K=7"):
+        eng = Engine(target, drafters[7], num_speculative_tokens=7, verification="fixed", cost_table=None,
+                     max_total_logit_rows=10, **COMMON)
+    res = eng.generate(prompts, sampling_params=greedy_params(MAX_NEW), progress=False)
+    assert [r.token_ids for r in res] == references
+    assert max(res.stats["verified_drafts_per_step"]) <= 10 - 2
+    assert max(v for r in res for v in r.stats["verified_drafts_per_step"]) == 7  # alone, a request gets all 7

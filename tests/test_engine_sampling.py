@@ -77,7 +77,8 @@ def exact_marginals(target, temperature=1.0, top_p=1.0):
 
 
 def sample_tokens(engine, **kw):
-    res = engine.generate([PROMPT] * N, max_new_tokens=3, ignore_eos=True, seed=0, progress=False, **kw)
+    # 4 new tokens: the first verify step may verify both drafts (the last one never drafts past the budget)
+    res = engine.generate([PROMPT] * N, max_new_tokens=4, ignore_eos=True, seed=0, progress=False, **kw)
     toks = np.asarray([r.token_ids for r in res])
     return toks, res.stats
 
