@@ -52,6 +52,7 @@ def parse_args(argv):
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--eval-every", type=int, default=0, help="steps between held-out evals (0: 8 per run)")
     ap.add_argument("--checkpoint-minutes", type=float, default=2.0)
+    ap.add_argument("--stop-after", type=int, default=None, help="at most this many steps in this invocation")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     smoke = args.smoke or args.preset == "smoke"
@@ -70,6 +71,9 @@ def parse_args(argv):
 
 
 def main(argv: list[str] | None = None) -> int:
+    global _START
+    if argv is not None:  # called in-process (tests): the time budget starts now, not at import
+        _START = time.time()
     args = parse_args(argv)
     import jax
     import jax.numpy as jnp
@@ -127,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = loop.LoopSettings(
         max_minutes=args.max_minutes, reserve_minutes=args.reserve_minutes, planned_steps=run_meta["planned_steps"],
         max_steps=max_steps, warmup=args.warmup, peak_lr=args.lr, log_every=args.log_every, eval_every=args.eval_every,
-        checkpoint_minutes=args.checkpoint_minutes, expected_phases=2 if args.dense_warmup > 0 else 1)
+        checkpoint_minutes=args.checkpoint_minutes, stop_after=args.stop_after, expected_phases=2 if args.dense_warmup > 0 else 1)
     step_fn_jit = tt.make_train_step(graphdef, optimizer, cfg.moe_layer_ids, compute_dtype=compute_dtype,
                                      kl_weight=args.kl_weight, bias_rate=args.bias_rate,
                                      pad_id=tokenizer.pad_token_id)

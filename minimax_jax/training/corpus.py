@@ -406,3 +406,27 @@ def prepare_corpus(out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike,
     with open(os.path.join(os.fspath(out_dir), "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
     return meta
+
+
+def stream_prompts(stream: TokenStream, num_prompts: int, length: int, *, exclude_files: Sequence[str] = (),
+                   stride: int = 1024) -> list[list[int]]:
+    """Token prompts of ``length`` tokens from a split's documents (not those in ``exclude_files``): windows at
+    offsets ``0, stride, 2 * stride, ...`` of each document (a document's first window starts with its BOS),
+    taken round-robin over the documents until ``num_prompts`` are collected (fewer if the split runs out)."""
+    skip = set(exclude_files)
+    docs = [i for i in range(stream.num_documents) if not stream.files or stream.files[i] not in skip]
+    prompts: list[list[int]] = []
+    offset = 0
+    while len(prompts) < num_prompts:
+        added = False
+        for i in docs:
+            doc = stream.document(i)
+            if offset + length + 1 <= doc.size:
+                prompts.append([int(t) for t in doc[offset:offset + length]])
+                added = True
+                if len(prompts) == num_prompts:
+                    break
+        if not added:
+            break
+        offset += stride
+    return prompts

@@ -187,6 +187,7 @@ class LoopSettings:
     eval_every: int = 0  # 0: about 8 evaluations over the plan
     checkpoint_minutes: float = 2.0
     expected_phases: int = 1  # step variants (compilations) the plan will meet, e.g. 2 with a dense warm-up
+    stop_after: int | None = None  # at most this many steps in this invocation (then checkpoint and return)
 
 
 class TrainLoop:
@@ -231,12 +232,16 @@ class TrainLoop:
         bar = tqdm(total=planned or provisional, initial=step, desc=self.desc, dynamic_ncols=True,
                    mininterval=5.0, disable=False)
         stop_reason = "plan finished"
+        first_step = step
         while True:
             limit = planned or provisional
             if step >= limit and planned is not None:
                 break
             if time.time() >= self.deadline:
                 stop_reason = "time limit"
+                break
+            if s.stop_after is not None and step - first_step >= s.stop_after:
+                stop_reason = "stop-after"
                 break
             phase = phase_fn(step, planned) if phase_fn is not None else "train"
             t0 = time.time()

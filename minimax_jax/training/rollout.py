@@ -42,6 +42,7 @@ class RolloutResult:
     confidence_logits: np.ndarray | None
     num_verify: int
     temperature: float
+    row_ids: np.ndarray | None = None  # prompt index of each record
 
     @property
     def steps(self) -> int:
@@ -102,10 +103,13 @@ def _rollout_step(tgraph, tstate, dgraph, dstate, buf, lengths, drafts, draft_pr
 
 def speculative_rollout(target, drafter, prompts: Sequence[Sequence[int]], *, num_verify: int, temperature: float,
                         max_new_tokens: int, seed: int = 0, eos_token_ids: Sequence[int] = (),
-                        pad_id: int = 0) -> RolloutResult:
+                        pad_id: int = 0, length: int | None = None) -> RolloutResult:
     """Generate up to ``max_new_tokens`` per prompt with speculative decoding, verifying ``num_verify`` drafts
     per step (``1 <= num_verify <= block_size``; the drafter always drafts its whole block). ``temperature`` 0 is
-    greedy (the output is then the target's own greedy continuation). Rows stop at an EOS token."""
+    greedy (the output is then the target's own greedy continuation). Rows stop at an EOS token.
+
+    ``length``: the token buffer's size (one compilation per (rows, length, greedy or not)); default: the
+    longest prompt + ``max_new_tokens`` + two blocks, rounded up to 64."""
     kk = drafter.cfg.block_size
     if not 1 <= num_verify <= kk:
         raise ValueError(f"num_verify must be in [1, block_size={kk}], got {num_verify}")
@@ -113,7 +117,11 @@ def speculative_rollout(target, drafter, prompts: Sequence[Sequence[int]], *, nu
         raise ValueError("every prompt needs at least one token")
     r = len(prompts)
     p_max = max(len(p) for p in prompts)
-    length = -(-(p_max + max_new_tokens + 2 * kk + 2) // 64) * 64
+    need = p_max + max_new_tokens + 2 * kk + 2
+    if length is None:
+        length = -(-need // 64) * 64
+    elif length < need:
+        raise ValueError(f"length {length} is too small for prompts of {p_max} tokens + {max_new_tokens} new")
     buf = np.full((r, length), pad_id, np.int32)
     for i, p in enumerate(prompts):
         buf[i, :len(p)] = p
@@ -128,7 +136,7 @@ def speculative_rollout(target, drafter, prompts: Sequence[Sequence[int]], *, nu
     generated: list[list[int]] = [[] for _ in range(r)]
     active = np.ones((r,), bool)
     prev_conf = np.zeros((r, kk), np.float32)
-    acc_rec, ver_rec, conf_rec = [], [], []
+    acc_rec, ver_rec, conf_rec, row_rec = [], [], [], []
     first = True
     buf_d, len_d = jnp.asarray(buf), jnp.asarray(lengths)
     while active.any():
@@ -142,6 +150,7 @@ def speculative_rollout(target, drafter, prompts: Sequence[Sequence[int]], *, nu
                 acc_rec.append(int(n_acc[i]))
                 ver_rec.append(int(nv[i]))
                 conf_rec.append(prev_conf[i].copy())
+                row_rec.append(int(i))
             for t in out_tok[i, :n_emit[i]].tolist():
                 generated[i].append(int(t))
                 if int(t) in eos or len(generated[i]) >= max_new_tokens:
@@ -153,7 +162,36 @@ def speculative_rollout(target, drafter, prompts: Sequence[Sequence[int]], *, nu
     return RolloutResult(
         tokens=generated, num_accepted=np.asarray(acc_rec, np.int64), num_verified=np.asarray(ver_rec, np.int64),
         confidence_logits=np.asarray(conf_rec, np.float32).reshape(-1, kk) if has_conf else None,
-        num_verify=num_verify, temperature=float(temperature))
+        num_verify=num_verify, temperature=float(temperature), row_ids=np.asarray(row_rec, np.int64))
+
+
+def batched_rollout(target, drafter, prompts: Sequence[Sequence[int]], *, rows: int, **kw) -> RolloutResult:
+    """:func:`speculative_rollout` over ``prompts`` in batches of exactly ``rows`` (the last one padded with
+    repeats of its first prompt, whose records are dropped): one compiled shape for any number of prompts."""
+    parts = []
+    for start in range(0, len(prompts), rows):
+        chunk = list(prompts[start:start + rows])
+        real = len(chunk)
+        chunk += [chunk[0]] * (rows - real)
+        res = speculative_rollout(target, drafter, chunk, **kw)
+        if real < rows:
+            res = _drop_rows(res, real)
+        parts.append(res)
+    return RolloutResult(
+        tokens=[t for p in parts for t in p.tokens], num_accepted=np.concatenate([p.num_accepted for p in parts]),
+        num_verified=np.concatenate([p.num_verified for p in parts]),
+        confidence_logits=None if parts[0].confidence_logits is None else np.concatenate(
+            [p.confidence_logits for p in parts]),
+        num_verify=parts[0].num_verify, temperature=parts[0].temperature,
+        row_ids=np.concatenate([p.row_ids + i * rows for i, p in enumerate(parts)]))
+
+
+def _drop_rows(res: RolloutResult, keep: int) -> RolloutResult:
+    rows = res.row_ids < keep
+    return dataclasses.replace(
+        res, tokens=res.tokens[:keep], num_accepted=res.num_accepted[rows], num_verified=res.num_verified[rows],
+        confidence_logits=None if res.confidence_logits is None else res.confidence_logits[rows],
+        row_ids=res.row_ids[rows])
 
 
 # ----------------------------------------------------------------------------------------------- calibration

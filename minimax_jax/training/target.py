@@ -33,6 +33,7 @@ from flax import nnx
 
 from minimax_jax import msa
 from minimax_jax.attention import MASK_VALUE, grouped_attention
+from minimax_jax.layers import swigluoai
 from minimax_jax.model import MiniMaxM3ForCausalLM
 from minimax_jax.training.loop import apply_updates, cast_floats, global_norm
 
@@ -121,14 +122,38 @@ def _attention(attn, x, positions, cos, sin, *, dense: bool, distill: bool):
     return attn.o_proj(out.reshape(b, s, -1)), aux
 
 
+def moe_all_experts(moe, x: jax.Array) -> jax.Array:
+    """``MoE.__call__`` computed by running every token through every routed expert and weighting by the
+    router's (zero for unselected experts) weights: the same function and roundings as the grouped
+    ``ragged_dot`` path, without ``ragged_dot``'s backward (whose GPU lowering we cannot rely on); ``E / k``
+    times the routed FLOPs, which is small at the default's 8 experts of 64."""
+    c = moe.cfg
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    weights, experts = moe.gate(x2)  # [N, k]
+    full = jnp.zeros((x2.shape[0], c.num_local_experts), jnp.float32)
+    full = full.at[jnp.arange(x2.shape[0])[:, None], experts].add(weights)  # [N, E]
+    wgu, wd = moe.experts_gate_up[...], moe.experts_down[...]
+    h = jnp.einsum("nd,edf->enf", x2.astype(wgu.dtype), wgu, preferred_element_type=jnp.float32).astype(wgu.dtype)
+    h = swigluoai(h, alpha=c.swiglu_alpha, limit=c.swiglu_limit, beta=c.swiglu_beta)
+    y = jnp.einsum("enf,efd->end", h, wd, preferred_element_type=jnp.float32).astype(wd.dtype).astype(jnp.float32)
+    out = jnp.einsum("end,ne->nd", y, full)
+    if moe.shared_experts is not None:
+        out = out + moe.shared_experts(x2).astype(jnp.float32)
+    return out.astype(x.dtype).reshape(shape)
+
+
 def train_forward(model: MiniMaxM3ForCausalLM, input_ids: jax.Array, *, dense: bool = False,
-                  distill: bool = True) -> tuple[jax.Array, dict]:
+                  distill: bool = True, moe_impl: str = "model") -> tuple[jax.Array, dict]:
     """Residual stream after the last layer ``[B, S, d]`` (before the final norm) and the training aux terms.
 
     ``dense=True`` makes sparse layers attend densely (warm-up); ``dense=False, distill=False`` computes exactly
-    ``model.hidden_states(input_ids)[0]``. Aux: ``kl_sum, kl_count, recall_sum, recall_count`` (summed over
-    sparse layers) and ``expert_load f32[L_moe, E]`` (token-expert assignments per MoE layer).
+    ``model.hidden_states(input_ids)[0]``. ``moe_impl``: "model" (the model's grouped ``ragged_dot`` MoE) or
+    "all_experts" (:func:`moe_all_experts`, the same function). Aux: ``kl_sum, kl_count, recall_sum,
+    recall_count`` (summed over sparse layers) and ``expert_load f32[L_moe, E]`` (token-expert assignments).
     """
+    if moe_impl not in ("model", "all_experts"):
+        raise ValueError(f"moe_impl must be 'model' or 'all_experts', got {moe_impl!r}")
     cfg = model.cfg
     b, s = input_ids.shape
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
@@ -145,7 +170,8 @@ def train_forward(model: MiniMaxM3ForCausalLM, input_ids: jax.Array, *, dense: b
         if cfg.is_moe_layer(i):
             _, experts = layer.mlp.gate(jax.lax.stop_gradient(hn).reshape(-1, hn.shape[-1]))
             loads.append(jnp.bincount(experts.reshape(-1), length=cfg.num_local_experts).astype(jnp.float32))
-        x = h + layer.mlp(hn)
+        x = h + (moe_all_experts(layer.mlp, hn) if moe_impl == "all_experts" and cfg.is_moe_layer(i)
+                 else layer.mlp(hn))
     totals["expert_load"] = jnp.stack(loads) if loads else jnp.zeros((0, 1), jnp.float32)
     return x, totals
 
@@ -172,18 +198,19 @@ def router_bias_update(biases, loads: jax.Array, moe_layer_ids, rate: float):
 
 
 def make_train_step(graphdef, optimizer, moe_layer_ids, *, compute_dtype, kl_weight: float = 1.0,
-                    bias_rate: float = 1e-3, pad_id: int | None = None):
+                    bias_rate: float = 1e-3, pad_id: int | None = None, moe_impl: str = "all_experts"):
     """``step(state, batch int32[B, S + 1], lr, dense=...) -> (state, metrics)``, jitted (state donated).
 
     ``state = {"params": f32 State, "biases": State, "opt": optimiser state}``; ``graphdef`` from
     ``nnx.split(model, is_router_bias, nnx.Param)`` of a model built in ``compute_dtype``; ``moe_layer_ids`` from
     its config. The loss is ``CE + kl_weight * indexer KL``; the router biases move by ``bias_rate`` per step.
+    ``moe_impl`` as in :func:`train_forward` (default "all_experts": no ``ragged_dot`` in the backward pass).
     """
 
     def loss_fn(params, biases, batch, dense):
         model = nnx.merge(graphdef, biases, cast_floats(params, compute_dtype))
         inputs, labels = batch[:, :-1], batch[:, 1:]
-        hidden, aux = train_forward(model, inputs, dense=dense)
+        hidden, aux = train_forward(model, inputs, dense=dense, moe_impl=moe_impl)
         nll = token_nll(model, hidden, labels)
         mask = jnp.ones_like(nll) if pad_id is None else (labels != pad_id).astype(jnp.float32)
         ce = jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
