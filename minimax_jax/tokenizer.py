@@ -180,7 +180,7 @@ def load_tokenizer(path: str | os.PathLike, *, bos_token: str | None = None, eos
         raise TokenizerError(f"{file} is not a tokenizers file (no 'model' object)")
     try:
         backend = Backend.from_str(json.dumps(raw))
-    except Exception as e:  # the Rust side raises plain Exceptions
+    except Exception as e:  # noqa: BLE001 - the Rust side raises plain Exceptions
         raise TokenizerError(f"{file} could not be loaded by the tokenizers library: {e}") from None
 
     specials: dict[str, str | None] = dict.fromkeys(SPECIAL_TOKEN_KEYS)

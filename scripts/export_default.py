@@ -38,16 +38,17 @@ def card_numbers(target_results: dict | None, drafter_results: dict | None) -> s
     out = []
     if target_results:
         t = target_results
-        out += [f"- target: {t['parameters']:,} parameters, {t['export_bytes'] / 1e6:.2f} MB on disk; "
-                f"{t['steps']} steps of {t['batch']} x {t['seq_len']} tokens ({t['epochs']:.2f} epochs, "
-                f"{t.get('seconds_per_step') or float('nan'):.3f} s/step) on {t['device']}, "
-                f"{t['wall_minutes']:.1f} min",
-                f"- held-out bits per byte (bf16 export): {t['heldout_bpb_bf16_export']:.4f} "
-                f"({t['heldout_bytes']:,} bytes)"]
+        out += [(f"- target: {t['parameters']:,} parameters, {t['export_bytes'] / 1e6:.2f} MB on disk; "
+                 f"{t['steps']} steps of {t['batch']} x {t['seq_len']} tokens ({t['epochs']:.2f} epochs, "
+                 f"{t.get('seconds_per_step') or float('nan'):.3f} s/step) on {t['device']}, "
+                 f"{t['wall_minutes']:.1f} min"),
+                (f"- held-out bits per byte (bf16 export): {t['heldout_bpb_bf16_export']:.4f} "
+                 f"({t['heldout_bytes']:,} bytes)")]
         if t.get("final_train"):
             f = t["final_train"]
-            out.append(f"- final train CE {f.get('ce', float('nan')):.4f} nats/token, indexer KL "
-                       f"{f.get('indexer_kl', float('nan')):.4f}, MSA selection recall {f.get('recall', float('nan')):.3f}")
+            nan = float("nan")
+            out.append(f"- final train CE {f.get('ce', nan):.4f} nats/token, indexer KL "
+                       f"{f.get('indexer_kl', nan):.4f}, MSA selection recall {f.get('recall', nan):.3f}")
         out.append(f"- held-out expert load (share per expert): {json.dumps(t.get('expert_load_heldout'))}")
     if drafter_results:
         d = drafter_results
@@ -64,7 +65,7 @@ def card_numbers(target_results: dict | None, drafter_results: dict | None) -> s
         out.append(f"- STS temperatures: {[round(x, 3) for x in d['sts_temperatures']]}")
         for key, r in d["report"].items():
             if "ece_before_sts" in r:
-                fmt = lambda xs: ", ".join(f"{x:.3f}" for x in xs)  # noqa: E731
+                fmt = lambda xs: ", ".join(f"{x:.3f}" for x in xs)
                 out.append(f"- ECE ({key}) before STS: {fmt(r['ece_before_sts'])}; after: {fmt(r['ece_after_sts'])}")
     return "\n".join(out)
 
@@ -131,8 +132,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{res.summary()['acceptance_length']:.2f}):")
     print(prompt + tokenizer.decode(res.tokens[0]))
 
-    load = lambda p: json.load(open(p)) if p else None  # noqa: E731
-    numbers = card_numbers(load(args.target_results), load(args.drafter_results))
+    def read(path):
+        if not path:
+            return None
+        with open(path) as f:
+            return json.load(f)
+
+    numbers = card_numbers(read(args.target_results), read(args.drafter_results))
     if numbers:
         print("\nnumbers for docs/MODEL_CARD.md:\n" + numbers)
     return 0

@@ -14,11 +14,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from minimax_jax.default import DEFAULT_DIR  # noqa: E402
-from minimax_jax.training import corpus  # noqa: E402
-
 
 def main(argv: list[str] | None = None) -> int:
+    from minimax_jax.default import DEFAULT_DIR
+    from minimax_jax.training import corpus
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="out/corpus", help="where the token arrays go")
     ap.add_argument("--tokenizer-dir", default=os.path.join(DEFAULT_DIR, "tokenizer"))

@@ -83,19 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import jax
     import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
 
-    from minimax_jax import DSparkDrafter, load_drafter, load_model, save_drafter
+    from minimax_jax import load_drafter, load_model, save_drafter
     from minimax_jax.tokenizer import load_tokenizer
-    from minimax_jax.training import corpus, loop, presets
-    from minimax_jax.training import dspark as ds
+    from minimax_jax.training import corpus, presets
     from minimax_jax.training import rollout as ro
 
     def stamp():
         return f"[{(time.time() - _START) / 60:.1f} min]"
 
-    compute_dtype = getattr(jnp, args.compute_dtype)
     os.makedirs(args.run_dir, exist_ok=True)
     tokenizer = load_tokenizer(args.tokenizer)
     corpus.check_corpus_tokenizer(args.corpus, args.tokenizer)
@@ -176,7 +172,6 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(results, f, indent=1)
     print(json.dumps({k: results[k] for k in ("parameters", "sts_temperatures", "export_bytes", "wall_minutes")},
                      indent=1))
-    del DSparkDrafter, nnx, np
     return 0
 
 

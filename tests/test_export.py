@@ -24,8 +24,8 @@ def test_round_trip_and_names(tmp_path):
     a = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     b = dict(nnx.to_flat_state(nnx.state(back, nnx.Param)))
     assert a.keys() == b.keys()
-    for k in a:
-        np.testing.assert_array_equal(np.asarray(a[k].get_value()), np.asarray(b[k].get_value()), err_msg=str(k))
+    for k, var in a.items():
+        np.testing.assert_array_equal(np.asarray(var.get_value()), np.asarray(b[k].get_value()), err_msg=str(k))
     ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 20)), jnp.int32)
     np.testing.assert_array_equal(np.asarray(model(ids)), np.asarray(back(ids)))
     # torch layout on disk: [out, in] and stacked experts [E, 2I, d]

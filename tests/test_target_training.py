@@ -123,7 +123,7 @@ def test_train_step_trains_the_indexer_only_through_its_loss():
         return {p: np.asarray(v.get_value()) for p, v in flat if "indexer" in p}
 
     before = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(params) if "indexer" in p}
-    lm_only, met0 = run(0.0)
+    lm_only, _ = run(0.0)
     both, met1 = run(1.0)
     assert all(np.array_equal(before[p], v) for p, v in indexer_params(lm_only).items())
     assert any(not np.array_equal(before[p], v) for p, v in indexer_params(both).items())
@@ -183,8 +183,8 @@ def test_loop_resumes_exactly(tmp_path):
         ckpt.close()
         return state, meta, metrics.records()
 
-    whole, meta_whole, _ = run(tmp_path / "a", None)
-    part, meta_part, _ = run(tmp_path / "b", 3)
+    whole, _, _ = run(tmp_path / "a", None)
+    _, meta_part, _ = run(tmp_path / "b", 3)
     assert meta_part["step"] == 3 and not meta_part["finished"] and meta_part["stop_reason"] == "stop-after"
     resumed, meta_res, records = run(tmp_path / "b", None)
     assert meta_res["step"] == 7 and meta_res["finished"] and int(resumed["n"]) == 7

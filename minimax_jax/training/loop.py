@@ -138,8 +138,7 @@ class MetricsLog:
         """Drop records after ``max_step`` (logged after the checkpoint a resumed run restarts from)."""
         kept = [r for r in self.records() if r.get("step", 0) <= max_step]
         with open(self.path, "w") as f:
-            for r in kept:
-                f.write(json.dumps(r) + "\n")
+            f.writelines(json.dumps(r) + "\n" for r in kept)
 
     def append(self, record: dict) -> None:
         with open(self.path, "a") as f:
@@ -211,7 +210,7 @@ class TrainLoop:
 
     def warmup_steps(self, planned: int) -> int:
         w = self.s.warmup
-        return int(w) if isinstance(w, int) else max(1, int(round(w * planned)))
+        return int(w) if isinstance(w, int) else max(1, round(w * planned))
 
     def lr(self, step: int, planned: int) -> float:
         return lr_schedule(step, peak=self.s.peak_lr, warmup=self.warmup_steps(planned), total=planned,
@@ -225,7 +224,8 @@ class TrainLoop:
         s = self.s
         step = int(meta.get("step", 0))
         planned = meta.get("planned_steps") or s.planned_steps
-        provisional = planned or max(s.min_steps, 10 * s.calibration_steps)
+        # before the plan is measured, the schedule assumes the largest plan (a slower, safe warmup)
+        provisional = planned or s.max_steps
         seen_phases: set[str] = set()
         timed, timed_s, last_ckpt, compile_s = 0, 0.0, time.time(), 0.0
         eval_every = s.eval_every or max(1, (planned or provisional) // 8)
@@ -233,6 +233,8 @@ class TrainLoop:
                    mininterval=5.0, disable=False)
         stop_reason = "plan finished"
         first_step = step
+        if eval_fn is not None and step == 0:  # the starting point of the curve; compiles before the plan is timed
+            self.metrics.append({"step": 0, "event": "eval", **eval_fn(state, 0)})
         while True:
             limit = planned or provisional
             if step >= limit and planned is not None:

@@ -132,7 +132,7 @@ def speculative_rollout(target, drafter, prompts: Sequence[Sequence[int]], *, nu
     seeds = jnp.asarray(seed + np.arange(r), jnp.int32)
     tgraph, tstate = nnx.split(target)
     dgraph, dstate = nnx.split(drafter)
-    eos = set(int(e) for e in eos_token_ids)
+    eos = {int(e) for e in eos_token_ids}
     generated: list[list[int]] = [[] for _ in range(r)]
     active = np.ones((r,), bool)
     prev_conf = np.zeros((r, kk), np.float32)
