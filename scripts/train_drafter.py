@@ -50,7 +50,7 @@ def parse_args(argv):
     ap.add_argument("--compute-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--prompts", default=os.path.join(DEFAULT_DIR, "prompts.json"), help="held-out report prompts")
     ap.add_argument("--num-prompts", type=int, default=None, help="report prompts used (default all; smoke 2)")
-    ap.add_argument("--calib-prompts", type=int, default=None, help="held-out calibration prompts (64; smoke 2)")
+    ap.add_argument("--calib-prompts", type=int, default=None, help="held-out calibration prompts (32; smoke 2)")
     ap.add_argument("--calib-prompt-len", type=int, default=None, help="tokens per calibration prompt (128)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="tokens per rollout row (256; smoke 8)")
     ap.add_argument("--rollout-rows", type=int, default=None, help="rows per rollout batch (32; smoke 2)")
@@ -64,7 +64,7 @@ def parse_args(argv):
     smoke = args.smoke or args.preset == "smoke"
     args.preset = args.preset or ("smoke" if smoke else "default")
     defaults = dict(batch=(2, 32), seq_len=(64, 1024), anchors=(6, 64), reserve_minutes=(0.0, 3.0),
-                    calib_prompts=(2, 64), calib_prompt_len=(16, 128), max_new_tokens=(8, 256),
+                    calib_prompts=(2, 32), calib_prompt_len=(16, 128), max_new_tokens=(8, 256),
                     rollout_rows=(2, 32), num_prompts=(2, None))
     for name, (small, big) in defaults.items():
         if getattr(args, name) is None:

@@ -49,6 +49,8 @@ def parse_args(argv):
     ap.add_argument("--compute-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--eval-windows", type=int, default=None, help="held-out windows per periodic eval (48)")
     ap.add_argument("--eval-batch", type=int, default=None)
+    ap.add_argument("--final-eval-windows", type=int, default=None,
+                    help="held-out windows of the final evaluation (default: all; smoke: --eval-windows)")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--eval-every", type=int, default=0, help="steps between held-out evals (0: 8 per run)")
     ap.add_argument("--checkpoint-minutes", type=float, default=2.0)
@@ -62,6 +64,8 @@ def parse_args(argv):
     for name, (small, big) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, small if smoke else big)
+    if smoke and args.final_eval_windows is None:
+        args.final_eval_windows = args.eval_windows
     if smoke and args.steps is None:
         args.steps = 6
         args.dense_warmup = 0.34
@@ -170,8 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     master = nnx.merge(graphdef, state["biases"], state["params"])
     save_model(master, export_dir, dtype=jnp.bfloat16)
     shipped = load_model(export_dir, dtype=jnp.bfloat16)
-    full_windows = corpus.eval_windows(heldout.tokens, args.seq_len + 1, pad,
-                                       max_windows=args.eval_windows if args.preset == "smoke" else None)
+    full_windows = corpus.eval_windows(heldout.tokens, args.seq_len + 1, pad, max_windows=args.final_eval_windows)
     final = tt.heldout_bits_per_byte(shipped, full_windows, token_bytes, batch_size=args.eval_batch, bos_id=bos,
                                      pad_id=pad)
     print(f"[{(time.time() - _START) / 60:.1f} min] exported and re-evaluated: held-out {final['bpb']:.4f} bits/byte")
