@@ -164,6 +164,7 @@ def load_tokenizer(path: str | os.PathLike, *, bos_token: str | None = None, eos
       TokenizerError: a file that is not valid JSON or not a tokenizer, or a special token not in the vocabulary.
     """
     try:
+        import tokenizers
         from tokenizers import Tokenizer as Backend
     except ImportError as e:  # pragma: no cover - a dependency of the package
         raise ImportError("the 'tokenizers' package is required: pip install tokenizers") from e
@@ -181,7 +182,8 @@ def load_tokenizer(path: str | os.PathLike, *, bos_token: str | None = None, eos
     try:
         backend = Backend.from_str(json.dumps(raw))
     except Exception as e:  # noqa: BLE001 - the Rust side raises plain Exceptions
-        raise TokenizerError(f"{file} could not be loaded by the tokenizers library: {e}") from None
+        raise TokenizerError(f"{file} could not be loaded by the tokenizers library "
+                             f"({tokenizers.__version__}): {e}") from None
 
     specials: dict[str, str | None] = dict.fromkeys(SPECIAL_TOKEN_KEYS)
     cfg_file = os.path.join(directory, TOKENIZER_CONFIG_FILE)

@@ -8,14 +8,14 @@
 #   scripts/train_default.sh collect drafter DIR
 #   scripts/train_default.sh install            # CPU, here: minimax_jax/assets/default/ + 16 MB check + card numbers
 #
-# Both training scripts stop cleanly before MAX_MINUTES (default 8) with a checkpoint and still export; rerunning
+# Both training scripts stop cleanly before MAX_MINUTES (default 7.5) with a checkpoint and still export; rerunning
 # a step on the same machine resumes from out/*_run/ckpt. OUT defaults to out/gpu when unset.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
 OUT="${OUT:-$ROOT/out/gpu}"
-MAX_MINUTES="${MAX_MINUTES:-8}"
+MAX_MINUTES="${MAX_MINUTES:-7.5}"
 
 copy() {  # copy DEST FILE... (missing files are reported, not fatal: a partial run still returns what it has)
   local dest="$1"; shift

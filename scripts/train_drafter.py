@@ -63,9 +63,9 @@ def parse_args(argv):
     args = ap.parse_args(argv)
     smoke = args.smoke or args.preset == "smoke"
     args.preset = args.preset or ("smoke" if smoke else "default")
-    defaults = dict(batch=(2, 32), seq_len=(64, 1024), anchors=(6, 64), reserve_minutes=(0.0, 3.0),
-                    calib_prompts=(2, 32), calib_prompt_len=(16, 128), max_new_tokens=(8, 256),
-                    rollout_rows=(2, 32), num_prompts=(2, None))
+    defaults = {"batch": (2, 32), "seq_len": (64, 1024), "anchors": (6, 64), "reserve_minutes": (0.0, 3.0),
+                "calib_prompts": (2, 32), "calib_prompt_len": (16, 128), "max_new_tokens": (8, 256),
+                "rollout_rows": (2, 32), "num_prompts": (2, None)}
     for name, (small, big) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, small if smoke else big)
@@ -126,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("no held-out calibration prompts could be made")
     p_max = max(len(p) for p in report_prompts + calib_prompts)
     length = -(-(p_max + args.max_new_tokens + 2 * dcfg.block_size + 2) // 64) * 64
-    kw = dict(rows=args.rollout_rows, max_new_tokens=args.max_new_tokens, eos_token_ids=tokenizer.eos_token_ids,
-              pad_id=tokenizer.pad_token_id, length=length, seed=args.seed)
+    kw = {"rows": args.rollout_rows, "max_new_tokens": args.max_new_tokens,
+          "eos_token_ids": tokenizer.eos_token_ids, "pad_id": tokenizer.pad_token_id, "length": length,
+          "seed": args.seed}
     kk = dcfg.block_size
     calib = [ro.batched_rollout(target, drafter, calib_prompts, num_verify=kk, temperature=t, **kw)
              for t in (0.0, 1.0)]

@@ -59,8 +59,8 @@ def parse_args(argv):
     args = ap.parse_args(argv)
     smoke = args.smoke or args.preset == "smoke"
     args.preset = args.preset or ("smoke" if smoke else "default")
-    defaults = dict(batch=(4, 32), seq_len=(64, 1024), eval_windows=(4, 48), eval_batch=(4, 16),
-                    reserve_minutes=(0.0, 1.5))
+    defaults = {"batch": (4, 32), "seq_len": (64, 1024), "eval_windows": (4, 48), "eval_batch": (4, 16),
+                "reserve_minutes": (0.0, 1.5)}
     for name, (small, big) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, small if smoke else big)

@@ -149,8 +149,16 @@ def test_router_bias_update_direction():
                                   [0.0, 0.0, 0.0, 0.0])
 
 
+def test_cast_floats_keeps_the_router_bias_fp32():
+    state = nnx.state(init_model(CFG, dtype=jnp.float32, seed=0))
+    cast = loop.cast_floats(state, jnp.bfloat16)
+    assert cast["layers"][1]["mlp"]["gate"]["e_score_correction_bias"][...].dtype == jnp.float32
+    assert cast["layers"][1]["mlp"]["gate"]["kernel"][...].dtype == jnp.bfloat16
+    assert cast["embed_tokens"][...].dtype == jnp.bfloat16
+
+
 def test_lr_schedule():
-    kw = dict(peak=1.0, warmup=10, total=110, final_ratio=0.1)
+    kw = {"peak": 1.0, "warmup": 10, "total": 110, "final_ratio": 0.1}
     assert loop.lr_schedule(0, **kw) == pytest.approx(0.1)
     assert loop.lr_schedule(9, **kw) == pytest.approx(1.0)
     assert loop.lr_schedule(60, **kw) == pytest.approx(0.55)

@@ -71,9 +71,9 @@ def cast_floats(tree, dtype, *, keep_fp32: tuple[str, ...] = KEEP_FP32):
     ``keep_fp32`` names (the router's selection bias stays f32, as in the model)."""
 
     def cast(path, x):
-        last = path[-1] if path else None
-        name = getattr(last, "key", getattr(last, "name", None))
-        if name in keep_fp32 or not jnp.issubdtype(x.dtype, jnp.floating):
+        # an nnx.State path ends in the Variable's own attribute (e.g. GetAttrKey("value")): look at every entry
+        names = {getattr(k, "key", getattr(k, "name", None)) for k in path}
+        if names & set(keep_fp32) or not jnp.issubdtype(x.dtype, jnp.floating):
             return x
         return x.astype(dtype)
 

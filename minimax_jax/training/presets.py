@@ -34,8 +34,8 @@ PRESETS = ("default", "smoke")
 def target_config(preset: str, *, vocab_size: int, bos_token_id: int, eos_token_id: int,
                   pad_token_id: int | None) -> MiniMaxM3Config:
     """The target's MiniMax-M3 config for ``preset`` ("default" or "smoke"), with the tokenizer's ids."""
-    tokens = dict(vocab_size=vocab_size, bos_token_id=bos_token_id, eos_token_id=(eos_token_id,),
-                  pad_token_id=pad_token_id, tie_word_embeddings=False)
+    tokens = {"vocab_size": vocab_size, "bos_token_id": bos_token_id, "eos_token_id": (eos_token_id,),
+              "pad_token_id": pad_token_id, "tie_word_embeddings": False}
     if preset == "default":
         n = 5
         return MiniMaxM3Config(
