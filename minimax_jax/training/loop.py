@@ -156,8 +156,12 @@ def plot_curves(records: list[dict], path: str | os.PathLike, *, title: str,
     present = [(k, label) for k, label in series if any(k in r for r in records)]
     if not present:
         return
-    fig, axes = plt.subplots(1, len(present), figsize=(4.5 * len(present), 3.4), squeeze=False)
-    for ax, (key, label) in zip(axes[0], present):
+    ncols = min(3, len(present))
+    nrows = -(-len(present) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.5 * ncols, 3.2 * nrows), squeeze=False)
+    for ax in axes.reshape(-1)[len(present):]:
+        ax.set_visible(False)
+    for ax, (key, label) in zip(axes.reshape(-1), present):
         pts = [(r["step"], r[key]) for r in records if key in r and r[key] is not None]
         xs, ys = zip(*pts)
         ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3)
