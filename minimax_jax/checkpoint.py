@@ -33,6 +33,7 @@ from minimax_jax.safetensors_io import (
     checkpoint_directory,
     compose_rename,
     concat_transpose,
+    experts_transpose,
     identity,
     load_weights,
     transpose,
@@ -58,10 +59,6 @@ def text_model_name(name: str) -> str:
         if n:
             break
     return name
-
-
-def _experts_t(xs):  # HF stacked [E, out, in] -> [E, in, out]
-    return np.swapaxes(xs[0], 1, 2)
 
 
 def _stack_gate_up(num_experts):
@@ -128,13 +125,13 @@ def weight_plan(cfg: MiniMaxM3Config) -> dict[tuple, dict[str, Source]]:
                 "minimax": Source((p + "block_sparse_moe.e_score_correction_bias",), ((e,),), identity),
             }
             plan[M + ("experts_gate_up",)] = {
-                "hf": Source((p + "mlp.experts.gate_up_proj",), ((e, 2 * inter, d),), _experts_t),
+                "hf": Source((p + "mlp.experts.gate_up_proj",), ((e, 2 * inter, d),), experts_transpose),
                 "minimax": Source(
                     tuple(f"{p}block_sparse_moe.experts.{j}.{w}.weight" for j in range(e) for w in ("w1", "w3")),
                     tuple((inter, d) for _ in range(2 * e)), _stack_gate_up(e)),
             }
             plan[M + ("experts_down",)] = {
-                "hf": Source((p + "mlp.experts.down_proj",), ((e, d, inter),), _experts_t),
+                "hf": Source((p + "mlp.experts.down_proj",), ((e, d, inter),), experts_transpose),
                 "minimax": Source(tuple(f"{p}block_sparse_moe.experts.{j}.w2.weight" for j in range(e)),
                                   tuple((d, inter) for _ in range(e)), _stack_down),
             }

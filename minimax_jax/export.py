@@ -15,32 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from minimax_jax.checkpoint import CheckpointError, Source, _concat_t, _experts_t, _same, _t, weight_plan
+from minimax_jax.checkpoint import CheckpointError, weight_plan
+from minimax_jax.safetensors_io import to_checkpoint_tensors
 from minimax_jax.model import MiniMaxM3ForCausalLM
 
 # Tensors kept in float32 whatever ``dtype`` asks: the router's selection-only bias shifts a top-k between
 # sigmoid scores, so rounding it to bf16 would change which experts run.
 KEEP_FP32 = ("e_score_correction_bias",)
-
-
-def to_checkpoint_tensors(src: Source, arr: np.ndarray) -> list[np.ndarray]:
-    """Inverse of ``src.combine``: one JAX-layout array -> the checkpoint tensors named by ``src.names``."""
-    if src.combine is _same:
-        parts = [arr]
-    elif src.combine is _t:
-        parts = [arr.T]
-    elif src.combine is _experts_t:
-        parts = [np.swapaxes(arr, 1, 2)]
-    elif src.combine is _concat_t:
-        cuts = np.cumsum([s[0] for s in src.shapes])[:-1]
-        parts = np.split(arr.T, cuts, axis=0)
-    else:
-        raise CheckpointError(f"no inverse for the transform of {src.names}")
-    parts = [np.ascontiguousarray(p) for p in parts]
-    for name, part, shape in zip(src.names, parts, src.shapes):
-        if part.shape != shape:
-            raise CheckpointError(f"internal: {name} has shape {part.shape}, expected {shape}")
-    return parts
 
 
 def model_tensors(model: MiniMaxM3ForCausalLM, *, dtype=None) -> dict[str, np.ndarray]:
@@ -77,4 +58,4 @@ def save_model(model: MiniMaxM3ForCausalLM, path: str | os.PathLike, *, dtype=No
     model.cfg.save(os.path.join(path, "config.json"))
 
 
-__all__ = ["KEEP_FP32", "model_tensors", "save_model", "to_checkpoint_tensors"]
+__all__ = ["KEEP_FP32", "model_tensors", "save_model"]

@@ -65,18 +65,30 @@ def concat_transpose(xs: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(xs, axis=0).T
 
 
+def experts_transpose(xs: list[np.ndarray]) -> np.ndarray:
+    """Stacked expert weights ``[E, out, in]`` (HF) -> ``[E, in, out]``."""
+    return np.swapaxes(xs[0], 1, 2)
+
+
 def to_checkpoint_tensors(src: Source, arr: np.ndarray) -> list[np.ndarray]:
-    """Inverse of ``src.combine`` for the transforms above: one JAX-layout array -> the tensors of ``src.names``."""
+    """Inverse of ``src.combine`` for the transforms above: one JAX-layout array -> the tensors of ``src.names``
+    (shape-checked against ``src.shapes``)."""
     if src.combine is identity:
         parts = [arr]
     elif src.combine is transpose:
         parts = [arr.T]
+    elif src.combine is experts_transpose:
+        parts = [np.swapaxes(arr, 1, 2)]
     elif src.combine is concat_transpose:
         cuts = np.cumsum([s[0] for s in src.shapes])[:-1]
         parts = np.split(arr.T, cuts, axis=0)
     else:
         raise CheckpointError(f"internal: no inverse for the transform of {src.names}")
-    return [np.ascontiguousarray(p) for p in parts]
+    parts = [np.ascontiguousarray(p) for p in parts]
+    for name, part, shape in zip(src.names, parts, src.shapes):
+        if part.shape != tuple(shape):
+            raise CheckpointError(f"internal: {name} has shape {part.shape}, expected {tuple(shape)}")
+    return parts
 
 
 def compose_rename(user: Rename, canonical: Callable[[str], str]) -> Callable[[str], str]:
