@@ -76,3 +76,13 @@ def load_default(*, dtype=jnp.bfloat16, path: str | os.PathLike | None = None):
 
 
 __all__ = ["DEFAULT_DIR", "DefaultModelMissing", "check_default_present", "default_paths", "load_default"]
+
+
+def load_prompts(path: str | os.PathLike | None = None) -> list[str]:
+    """The committed held-out prompts of the embedded default (Python code openings and headers), as text."""
+    import json
+
+    file = os.path.join(os.fspath(path) if path is not None else DEFAULT_DIR, "prompts.json")
+    with open(file) as f:
+        data = json.load(f)
+    return [p["text"] for p in data["prompts"]]
