@@ -1,6 +1,7 @@
 """Command line: ``python -m minimax_jax <command>`` (also installed as ``minimax-jax``).
 
 Commands:
+  generate  speculative generation (DSpark drafter, adaptive verification) on the embedded default or a checkpoint
   forward   load a checkpoint directory, run the plain causal forward on token ids and greedily extend them
 
 Errors in what the user gave (a bad path, a malformed config or checkpoint, out-of-range token ids, wrong
@@ -68,10 +69,117 @@ def cmd_forward(args) -> int:
     return 0
 
 
+# Ends mid-line: the BPE merges a newline with the indentation after it, so a prompt ending in "\n" asks the model
+# to continue from a token boundary it rarely saw in training.
+DEFAULT_PROMPT = "import codecs\n\n\nclass Codec(codecs.Codec):\n\n    def encode(self, input, errors='strict'):"
+
+
+def _load_pair(args, dtype):
+    """(target, drafter or None, tokenizer or None) from --model/--drafter/--tokenizer, else the embedded default."""
+    import os
+
+    from minimax_jax.checkpoint import load_model
+    from minimax_jax.drafter_checkpoint import load_drafter
+    from minimax_jax.tokenizer import load_tokenizer
+
+    if args.model is None:
+        if args.drafter is not None:
+            raise UsageError("--drafter needs --model (the target it was trained for)")
+        from minimax_jax.default import load_default
+
+        target, drafter, tokenizer = load_default(dtype=dtype)
+        if args.tokenizer is not None:
+            tokenizer = load_tokenizer(args.tokenizer)
+        return target, drafter, tokenizer
+    target = load_model(args.model, dtype=dtype)
+    drafter = load_drafter(args.drafter, target, dtype=dtype) if args.drafter is not None else None
+    tok_path = args.tokenizer
+    if tok_path is None and os.path.isfile(os.path.join(args.model, "tokenizer.json")):
+        tok_path = args.model
+    return target, drafter, (load_tokenizer(tok_path) if tok_path is not None else None)
+
+
+def cmd_generate(args) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    from spec_decode import Engine
+
+    if args.dtype == "auto":
+        dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    else:
+        dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
+    t0 = time.perf_counter()
+    target, drafter, tokenizer = _load_pair(args, dtype)
+    if drafter is None and args.verification != "none":
+        raise UsageError(f"--verification {args.verification} needs a drafter: pass --drafter DIR (or use "
+                         f"--verification none)")
+    if args.ids is not None:
+        prompt = args.ids
+    else:
+        if tokenizer is None:
+            raise UsageError("no tokenizer for a text prompt: pass --tokenizer DIR, or token ids with --ids")
+        prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    engine = Engine(target, drafter, num_speculative_tokens=args.k, verification=args.verification,
+                    max_num_seqs=1, max_model_len=args.max_model_len, tokenizer=tokenizer)
+    load_s = time.perf_counter() - t0
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+              seed=args.seed, ignore_eos=args.ignore_eos, progress=False)
+    if isinstance(prompt, str):
+        print(prompt, end="", flush=True)
+    if args.stream:
+        tokens: list[int] = []
+        shown = ""
+        for _, new in engine.stream([prompt], **{k: v for k, v in kw.items() if k != "progress"}):
+            tokens.extend(new)
+            if tokenizer is not None:
+                text = tokenizer.decode(tokens)
+                print(text[len(shown):], end="", flush=True)
+                shown = text
+            else:
+                print(" ".join(map(str, new)), end=" ", flush=True)
+        print()
+        return 0
+    res = engine.generate([prompt], **kw)
+    r = res[0]
+    print(r.text if r.text is not None else " ".join(map(str, r.token_ids)))
+    st, rs = r.stats, res.stats
+    k = engine.k
+    print("-" * 80)
+    print(f"verification {engine.mode}, K = {k}, kernels {engine.implementation}, loaded in {load_s:.1f}s")
+    print(f"{st['emitted_tokens']} tokens in {rs['wall_time_s']:.2f}s ({rs['output_tokens_per_s']:.1f} tokens/s, "
+          f"compiles included: {rs['compiles']}), finish: {st['finish_reason']}")
+    if k:
+        per_pos = ", ".join("-" if v != v else f"{v:.2f}" for v in rs["per_position_acceptance"])
+        print(f"{st['target_steps']} verify steps, acceptance length {st['acceptance_length']:.2f} "
+              f"(bonus included), verified drafts per step {rs['mean_verified_drafts_per_step']:.2f}")
+        print(f"acceptance per position: {per_pos}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--debug", action="store_true", help="show the full traceback on errors")
     sub = ap.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="speculative generation on the embedded default (or --model/--drafter)")
+    g.add_argument("prompt", nargs="?", default=None, help="the prompt text (default: a short code prompt)")
+    g.add_argument("--ids", type=_parse_ids, default=None, help="the prompt as token ids instead of text")
+    g.add_argument("--verification", choices=["adaptive", "fixed", "none"], default="adaptive")
+    g.add_argument("--k", type=int, default=7, help="drafts per step (1..the drafter's block size)")
+    g.add_argument("--max-new-tokens", type=_non_negative, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--stream", action="store_true", help="print tokens as steps complete")
+    g.add_argument("--model", default=None, help="target checkpoint directory (default: the embedded default)")
+    g.add_argument("--drafter", default=None, help="DSpark drafter directory for --model")
+    g.add_argument("--tokenizer", default=None, help="tokenizer.json or its directory (default: the model's)")
+    g.add_argument("--max-model-len", type=int, default=1024)
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="auto: float32 on CPU, bfloat16 on GPUs")
+    g.set_defaults(func=cmd_generate)
     f = sub.add_parser("forward", help="plain causal forward + greedy extension of token ids")
     f.add_argument("--model", required=True, help="checkpoint directory (config.json + safetensors)")
     f.add_argument("--ids", type=_parse_ids, default=_parse_ids("1 17 42 99 3 250 8 64"),
@@ -85,9 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _user_errors() -> tuple[type[BaseException], ...]:
     from minimax_jax.checkpoint import CheckpointError
     from minimax_jax.config import ConfigError
+    from minimax_jax.default import DefaultModelMissing
 
-    return (UsageError, ConfigError, CheckpointError, ValueError, FileNotFoundError, NotADirectoryError,
-            PermissionError, IsADirectoryError)
+    return (UsageError, ConfigError, CheckpointError, DefaultModelMissing, ValueError, FileNotFoundError,
+            NotADirectoryError, PermissionError, IsADirectoryError)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):

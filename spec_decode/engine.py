@@ -271,7 +271,7 @@ class Engine:
                 if self.tokenizer is None:
                     raise ValueError(f"prompt {i} is a string but the engine has no tokenizer; pass token ids "
                                      f"or Engine(..., tokenizer=...)")
-                ids = list(self.tokenizer.encode(prompt))
+                ids = _encode(self.tokenizer, prompt)
             else:
                 ids = prompt
             ids = check_input_ids(np.asarray(ids, dtype=np.int64) if len(ids) else np.zeros((0,), np.int32),
@@ -460,6 +460,16 @@ class Engine:
             )
             if sched.has_work:  # interrupted (an exception or a closed stream): free the slots for the next run
                 self._state = None
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    """A text prompt as the model saw documents in training: BOS first when the tokenizer has one."""
+    if getattr(tokenizer, "bos_token_id", None) is not None:
+        try:
+            return list(tokenizer.encode(text, add_bos=True))
+        except TypeError:  # a tokenizer without the keyword
+            return [tokenizer.bos_token_id] + list(tokenizer.encode(text))
+    return list(tokenizer.encode(text))
 
 
 def _row_buckets(max_num_seqs: int) -> list[int]:
