@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ids", type=_parse_ids, default=None, help="the prompt as token ids instead of text")
     g.add_argument("--verification", choices=["adaptive", "fixed", "none"], default="adaptive")
     g.add_argument("--k", type=int, default=7, help="drafts per step (1..the drafter's block size)")
-    g.add_argument("--max-new-tokens", type=_non_negative, default=128)
+    g.add_argument("--max-new-tokens", type=_non_negative, default=96)
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)

@@ -127,3 +127,23 @@ def test_cli_forward_runs(capsys):
     out = capsys.readouterr().out
     assert "greedy new ids : []" in out and "shape (1, 8, 256)" in out
     assert load_model(HF_TINY, dtype=jnp.float32).cfg.vocab_size == 256
+
+
+def test_cli_generate_on_the_embedded_default(capsys):
+    assert main(["generate", "def add(a, b):", "--max-new-tokens", "6", "--k", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("def add(a, b):") and "verification adaptive, K = 3" in out
+    assert "acceptance length" in out
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["generate", "--drafter", "/tmp/x"], "--drafter needs --model"),
+    (["generate", "--model", HF_TINY, "x"], "--verification adaptive needs a drafter"),
+    (["generate", "--model", HF_TINY, "--verification", "none", "x"], "no tokenizer"),
+    (["generate", "--ids", "1 5 999999", "--max-new-tokens", "2"], "token id 999999"),
+    (["generate", "x", "--k", "9"], "num_speculative_tokens must be in [1, 7]"),
+])
+def test_cli_generate_errors_are_one_line(capsys, argv, match):
+    assert main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("minimax-jax: error:")]
+    assert len(err) == 1 and match in err[0], err
