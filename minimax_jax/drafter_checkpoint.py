@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 
 import numpy as np
 from flax import nnx
@@ -119,7 +120,8 @@ def load_drafter(path: str | os.PathLike, target: MiniMaxM3ForCausalLM, *, dtype
     Raises:
       FileNotFoundError / NotADirectoryError for a path that does not exist or is a file (without ``config``);
       ConfigError for a malformed or incompatible config; CheckpointError listing every missing, unexpected,
-      mis-shaped and wrongly typed tensor, or naming a safetensors file that cannot be read.
+      mis-shaped and wrongly typed tensor, or naming a safetensors file that cannot be read. A checkpoint whose
+      config declares a confidence head but that holds none of its tensors loads without the head (a warning).
     """
     if config is None:
         path = checkpoint_directory(path, kind="drafter")
@@ -135,6 +137,13 @@ def load_drafter(path: str | os.PathLike, target: MiniMaxM3ForCausalLM, *, dtype
     cfg = config
     cfg.check_compatible(tcfg)
     dtype = target.dtype if dtype is None else dtype
+    head = ("confidence_head.proj.weight", "confidence_head.proj.bias")
+    if cfg.enable_confidence_head and not any(n in reader.names for n in head):
+        # DeepSpec configs may declare the head while a checkpoint was saved without it: load the drafter without
+        # a confidence head (an engine then runs adaptive verification on its online acceptance estimator).
+        warnings.warn(f"drafter checkpoint at {path} declares enable_confidence_head but has no confidence_head "
+                      f"tensors: loaded without a confidence head", stacklevel=2)
+        cfg = cfg.replace(enable_confidence_head=False, confidence_head_with_markov=False, sts_temperatures=None)
 
     graphdef, state = nnx.split(nnx.eval_shape(lambda: DSparkDrafter(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
     shared_shape = (cfg.vocab_size, cfg.hidden_size)

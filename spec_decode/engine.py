@@ -162,6 +162,7 @@ class Engine:
         self._compiled: dict[tuple, object] = {}
         self._step_fns: dict[tuple, object] = {}
         self.num_compiles = 0
+        self._warned_no_eos = False
 
     # ------------------------------------------------------------------ set-up helpers
     def _pool_size(self, num_pages, memory_fraction) -> int:
@@ -281,6 +282,10 @@ class Engine:
                 stop = p.stop_ids(cfg.eos_token_id, cfg.vocab_size)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
+            if not stop and not p.ignore_eos and not self._warned_no_eos:
+                self._warned_no_eos = True
+                warnings.warn("the target's config has no EOS token id (absent, or outside the vocabulary): "
+                              "requests without stop_token_ids run to max_new_tokens", stacklevel=3)
             if len(stop) > self.num_stop_ids:
                 self.num_stop_ids = next_pow2(len(stop))
             need = -(-min(len(ids) + p.max_new_tokens + self.k, self.max_model_len) // self.page_size)
@@ -421,6 +426,7 @@ class Engine:
         t0 = time.perf_counter()
         steps = verify_steps = 0
         verified_per_step: list[int] = []
+        budget_per_step: list[int] = []
         host_s = 0.0
         try:
             while sched.has_work:
@@ -438,6 +444,7 @@ class Engine:
                 if step.num_decode:
                     verify_steps += 1
                     verified_per_step.append(int(np.sum(out.num_verified)))
+                    budget_per_step.append(int(step.arrays["budget"]))
                 for req, new in events:
                     yield req.index, new
         finally:
@@ -453,7 +460,7 @@ class Engine:
                 mean_acceptance_length=decode_emitted / row_steps if row_steps else 0.0,
                 per_position_acceptance=[float(a / v) if v else math.nan for a, v in zip(acc[: self.k],
                                                                                            ver[: self.k])],
-                verified_drafts_per_step=verified_per_step,
+                verified_drafts_per_step=verified_per_step, budget_per_step=budget_per_step,
                 mean_verified_drafts_per_step=float(np.mean(verified_per_step)) if verified_per_step else 0.0,
                 host_time_per_step_s=host_s / steps if steps else 0.0, compiles=self.num_compiles - compiles0,
                 preemptions=sched.num_preemptions, verification=self.mode, num_speculative_tokens=self.k,

@@ -13,7 +13,6 @@ untested. :func:`bigram_pair` builds a pair that agrees most of the time but not
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -109,6 +108,3 @@ def random_prompts(n: int, lengths, seed: int = 0) -> list[list[int]]:
     return [[1] + [int(x) for x in rng.integers(3, VOCAB - 1, size=int(L) - 1)] for L in
             (lengths if hasattr(lengths, "__len__") else [lengths] * n)]
 
-
-def jit_state_of(module) -> jax.Array:
-    return nnx.state(module)

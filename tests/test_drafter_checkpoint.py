@@ -219,3 +219,23 @@ def test_wrong_dtype_truncated_file_and_file_path(saved, target, tmp_path):
 
     with pytest.raises(NotADirectoryError, match="expected a drafter checkpoint directory with config.json"):
         load_drafter(saved["rnn"][1] / "model.safetensors", target)
+
+
+def test_declared_confidence_head_without_weights_loads_without_it(saved, target, tmp_path):
+    name = next(n for n, (d, _) in saved.items() if d.has_confidence_head)
+    drafter, src = saved[name]
+    d = copy_dir(src, tmp_path)
+    rewrite(d, lambda t: [t.pop(k) for k in [k for k in t if k.startswith("confidence_head.")]])
+    with pytest.warns(UserWarning, match="no confidence_head tensors: loaded without a confidence head"):
+        loaded = load_drafter(d, target)
+    assert not loaded.has_confidence_head and not loaded.cfg.enable_confidence_head
+    want = {k: v for k, v in params(drafter).items() if k[0] != "confidence_head"}
+    got = params(loaded)
+    assert set(got) == set(want)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
+    # only SOME head tensors missing is a broken checkpoint, not an absent head
+    d2 = copy_dir(src, tmp_path / "partial")
+    rewrite(d2, lambda t: t.pop("confidence_head.proj.bias"))
+    with pytest.raises(CheckpointError, match="confidence_head.proj.bias"):
+        load_drafter(d2, target)

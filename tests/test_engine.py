@@ -63,7 +63,7 @@ def greedy_params(n):
     return [SamplingParams(max_new_tokens=m) for m in n]
 
 
-@pytest.mark.parametrize("mode, k", [("adaptive", 1), ("fixed", 3), ("adaptive", 3), ("fixed", 7), ("adaptive", 7),
+@pytest.mark.parametrize("mode, k", [("adaptive", 1), ("fixed", 1), ("fixed", 3), ("adaptive", 3), ("fixed", 7), ("adaptive", 7),
                                      ("none", 0)])
 def test_greedy_equals_target_only_decoding(target, drafters, prompts, references, mode, k):
     eng = engine_for(target, drafters[7], mode, k)
@@ -81,7 +81,10 @@ def test_greedy_equals_target_only_decoding(target, drafters, prompts, reference
             assert s["accepted_per_position"] == sorted(s["accepted_per_position"], reverse=True)
     if k:
         assert res.stats["mean_acceptance_length"] > 1.3  # the bigram drafter is often right
-        assert all(v <= k * COMMON["max_num_seqs"] for v in res.stats["verified_drafts_per_step"])
+        st = res.stats
+        assert len(st["verified_drafts_per_step"]) == len(st["budget_per_step"]) == st["verify_steps"]
+        assert all(v <= b for v, b in zip(st["verified_drafts_per_step"], st["budget_per_step"]))
+        assert all(v <= k * COMMON["max_num_seqs"] for v in st["verified_drafts_per_step"])
 
 
 def test_adaptive_budget_trims_with_a_cost_table(target, drafters, prompts, references):
