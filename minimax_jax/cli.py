@@ -11,6 +11,7 @@ arguments) print one line ``minimax-jax: error: ...`` and exit with status 2; ``
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
@@ -150,7 +151,7 @@ def cmd_generate(args) -> int:
     print(f"{st['emitted_tokens']} tokens in {rs['wall_time_s']:.2f}s ({rs['output_tokens_per_s']:.1f} tokens/s, "
           f"compiles included: {rs['compiles']}), finish: {st['finish_reason']}")
     if k:
-        per_pos = ", ".join("-" if v != v else f"{v:.2f}" for v in rs["per_position_acceptance"])
+        per_pos = ", ".join("-" if math.isnan(v) else f"{v:.2f}" for v in rs["per_position_acceptance"])
         print(f"{st['target_steps']} verify steps, acceptance length {st['acceptance_length']:.2f} "
               f"(bonus included), verified drafts per step {rs['mean_verified_drafts_per_step']:.2f}")
         print(f"acceptance per position: {per_pos}")

@@ -16,8 +16,8 @@ import numpy as np
 from flax import nnx
 
 from minimax_jax.checkpoint import CheckpointError, weight_plan
-from minimax_jax.safetensors_io import to_checkpoint_tensors
 from minimax_jax.model import MiniMaxM3ForCausalLM
+from minimax_jax.safetensors_io import to_checkpoint_tensors
 
 # Tensors kept in float32 whatever ``dtype`` asks: the router's selection-only bias shifts a top-k between
 # sigmoid scores, so rounding it to bf16 would change which experts run.

@@ -22,6 +22,7 @@ from spec_decode.cost_table import (
     profile_cost_table,
     save_cost_table,
 )
+from spec_decode.engine import Engine, GenerationResult, GenerationResults
 from spec_decode.estimator import (
     EstimatorState,
     confidence_feature,
@@ -30,7 +31,6 @@ from spec_decode.estimator import (
 )
 from spec_decode.estimator import predict as predict_acceptance
 from spec_decode.estimator import update as update_estimator
-from spec_decode.engine import Engine, GenerationResult, GenerationResults
 from spec_decode.rejection import (
     STREAM_ACCEPT,
     STREAM_DRAFT,
@@ -45,22 +45,22 @@ from spec_decode.sampling_params import SamplingParams, filter_logits
 
 __all__ = [
     "COST_TABLE_FILENAME",
-    "Engine",
-    "GenerationResult",
-    "GenerationResults",
-    "SamplingParams",
-    "filter_logits",
     "STREAM_ACCEPT",
     "STREAM_DRAFT",
     "STREAM_RESAMPLE",
     "CostTable",
+    "Engine",
     "EstimatorState",
+    "GenerationResult",
+    "GenerationResults",
     "RejectionOutput",
+    "SamplingParams",
     "allocate_drafts",
     "budget_values",
     "choose_budget",
     "confidence_feature",
     "confidence_feature_from_logits",
+    "filter_logits",
     "init_estimator",
     "load_cost_table",
     "predict_acceptance",

@@ -35,7 +35,7 @@ from minimax_jax.model import check_input_ids
 from spec_decode.budget import choose_budget
 from spec_decode.cost_table import CostTable, time_callable
 from spec_decode.sampling_params import SamplingParams
-from spec_decode.scheduler import Request, Scheduler, ScheduledStep, next_pow2
+from spec_decode.scheduler import Request, ScheduledStep, Scheduler, next_pow2
 from spec_decode.step import MODES, DecodeState, StepConfig, StepPlan, init_state, make_step_fn
 
 __all__ = ["Engine", "GenerationResult", "GenerationResults"]

@@ -29,7 +29,7 @@ import numpy as np
 from minimax_jax.cache import OutOfPagesError, PageAllocator
 from spec_decode.sampling_params import SamplingParams
 
-__all__ = ["Request", "RequestStatus", "Scheduler", "ScheduledStep", "next_pow2"]
+__all__ = ["Request", "RequestStatus", "ScheduledStep", "Scheduler", "next_pow2"]
 
 
 def next_pow2(n: int) -> int:

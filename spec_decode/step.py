@@ -41,7 +41,13 @@ from minimax_jax.cache import PagedCache, init_cache
 from minimax_jax.decode import RaggedBatch, forward_ragged
 from pallas_kernels.metadata import token_to_request
 from spec_decode.allocator import allocate_drafts
-from spec_decode.estimator import EstimatorState, confidence_feature_from_logits, init_estimator, predict, update
+from spec_decode.estimator import (
+    EstimatorState,
+    confidence_feature_from_logits,
+    init_estimator,
+    predict,
+    update,
+)
 from spec_decode.rejection import STREAM_DRAFT, rejection_sample_packed, sampling_key
 from spec_decode.sampling_params import filter_logits
 

@@ -3,8 +3,8 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-import pallas_kernels.platform  # noqa: E402,F401  (installs the Triton deprecation filter)
+import pallas_kernels.platform  # noqa: F401  (installs the Triton deprecation filter)

@@ -4,7 +4,6 @@ compilation count, the logits cap, bad input (CPU, f32, reference kernels)."""
 import jax
 import numpy as np
 import pytest
-
 from flax import nnx
 
 from minimax_jax import DSparkDrafter, init_drafter
