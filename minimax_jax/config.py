@@ -224,11 +224,7 @@ class MiniMaxM3Config:
         return d
 
     def save(self, path: str | os.PathLike) -> None:
-        path = os.fspath(path)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=2)
+        write_config_json(self.to_dict(), path)
 
     def replace(self, **changes) -> MiniMaxM3Config:
         return dataclasses.replace(self, **changes)
@@ -286,6 +282,15 @@ def read_config_json(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> dic
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a JSON object, got {type(raw).__name__}")
     return raw
+
+
+def write_config_json(data: Mapping[str, Any], path: str | os.PathLike) -> None:
+    """Write ``data`` as ``config.json``: into the directory ``path``, or to the file ``path``."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    with open(path, "w") as f:
+        json.dump(dict(data), f, indent=2)
 
 
 _FIELDS = {f.name for f in dataclasses.fields(MiniMaxM3Config)}

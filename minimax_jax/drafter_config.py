@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -14,7 +13,14 @@ from typing import Any
 
 import numpy as np
 
-from minimax_jax.config import DENSE_MLP, FULL_ATTENTION, ConfigError, MiniMaxM3Config, read_config_json
+from minimax_jax.config import (
+    DENSE_MLP,
+    FULL_ATTENTION,
+    ConfigError,
+    MiniMaxM3Config,
+    read_config_json,
+    write_config_json,
+)
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 
@@ -336,11 +342,7 @@ class DSparkConfig:
         return d
 
     def save(self, path: str | os.PathLike) -> None:
-        path = os.fspath(path)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=2)
+        write_config_json(self.to_dict(), path)
 
 
 def _lookup(text: Mapping[str, Any], name: str, aliases: Sequence[str]):
