@@ -238,7 +238,7 @@ class Engine:
         return fn
 
     def _run(self, step: ScheduledStep):
-        plan = StepPlan(**{k: jnp.asarray(v) for k, v in step.arrays.items()})
+        plan = _plan(step)
         fn = self._compiled_step(step.key, plan)
         self._state, out = fn(self._target_params, self._drafter_params, self._state, plan)
         return out
@@ -333,7 +333,7 @@ class Engine:
         for t in missing:
             trial = self._rebudget(step, budgets[t])
             trial.arrays["commit"] = np.asarray(False)
-            plan = StepPlan(**{k: jnp.asarray(v) for k, v in trial.arrays.items()})
+            plan = _plan(trial)
             fn = self._compiled_step(trial.key, plan)
 
             def run(fn=fn, plan=plan):
@@ -467,6 +467,11 @@ class Engine:
             )
             if sched.has_work:  # interrupted (an exception or a closed stream): free the slots for the next run
                 self._state = None
+
+
+def _plan(step: ScheduledStep) -> StepPlan:
+    """The step's host-built plan arrays on the device, in one transfer."""
+    return StepPlan(**jax.device_put(step.arrays))
 
 
 def _encode(tokenizer, text: str) -> list[int]:

@@ -185,21 +185,20 @@ class Scheduler:
             if room <= 0:
                 break
             n = min(room, len(req.prefill_target) - req.num_cached)
-            if not self._ensure_no_preempt(req, req.num_cached + n):
+            if not self._try_ensure(req, req.num_cached + n):
                 continue
             prefill.append((req, n))
             room -= n
         while self.waiting and room > 0 and self.free_slots:
             req = self.waiting[0]
             n = min(room, len(req.prefill_target))
-            if not self.allocator.can_fit(req.index, n):
+            if not self._try_ensure(req, n):
                 break  # admitted work waits for pages
             self.waiting.popleft()
             req.slot = self.free_slots.pop()
             req.status = RequestStatus.PREFILL
             req.num_cached = 0
             self.running[req.slot] = req
-            self.allocator.ensure(req.index, n)
             prefill.append((req, n))
             room -= n
         if not decode and not prefill:
@@ -275,8 +274,12 @@ class Scheduler:
         """Verify-logits rows of a bucket: every row's 1 + K at most, and never over the memory bound."""
         return max(1, min(tokens, self.max_total_logit_rows, rows * (1 + self.k)))
 
-    def _ensure_no_preempt(self, req: Request, length: int) -> bool:
-        return self.allocator.can_fit(req.index, length) and (self.allocator.ensure(req.index, length) or True)
+    def _try_ensure(self, req: Request, length: int) -> bool:
+        """Pages for ``length`` tokens of ``req`` if the pool has them (nothing is preempted); else False."""
+        if not self.allocator.can_fit(req.index, length):
+            return False
+        self.allocator.ensure(req.index, length)
+        return True
 
     # ------------------------------------------------------------------ results
     def commit(self, step: ScheduledStep, out: dict[str, np.ndarray]) -> list[tuple[Request, list[int]]]:

@@ -237,7 +237,7 @@ def make_step_fn(target, drafter, config: StepConfig):
             alloc_conf = conf if config.mode == "adaptive" else jnp.ones_like(conf)
             caps = allocate_drafts(alloc_conf, sched, plan.budget)
         else:
-            drafts = jnp.zeros((r, 1), jnp.int32)
+            drafts = jnp.zeros((r, 0), jnp.int32)
             draft_probs, features = None, None
             conf = jnp.zeros((r, 1), jnp.float32)
             caps = jnp.zeros((r,), jnp.int32)
@@ -245,9 +245,8 @@ def make_step_fn(target, drafter, config: StepConfig):
         # ---- 2. pack: prefill chunks (host-packed, rows first) then [anchor, drafts] per decode row
         q_len = jnp.where(is_prefill, plan.prefill_len, jnp.where(is_decode, 1 + caps, 0))
         qsl = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_len, dtype=jnp.int32)])
-        kk = max(k, 0)
-        dec_tokens = jnp.concatenate([anchor[:, None], drafts[:, :kk]], axis=1) if kk else anchor[:, None]
-        offs = jnp.arange(kk + 1, dtype=jnp.int32)[None, :]
+        dec_tokens = jnp.concatenate([anchor[:, None], drafts], axis=1)
+        offs = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
         place = is_decode[:, None] & (offs <= caps[:, None])
         dest = jnp.where(place, qsl[:-1, None] + offs, t)
         input_ids = plan.prefill_tokens.at[dest.reshape(-1)].set(dec_tokens.reshape(-1), mode="drop")
@@ -274,7 +273,7 @@ def make_step_fn(target, drafter, config: StepConfig):
         # ---- 4. rejection sampling (prefill-final rows: zero drafts, the bonus is the first token)
         anchor_pos = jnp.where(is_decode, num_cached, num_cached + plan.prefill_len - 1)
         rej = rejection_sample_packed(
-            logits, lqsl, drafts[:, :max(k, 1)] if k else jnp.zeros((r, 0), jnp.int32),
+            logits, lqsl, drafts,
             draft_probs, plan.seed, anchor_pos,
             temperature=plan.temperature if config.sampling else 0.0, row_mask=n_logit > 0)
         num_acc = jnp.where(is_decode, rej.num_accepted, 0)
