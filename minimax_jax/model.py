@@ -84,9 +84,12 @@ class MiniMaxM3ForCausalLM(nnx.Module):
 
 
 def check_input_ids(input_ids, vocab_size: int, *, ndim: int = 2, name: str = "input_ids",
-                    max_length: int | None = None) -> jax.Array:
+                    max_length: int | None = None, to_device: bool = True) -> jax.Array | np.ndarray:
     """Validate token ids on the host: integer dtype, rank ``ndim``, a non-empty last axis of at most
     ``max_length`` tokens, and (when the array is concrete) values in ``[0, vocab_size)``.
+
+    Returns the ids as int32: a device array, or with ``to_device=False`` a numpy array for host-side callers
+    (the engine), which then stage nothing per prompt length.
 
     Call it before any jitted program: inside ``jit`` the values are tracers and only shapes can be checked.
     """
@@ -106,6 +109,8 @@ def check_input_ids(input_ids, vocab_size: int, *, ndim: int = 2, name: str = "i
         if lo < 0 or hi >= vocab_size:
             bad = lo if lo < 0 else hi
             raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {vocab_size})")
+    if not to_device and not isinstance(arr, jax.Array):
+        return arr.astype(np.int32, copy=False)
     return jnp.asarray(arr, jnp.int32)
 
 

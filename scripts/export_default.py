@@ -65,8 +65,8 @@ def card_numbers(target_results: dict | None, drafter_results: dict | None) -> s
         out.append(f"- STS temperatures: {[round(x, 3) for x in d['sts_temperatures']]}")
         for key, r in d["report"].items():
             if "ece_before_sts" in r:
-                fmt = lambda xs: ", ".join(f"{x:.3f}" for x in xs)
-                out.append(f"- ECE ({key}) before STS: {fmt(r['ece_before_sts'])}; after: {fmt(r['ece_after_sts'])}")
+                before, after = (", ".join(f"{x:.3f}" for x in r[f"ece_{w}_sts"]) for w in ("before", "after"))
+                out.append(f"- ECE ({key}) before STS: {before}; after: {after}")
     return "\n".join(out)
 
 

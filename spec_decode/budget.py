@@ -20,16 +20,22 @@ The last line is TensorRT-LLM's guard (``compute_verify_token_budget`` in
 tables): trimming must beat verifying everything by a margin, so that timing noise in the cost table and
 calibration noise in the confidences resolve to the full budget instead of an unproven trim.
 
-Everything is plain numpy; every tensor-parallel rank computes the same integer from the same inputs.
+:func:`choose_budget` is plain numpy (the host engine); :func:`choose_budget_device` is its jnp twin for the
+jitted offline loop, the same rule over the same inputs with the table held as arrays
+(:class:`~spec_decode.cost_table.CostTableArrays`), in float32. Every tensor-parallel rank computes the same
+integer from the same inputs.
 """
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from spec_decode.cost_table import CostTable
+from spec_decode.allocator import survival
+from spec_decode.cost_table import CostTable, CostTableArrays, lookup_device
 
-__all__ = ["DEFAULT_MIN_PREDICTED_GAIN", "budget_values", "choose_budget"]
+__all__ = ["DEFAULT_MIN_PREDICTED_GAIN", "budget_values", "choose_budget", "choose_budget_device"]
 
 _TIE_RTOL = 1e-9  # values this close (relative) to the best count as ties
 DEFAULT_MIN_PREDICTED_GAIN = 0.01  # a trim must beat value(maxB) by 1%
@@ -142,3 +148,51 @@ def choose_budget(
     if min_predicted_gain > 0 and b < max_b and values[b] < (1.0 + min_predicted_gain) * values[max_b]:
         return max_b
     return b
+
+
+# float32 ties: values within this relative distance of the best count as ties (the host's 1e-9 is below float32
+# resolution; a gap this small is noise in any profiled table).
+_TIE_RTOL_F32 = 1e-6
+
+
+def choose_budget_device(
+    stale_confidences: jax.Array,
+    scheduled_drafts: jax.Array,
+    *,
+    num_rows: jax.Array,
+    num_sampling_rows: jax.Array,
+    num_non_draft_tokens: jax.Array,
+    cost_table: CostTableArrays,
+    max_total_logit_rows: jax.Array | int,
+    min_predicted_gain: float = DEFAULT_MIN_PREDICTED_GAIN,
+) -> jax.Array:
+    """:func:`choose_budget` in jnp (traced, no host sync): ``int32[]`` drafts to verify in the next step.
+
+    Same rule, same arguments, except that rows that take no part in the step (finished or padding rows of a
+    fixed-shape batch) are passed with ``scheduled_drafts = 0`` and ``num_rows`` counts the rows that do (the
+    host version reads it from the shape of its inputs), and the table comes as :class:`CostTableArrays`.
+    ``min_predicted_gain`` is static. Values are float32; budgets equal the host's except where two candidate
+    values lie within float32 noise of each other (:data:`_TIE_RTOL_F32`).
+    """
+    conf = jnp.asarray(stale_confidences, jnp.float32)
+    sched = jnp.asarray(scheduled_drafts, jnp.int32)
+    r, k = conf.shape
+    max_b = jnp.maximum(0, jnp.minimum(jnp.sum(sched), jnp.asarray(max_total_logit_rows, jnp.int32) - num_rows))
+    if k == 0 or r == 0:
+        return jnp.zeros((), jnp.int32)
+    a = survival(conf, sched).reshape(-1)  # -inf outside each row's scheduled drafts
+    scores = -jnp.sort(-a)  # descending; the -inf entries last (and never reached: b <= max_b <= their count)
+    scores = jnp.where(jnp.isneginf(scores), 0.0, scores)
+    b = jnp.arange(r * k + 1, dtype=jnp.int32)
+    gain = jnp.asarray(num_sampling_rows, jnp.float32) + jnp.concatenate(
+        [jnp.zeros((1,), jnp.float32), jnp.cumsum(scores)])
+    t = cost_table
+    cost = (lookup_device(t.draft_buckets, t.draft_seconds, t.num_draft, num_rows)
+            + lookup_device(t.verify_buckets, t.verify_seconds, t.num_verify, num_non_draft_tokens + b))
+    values = jnp.where(b <= max_b, gain / jnp.maximum(cost, 1e-12), -jnp.inf)
+    best = jnp.max(values)
+    chosen = jnp.argmax(values >= best - _TIE_RTOL_F32 * jnp.abs(best)).astype(jnp.int32)  # first near-best
+    if min_predicted_gain > 0:
+        trim_pays = values[chosen] >= (1.0 + min_predicted_gain) * values[max_b]
+        chosen = jnp.where((chosen < max_b) & ~trim_pays, max_b, chosen)
+    return jnp.where(t.flat, max_b, chosen).astype(jnp.int32)

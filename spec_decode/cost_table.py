@@ -5,6 +5,9 @@ A :class:`CostTable` holds seconds per call of the engine's compiled steps at th
 * the verify step, keyed by the total number of verify tokens (anchors plus verified drafts) it was compiled for;
 * the draft step, keyed by the number of request rows.
 
+:class:`CostTableArrays` is the same table as fixed-size device arrays and :func:`lookup_device` its lookup in
+jnp, for the planner that runs inside the jitted offline loop (``spec_decode.device_loop``).
+
 Lookups behave like the engine: a step with ``n`` tokens runs the smallest compiled bucket ``>= n`` and pays its
 time (a step function inside the buckets). Times are made non-decreasing with a running max, because a larger
 bucket can never be cheaper to run than padding up to it; beyond the largest bucket the cost is extrapolated
@@ -28,11 +31,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
     "COST_TABLE_FILENAME",
     "CostTable",
+    "CostTableArrays",
     "load_cost_table",
     "profile_cost_table",
     "save_cost_table",
@@ -171,6 +176,63 @@ class CostTable:
     def load(cls, path: str | os.PathLike) -> CostTable | None:
         """See :func:`load_cost_table`."""
         return load_cost_table(path)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class CostTableArrays:
+    """A :class:`CostTable` as fixed-size device arrays, for the budget planner inside a jitted loop.
+
+    ``verify_buckets / verify_seconds [CAPACITY]`` hold the table's entries first (``num_verify`` of them), then
+    padding; the draft side likewise. Passing a table this way (an argument, not a constant) lets one compiled
+    program run with any table of up to :attr:`CAPACITY` entries. ``flat`` is :attr:`CostTable.is_flat` (or no
+    table at all): the planner then verifies everything.
+    """
+
+    verify_buckets: jax.Array  # int32[C]
+    verify_seconds: jax.Array  # f32[C]
+    num_verify: jax.Array  # int32[]
+    draft_buckets: jax.Array  # int32[C]
+    draft_seconds: jax.Array  # f32[C]
+    num_draft: jax.Array  # int32[]
+    flat: jax.Array  # bool[]
+
+    CAPACITY = 32
+
+    @classmethod
+    def from_table(cls, table: CostTable | None) -> CostTableArrays:
+        """Host-side conversion (numpy leaves; ``jax.device_put`` them or pass them to a jitted function)."""
+        c = cls.CAPACITY
+        vb, vs = (table.verify_buckets, table.verify_seconds) if table is not None else ((), ())
+        db, ds = (table.draft_buckets, table.draft_seconds) if table is not None else ((), ())
+        if len(vb) > c or len(db) > c:
+            raise ValueError(f"a cost table for the device loop holds at most {c} buckets per side, got "
+                             f"{len(vb)} verify and {len(db)} draft buckets")
+
+        def pad(values, dtype):
+            out = np.zeros(c, dtype)
+            out[: len(values)] = values
+            return out
+
+        return cls(pad(vb, np.int32), pad(vs, np.float32), np.asarray(len(vb), np.int32),
+                   pad(db, np.int32), pad(ds, np.float32), np.asarray(len(db), np.int32),
+                   np.asarray(table is None or table.is_flat))
+
+
+def lookup_device(buckets: jax.Array, seconds: jax.Array, count: jax.Array, n: jax.Array) -> jax.Array:
+    """jnp twin of the table lookup (float32): the smallest bucket ``>= n`` among the first ``count`` entries,
+    linear extrapolation above the largest, 0 for an empty table. ``n`` may have any shape."""
+    n = jnp.maximum(jnp.asarray(n, jnp.int32), 0)
+    valid = jnp.arange(buckets.shape[0], dtype=jnp.int32) < count
+    idx = jnp.sum((valid & (buckets < n[..., None])).astype(jnp.int32), axis=-1)  # searchsorted 'left'
+    last = jnp.maximum(count - 1, 0)
+    inside = seconds[jnp.minimum(idx, last)]
+    b_last, s_last = buckets[last].astype(jnp.float32), seconds[last]
+    prev = jnp.maximum(count - 2, 0)
+    two = (s_last - seconds[prev]) / jnp.maximum(b_last - buckets[prev].astype(jnp.float32), 1.0)
+    slope = jnp.where(count >= 2, two, s_last / jnp.maximum(b_last, 1.0))
+    above = s_last + slope * (n.astype(jnp.float32) - b_last)
+    return jnp.where(count == 0, 0.0, jnp.where(idx < count, inside, above))
 
 
 def _table_path(path: str | os.PathLike) -> str:

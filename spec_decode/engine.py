@@ -95,6 +95,8 @@ class Engine:
       tokenizer: encodes string prompts and decodes outputs (``encode(str) -> list[int]``, ``decode(ids)``).
       implementation / interpret: the kernels (``decode.choose_implementation``).
       min_token_bucket: the smallest packed-token bucket (fewer compiled programs; padding slots cost little).
+      device_loop_token_buckets: verify sizes compiled into the device loop (``loop="device"``): the largest
+        (every row's 1 + K) and the next smaller powers of two; each is one branch of the loop's program.
     """
 
     def __init__(self, target, drafter=None, *, num_speculative_tokens: int = 7, verification: str = "adaptive",
@@ -102,7 +104,7 @@ class Engine:
                  memory_fraction: float | None = None, max_num_batched_tokens: int = 512,
                  max_total_logit_rows: int | None = None, cost_table="profile", tokenizer=None,
                  implementation: str = "auto", interpret: bool | None = None, cache_dtype=None,
-                 min_token_bucket: int = 8):
+                 min_token_bucket: int = 8, device_loop_token_buckets: int = 4):
         cfg = target.cfg
         if verification not in MODES:
             raise ValueError(f"verification must be one of {MODES}, got {verification!r}")
@@ -150,6 +152,14 @@ class Engine:
         self.interpret = interpret
         self.cache_dtype = target.dtype if cache_dtype is None else cache_dtype
         self.num_pages = self._pool_size(num_pages, memory_fraction)
+        self._page_limit = None if num_pages is None and memory_fraction is None else self.num_pages
+        self._logit_rows_given = max_total_logit_rows is not None
+        if not isinstance(device_loop_token_buckets, int) or device_loop_token_buckets < 1:
+            raise ValueError(f"device_loop_token_buckets must be an integer >= 1, got {device_loop_token_buckets!r}")
+        self.device_loop_token_buckets = device_loop_token_buckets
+        self._given_table: CostTable | None = cost_table if isinstance(cost_table, CostTable) else None
+        self._loops: dict = {}  # LoopConfig -> compiled device-loop program
+        self._loop_tables: dict = {}  # LoopConfig -> profiled CostTable
         self._cost_tables: dict[int, CostTable] = {}
         self._profile_costs = False
         if verification == "adaptive":
@@ -276,7 +286,8 @@ class Engine:
             else:
                 ids = prompt
             ids = check_input_ids(np.asarray(ids, dtype=np.int64) if len(ids) else np.zeros((0,), np.int32),
-                                  cfg.vocab_size, ndim=1, name=f"prompt {i}", max_length=self.max_model_len - 1)
+                                  cfg.vocab_size, ndim=1, name=f"prompt {i}", max_length=self.max_model_len - 1,
+                                  to_device=False)
             ids = [int(x) for x in np.asarray(ids)]
             try:
                 stop = p.stop_ids(cfg.eos_token_id, cfg.vocab_size)
@@ -372,11 +383,15 @@ class Engine:
         ``prompts``: strings (with a tokenizer) or token-id lists. ``seed``: request ``i`` samples with
         ``seed + i`` (per-request seeds through ``sampling_params``). ``loop="host"`` is the continuous-batching
         engine; ``progress`` shows a tqdm bar (default: when there are more prompts than slots).
+        ``loop="device"`` decodes the whole batch in one compiled program (``spec_decode.device_loop``): no
+        Python between steps, every prompt at once (``max_num_seqs`` does not apply), same greedy tokens.
         """
-        if loop != "host":
-            raise ValueError(f"loop must be 'host' (the device loop is not available yet), got {loop!r}")
+        if loop not in ("host", "device"):
+            raise ValueError(f"loop must be 'host' or 'device', got {loop!r}")
         requests = self._requests(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
                                   ignore_eos, sampling_params)
+        if loop == "device":
+            return self._generate_device(requests)
         show = len(requests) > self.max_num_seqs if progress is None else bool(progress)
         bar = None
         if show:
@@ -393,6 +408,64 @@ class Engine:
         if bar is not None:
             bar.close()
         return GenerationResults([self._result(r) for r in requests], run_stats)
+
+    # ------------------------------------------------------------------ the device loop
+    def _loop_table(self, rows: int) -> CostTable | None:
+        """A given cost table for the device loop's ``rows`` (one table, or the mapping's entry for the largest
+        row bucket not above ``rows``); None when the loop should profile its own."""
+        if self._given_table is not None:
+            return self._given_table
+        fitting = [rb for rb in self._cost_tables if rb <= rows] if not self._profile_costs else []
+        return self._cost_tables[max(fitting)] if fitting else None
+
+    def _generate_device(self, requests: list[Request]) -> GenerationResults:
+        """The whole batch in one compiled program (``spec_decode.device_loop``)."""
+        from spec_decode import device_loop as dl
+
+        t0 = time.perf_counter()
+        step_cfg = self._static_config((0, 0, 1, any(not r.params.greedy for r in requests),
+                                        any(r.params.filters for r in requests)))
+        rows = next_pow2(len(requests))
+        table = self._loop_table(rows) if self.mode == "adaptive" else None
+        batch = dl.plan_batch(requests, target=self.target, drafter=self.drafter, step=step_cfg,
+                              page_size=self.page_size, max_model_len=self.max_model_len,
+                              max_num_batched_tokens=self.max_num_batched_tokens,
+                              min_token_bucket=self.min_token_bucket, num_stop_ids=self.num_stop_ids,
+                              max_total_logit_rows=self.max_total_logit_rows if self._logit_rows_given else None,
+                              num_token_buckets=self.device_loop_token_buckets, cache_dtype=self.cache_dtype,
+                              cost_table=table)
+        dl.check_fits(batch, page_limit=self._page_limit)
+        planned = time.perf_counter() - t0
+        compiles0 = self.num_compiles
+        program = self._loops.get(batch.config)
+        if program is None:
+            fn = jax.jit(dl.make_loop_fn(self.target, self.drafter, batch.config))
+            program = fn.lower(self._target_params, self._drafter_params, batch.inputs,
+                               dl.LoopControls.run(batch.config.output_len)).compile()
+            self._loops[batch.config] = program
+            self.num_compiles += 1
+        if self.mode == "adaptive" and self._profile_costs:
+            if batch.config not in self._loop_tables:
+                self._loop_tables[batch.config] = dl.profile_loop(program, self._target_params,
+                                                                  self._drafter_params, batch)
+            batch.inputs = dataclasses.replace(
+                batch.inputs, cost_table=dl.CostTableArrays.from_table(self._loop_tables[batch.config]))
+        t1 = time.perf_counter()
+        out = jax.device_get(program(self._target_params, self._drafter_params, batch.inputs,
+                                     dl.LoopControls.run(batch.config.output_len)))
+        t2 = time.perf_counter()
+        dl.fill_requests(requests, out, self.k)
+        results = [self._result(r) for r in requests]
+        t3 = time.perf_counter()
+        stats = dl.run_stats(requests, out, batch, k=self.k, mode=self.mode, wall=t3 - t0, host=planned + (t3 - t2),
+                             compiles=self.num_compiles - compiles0)
+        stats["device_time_s"] = t2 - t1
+        return GenerationResults(results, stats)
+
+    @property
+    def loop_cost_tables(self) -> dict:
+        """The device loop's profiled cost tables, by its static config."""
+        return dict(self._loop_tables)
 
     def _result(self, req: Request) -> GenerationResult:
         k = self.k

@@ -7,4 +7,4 @@ import jax
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-import pallas_kernels.platform  # noqa: F401  (installs the Triton deprecation filter)
+import pallas_kernels.platform  # noqa: F401, E402  (installs the Triton deprecation filter)

@@ -171,3 +171,58 @@ def test_bad_input_raises():
         choose_budget(np.ones((4, 2)), np.ones(4, np.float32), **_kw())
     with pytest.raises(ValueError, match="num_non_draft_tokens"):
         choose_budget(np.ones((4, 2)), np.ones(4, int), **_kw(num_non_draft_tokens=-1))
+
+
+# ---------------------------------------------------------------- the device planner (jnp twin)
+def _random_case(rng):
+    r, k = int(rng.integers(1, 13)), int(rng.integers(1, 8))
+    conf = rng.uniform(0.0, 1.0, (r, k)).astype(np.float32)
+    conf[rng.uniform(size=(r, k)) < 0.15] = 1.0
+    conf[rng.uniform(size=(r, k)) < 0.05] = 0.0
+    sched = rng.integers(0, k + 1, r)
+    n_buckets = int(rng.integers(0, 6))
+    buckets = sorted(rng.choice([1, 2, 4, 8, 16, 32, 64, 128], size=n_buckets, replace=False).tolist())
+    seconds = np.cumsum(rng.uniform(0.0, 1.0, n_buckets)) + 0.1
+    draft = {int(rng.integers(1, 16)): float(rng.uniform(0, 0.5))} if rng.uniform() < 0.5 else {}
+    table = None if n_buckets == 0 and rng.uniform() < 0.5 else CostTable.from_measurements(
+        dict(zip(buckets, seconds.tolist())), draft)
+    kw = dict(num_sampling_rows=r + int(rng.integers(0, 3)), num_non_draft_tokens=r + int(rng.integers(0, 20)),
+              cost_table=table, max_total_logit_rows=int(rng.integers(r, r * (k + 1) + 4)))
+    return conf, sched, kw
+
+
+def test_device_planner_gives_the_host_budgets():
+    """``choose_budget_device`` (traced, float32, padding rows with no drafts) == ``choose_budget`` on 400 random
+    cases: random confidences with exact 0s and 1s, random scheduled counts, staircases with 0..5 buckets, draft
+    costs, logits caps, and both settings of the minimum gain."""
+    import jax
+    import jax.numpy as jnp
+
+    from spec_decode.budget import choose_budget_device
+    from spec_decode.cost_table import CostTableArrays
+
+    @jax.jit
+    def device(conf, sched, n_rows, n_samp, n_non, table, cap, gain_on):
+        kw = dict(num_rows=n_rows, num_sampling_rows=n_samp, num_non_draft_tokens=n_non, cost_table=table,
+                  max_total_logit_rows=cap)
+        return (choose_budget_device(conf, sched, **kw, min_predicted_gain=DEFAULT_MIN_PREDICTED_GAIN),
+                choose_budget_device(conf, sched, **kw, min_predicted_gain=0.0))
+
+    rng = np.random.default_rng(7)
+    trimmed = 0
+    for case in range(400):
+        conf, sched, kw = _random_case(rng)
+        r, k = conf.shape
+        # pad to a fixed 16 x 7 batch: extra rows and positions carry garbage but schedule no drafts
+        pc = rng.uniform(size=(16, 7)).astype(np.float32)
+        pc[:r, :k] = conf
+        ps = np.zeros(16, np.int32)
+        ps[:r] = sched
+        pc = np.where(np.arange(7)[None, :] < k, pc, 1.0)  # positions past K: the device batch has K = 7 ...
+        ps = np.minimum(ps, k)  # ... but never schedules them
+        got = device(jnp.asarray(pc), jnp.asarray(ps), r, kw["num_sampling_rows"], kw["num_non_draft_tokens"],
+                     CostTableArrays.from_table(kw["cost_table"]), kw["max_total_logit_rows"], True)
+        want = (choose_budget(conf, sched, **kw), choose_budget(conf, sched, **kw, min_predicted_gain=0.0))
+        assert (int(got[0]), int(got[1])) == want, f"case {case}: {kw}, sched {sched.tolist()}"
+        trimmed += want[0] < min(int(sched.sum()), kw["max_total_logit_rows"] - r)
+    assert trimmed > 40  # the cases exercise real trims, not only "verify everything"

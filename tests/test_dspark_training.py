@@ -75,7 +75,10 @@ def test_deepspec_loss_by_hand():
              "bce": jnp.asarray([[[0.5, 0.5]], [[0.1, 9.0]]])}
     valid = jnp.asarray([[[True, True]], [[True, False]]])
     w1 = math.exp(-0.25)
-    mean = lambda a, b, c: (a + b * w1 + c) / (2 + w1)
+
+    def mean(a, b, c):
+        return (a + b * w1 + c) / (2 + w1)
+
     want = 0.1 * mean(1.0, 2.0, 3.0) + 0.9 * mean(0.2, 0.4, 0.6) + 1.0 * mean(0.5, 0.5, 0.1)
     assert float(ds.deepspec_loss(terms, valid)) == pytest.approx(want, rel=1e-6)
 

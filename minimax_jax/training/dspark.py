@@ -119,7 +119,10 @@ def gather_block_targets(input_ids: jax.Array, anchor_pos: jax.Array, block_size
     s = input_ids.shape[1]
     pos = anchor_pos[..., None] + jnp.arange(block_size, dtype=jnp.int32)  # [B, A, K]
     b = input_ids.shape[0]
-    flat = lambda p: jnp.take_along_axis(input_ids, jnp.clip(p, 0, s - 1).reshape(b, -1), axis=1).reshape(p.shape)
+
+    def flat(p):
+        return jnp.take_along_axis(input_ids, jnp.clip(p, 0, s - 1).reshape(b, -1), axis=1).reshape(p.shape)
+
     prev, labels = flat(pos), flat(pos + 1)
     valid = pos + 1 < s
     for bad in (bos_id, pad_id):

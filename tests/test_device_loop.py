@@ -1,0 +1,125 @@
+"""Jitted offline batch decoding (``loop="device"``): the same tokens as the host engine and as target-only
+decoding, the device budget planner in situ, stochastic outputs identical to the engine's, no recompilation, the
+memory check, the cost-table profiler (CPU, f32, reference kernels)."""
+
+import jax
+import pytest
+
+from spec_decode import Engine, SamplingParams
+from spec_decode.cost_table import CostTable
+from spec_decode.device_loop import generate_offline
+from tests.engine_models import EOS, bigram_drafter, damped_target, greedy_reference, random_prompts
+
+PROMPT_LENS = [20, 15, 30, 13, 26]  # > topk x block = 12: MSA selection is live
+MAX_NEW = [12, 9, 16, 5, 14]  # requests finish at different steps
+# Every prompt in one prefill step (128 >= 104 tokens) and one slot each: the host engine then plans the same
+# steps as the device loop, which is what lets the adaptive comparisons below be exact.
+COMMON = dict(max_num_seqs=8, max_model_len=96, max_num_batched_tokens=128, implementation="reference",
+              device_loop_token_buckets=2)
+# A verify cost steep enough that the planner trims (0.25 s a step at 8 tokens up to 4 s at 64).
+STEEP = CostTable.from_measurements({8: 0.25, 16: 1.0, 32: 2.0, 64: 4.0})
+
+
+@pytest.fixture(scope="module")
+def target():
+    return damped_target(damping=0.3)
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    return bigram_drafter(target, block_size=7)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(len(PROMPT_LENS), PROMPT_LENS, seed=3)
+
+
+@pytest.fixture(scope="module")
+def references(target, prompts):
+    return [greedy_reference(target, p, n) for p, n in zip(prompts, MAX_NEW)]
+
+
+def test_adaptive_device_loop_is_the_engine_step_for_step(target, drafter, prompts, references):
+    """Mixed greedy and T = 1 / top-p rows, adaptive K = 7 under a trimming cost table: the device loop gives the
+    host engine's tokens and per-request statistics exactly (same budgets every step: the jnp planner over the
+    carried confidences is the host planner), greedy rows equal target-only decoding."""
+    params = [SamplingParams(max_new_tokens=m, seed=11 + i, ignore_eos=True,
+                             **({} if i % 2 == 0 else dict(temperature=1.0, top_p=0.9)))
+              for i, m in enumerate(MAX_NEW)]
+    # one token bucket (64) for both loops: fewer programs to compile; the budgets are still trimmed by STEEP
+    eng = Engine(target, drafter, num_speculative_tokens=7, verification="adaptive", cost_table=STEEP,
+                 **{**COMMON, "min_token_bucket": 64, "device_loop_token_buckets": 1})
+    dev = eng.generate(prompts, sampling_params=params, loop="device")
+    host = eng.generate(prompts, sampling_params=params, loop="host")
+    for i, (d, h) in enumerate(zip(dev, host)):
+        assert d.token_ids == h.token_ids, f"request {i}"
+        assert d.stats == h.stats, f"request {i}"
+        assert len(d.token_ids) == MAX_NEW[i]  # ignore_eos: every row runs to its max_new_tokens
+    for i in range(0, len(prompts), 2):  # the greedy rows
+        ref = greedy_reference(target, prompts[i], MAX_NEW[i], stop=())
+        assert dev[i].token_ids == ref
+    st, hst = dev.stats, host.stats
+    assert st["loop"] == "device" and st["compiles"] == 1
+    assert st["budget_per_step"] == hst["budget_per_step"]
+    assert st["verified_drafts_per_step"] == hst["verified_drafts_per_step"]
+    assert st["budget_per_step"][0] < sum(min(7, m - 1) for m in MAX_NEW) == 32  # the planner trimmed
+    assert all(v <= b for v, b in zip(st["verified_drafts_per_step"], st["budget_per_step"]))
+    assert st["mean_acceptance_length"] > 1.3
+
+
+@pytest.mark.parametrize("mode, k", [("fixed", 3), ("none", 0)])
+def test_greedy_equals_target_only_decoding(target, drafter, prompts, references, mode, k):
+    eng = Engine(target, drafter, num_speculative_tokens=k, verification=mode, **COMMON)
+    res = eng.generate(prompts, sampling_params=[SamplingParams(max_new_tokens=m) for m in MAX_NEW], loop="device")
+    assert [r.token_ids for r in res] == references
+    for r, ref in zip(res, references):
+        s = r.stats
+        assert s["finish_reason"] == ("stop" if ref[-1] == EOS else "length")
+        assert s["emitted_tokens"] == len(ref)
+        assert s["target_steps"] == len(s["verified_drafts_per_step"])
+        if k:
+            extra = s["emitted_tokens"] - 1 - sum(s["accepted_per_position"])
+            assert extra in (s["target_steps"], s["target_steps"] - 1)
+            assert all(0 <= v <= k for v in s["verified_drafts_per_step"])
+        else:
+            assert s["target_steps"] == len(ref) - 1
+    st = res.stats
+    assert st["verify_steps"] == len(st["budget_per_step"]) == len(st["verified_drafts_per_step"])
+    if mode == "fixed":
+        # fixed: every unfinished row verifies min(K, what it may still emit - 1)
+        assert st["budget_per_step"][0] == sum(min(k, m - 1) for m in MAX_NEW)
+        # a second batch in the same buckets runs the compiled program again
+        compiled = []
+        jax.monitoring.register_event_duration_secs_listener(
+            lambda name, secs, **kw: compiled.append(name) if name == "/jax/core/compile/backend_compile_duration"
+            else None)
+        other = random_prompts(5, [17, 22, 9, 28, 12], seed=5)  # the same buckets: rows, lengths, pages
+        again = eng.generate(other, max_new_tokens=10, loop="device")
+        assert again.stats["compiles"] == 0 and compiled == []
+        assert [r.token_ids for r in again] == [greedy_reference(target, p, 10) for p in other]
+
+
+def test_profiled_cost_table_and_the_estimator(target, prompts, references):
+    """A drafter without a confidence head (the online estimator) and the default profiled table: the loop times
+    its own buckets, plans from them, and the greedy tokens are still the target's."""
+    drafter = bigram_drafter(target, block_size=4, confidence=False)
+    with pytest.warns(UserWarning, match="online acceptance estimator"):
+        res = generate_offline(target, drafter, prompts[:3], sampling_params=[SamplingParams(max_new_tokens=m)
+                                                                               for m in MAX_NEW[:3]],
+                               num_speculative_tokens=3, verification="adaptive", **COMMON)
+    assert [r.token_ids for r in res] == references[:3]
+    assert res.stats["token_buckets"] == [8, 16]
+    assert all(0 <= v <= b for v, b in zip(res.stats["verified_drafts_per_step"], res.stats["budget_per_step"]))
+
+
+def test_a_batch_that_does_not_fit_is_refused_before_compiling(target, drafter, prompts):
+    eng = Engine(target, drafter, num_speculative_tokens=3, verification="fixed", num_pages=20, **COMMON)
+    with pytest.raises(ValueError, match=r"the batch needs 41 KV pages .* more than the engine's pool of 20"):
+        eng.generate(prompts, sampling_params=[SamplingParams(max_new_tokens=m) for m in MAX_NEW], loop="device")
+    assert eng.num_compiles == 0
+    with pytest.raises(ValueError, match="max_total_logit_rows"):
+        Engine(target, drafter, num_speculative_tokens=3, verification="fixed", max_total_logit_rows=4,
+               **{**COMMON, "max_num_seqs": 4}).generate(prompts, max_new_tokens=4, loop="device")
+    with pytest.raises(ValueError, match="loop must be 'host' or 'device'"):
+        eng.generate(prompts, max_new_tokens=4, loop="gpu")
