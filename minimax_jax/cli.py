@@ -124,14 +124,16 @@ def cmd_generate(args) -> int:
     engine = Engine(target, drafter, num_speculative_tokens=args.k, verification=args.verification,
                     max_num_seqs=1, max_model_len=args.max_model_len, tokenizer=tokenizer)
     load_s = time.perf_counter() - t0
-    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-              seed=args.seed, ignore_eos=args.ignore_eos, progress=False)
+    kw = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+          "top_k": args.top_k, "seed": args.seed, "ignore_eos": args.ignore_eos}
     if isinstance(prompt, str):
         print(prompt, end="", flush=True)
+    if args.stream and args.loop == "device":
+        raise UsageError("--stream needs --loop host (the device loop returns when the whole batch is done)")
     if args.stream:
         tokens: list[int] = []
         shown = ""
-        for _, new in engine.stream([prompt], **{k: v for k, v in kw.items() if k != "progress"}):
+        for _, new in engine.stream([prompt], **kw):
             tokens.extend(new)
             if tokenizer is not None:
                 text = tokenizer.decode(tokens)
@@ -141,13 +143,14 @@ def cmd_generate(args) -> int:
                 print(" ".join(map(str, new)), end=" ", flush=True)
         print()
         return 0
-    res = engine.generate([prompt], **kw)
+    res = engine.generate([prompt], **kw, loop=args.loop, progress=False)
     r = res[0]
     print(r.text if r.text is not None else " ".join(map(str, r.token_ids)))
     st, rs = r.stats, res.stats
     k = engine.k
     print("-" * 80)
-    print(f"verification {engine.mode}, K = {k}, kernels {engine.implementation}, loaded in {load_s:.1f}s")
+    print(f"verification {engine.mode}, K = {k}, kernels {engine.implementation}, {args.loop} loop, loaded in "
+          f"{load_s:.1f}s")
     print(f"{st['emitted_tokens']} tokens in {rs['wall_time_s']:.2f}s ({rs['output_tokens_per_s']:.1f} tokens/s, "
           f"compiles included: {rs['compiles']}), finish: {st['finish_reason']}")
     if k:
@@ -174,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--stream", action="store_true", help="print tokens as steps complete")
+    g.add_argument("--loop", choices=["host", "device"], default="host",
+                   help="host: the continuous-batching engine; device: the whole loop in one jitted program")
     g.add_argument("--model", default=None, help="target checkpoint directory (default: the embedded default)")
     g.add_argument("--drafter", default=None, help="DSpark drafter directory for --model")
     g.add_argument("--tokenizer", default=None, help="tokenizer.json or its directory (default: the model's)")

@@ -1,11 +1,15 @@
-"""Engine throughput and host overhead: steps/s, output tokens/s and host time per step at several concurrencies.
+"""Engine throughput and host overhead: steps/s, output tokens/s and host time per step at several concurrencies,
+for the host loop (continuous batching) and the device loop (jitted offline batch decoding).
 
     PYTHONPATH=. python3 scripts/bench_engine.py --out DIR [--model default|random] [--requests 1 8 64]
+        [--loops host device]
 
 For each (verification mode, concurrency) it runs one warm-up generate call (compiles every bucket it meets),
 then a timed one on fresh prompts, and records wall time, steps, output tokens, mean acceptance length and the
 host time per step (scheduling, planning the budget, packing the plan, reading back the step's output and
-bookkeeping: everything outside the device call). ``--model random`` uses a small MiniMax-M3-shaped random pair
+bookkeeping: everything outside the device call). The device loop runs the same batch in one program; its
+host time is planning the batch and reading back the outputs, spread over its steps; ``match`` is the fraction
+of requests whose tokens equal the host loop's (greedy). ``--model random`` uses a small MiniMax-M3-shaped random pair
 (acceptance is then near 0 for the speculative modes: the rows measure the machinery, not the speed-up).
 """
 
@@ -65,6 +69,7 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--loops", nargs="+", choices=["host", "device"], default=["host"])
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
@@ -79,35 +84,46 @@ def main():
         target, drafter, tokenizer = random_pair(dtype)
     vocab = target.cfg.vocab_size
     dev = jax.devices()[0]
-    meta = dict(device=f"{dev.platform}:{getattr(dev, 'device_kind', '?')}", jax=jax.__version__,
-                python=platform.python_version(), date=time.strftime("%Y-%m-%d"), model=args.model, args=vars(args))
+    meta = {"device": f"{dev.platform}:{getattr(dev, 'device_kind', '?')}", "jax": jax.__version__,
+            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"), "model": args.model,
+            "args": vars(args)}
     rows = []
     for mode in args.modes:
         for n in args.requests:
             eng = Engine(target, drafter, num_speculative_tokens=args.k, verification=mode, max_num_seqs=n,
                          max_model_len=args.prompt_len + args.max_new_tokens + 16, tokenizer=tokenizer)
-            kw = dict(max_new_tokens=args.max_new_tokens, ignore_eos=True, progress=False)
+            kw = {"max_new_tokens": args.max_new_tokens, "ignore_eos": True}
             prompts = prompts_for(n, vocab, args.prompt_len, 0, tokenizer)
-            t0 = time.perf_counter()
-            eng.generate(prompts, **kw)  # compiles (and profiles) every bucket the timed run meets: greedy repeats
-            warm = time.perf_counter() - t0
-            res = eng.generate(prompts, **kw)
-            st = res.stats
-            row = dict(mode=mode, requests=n, k=args.k if mode != "none" else 0, warmup_s=warm,
-                       wall_s=st["wall_time_s"], steps=st["steps"], steps_per_s=st["steps"] / st["wall_time_s"],
-                       output_tokens=st["output_tokens"], output_tokens_per_s=st["output_tokens_per_s"],
-                       host_ms_per_step=1e3 * st["host_time_per_step_s"],
-                       mean_acceptance_length=st["mean_acceptance_length"],
-                       mean_verified_drafts_per_step=st["mean_verified_drafts_per_step"], compiles=eng.num_compiles,
-                       timed_compiles=st["compiles"])
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            with open(os.path.join(args.out, "engine_bench.json"), "w") as f:  # after every row: a cut run keeps its rows
-                json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    print(f"{'mode':9s} {'req':>4s} {'steps/s':>8s} {'tok/s':>9s} {'host ms/step':>12s} {'acc len':>7s}")
+            tokens = {}
+            for loop in args.loops:
+                extra = {"progress": False} if loop == "host" else {}
+                t0 = time.perf_counter()
+                eng.generate(prompts, loop=loop, **kw, **extra)  # compiles (and profiles) what the timed run meets
+                warm = time.perf_counter() - t0
+                res = eng.generate(prompts, loop=loop, **kw, **extra)
+                tokens[loop] = [r.token_ids for r in res]
+                st = res.stats
+                row = {"mode": mode, "loop": loop, "requests": n, "k": args.k if mode != "none" else 0,
+                       "warmup_s": warm, "wall_s": st["wall_time_s"], "steps": st["steps"],
+                       "steps_per_s": st["steps"] / st["wall_time_s"], "output_tokens": st["output_tokens"],
+                       "output_tokens_per_s": st["output_tokens_per_s"],
+                       "host_ms_per_step": 1e3 * st["host_time_per_step_s"],
+                       "mean_acceptance_length": st["mean_acceptance_length"],
+                       "mean_verified_drafts_per_step": st["mean_verified_drafts_per_step"],
+                       "compiles": eng.num_compiles, "timed_compiles": st["compiles"]}
+                if loop == "device":
+                    row["device_s"] = st["device_time_s"]
+                    row["token_buckets"] = st["token_buckets"]
+                if loop != "host" and "host" in tokens:
+                    row["match"] = float(np.mean([a == b for a, b in zip(tokens["host"], tokens[loop])]))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                with open(os.path.join(args.out, "engine_bench.json"), "w") as f:  # a cut run keeps its rows
+                    json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(f"{'mode':9s} {'loop':6s} {'req':>4s} {'steps/s':>8s} {'tok/s':>9s} {'host ms/step':>12s} {'acc len':>7s}")
     for r in rows:
-        print(f"{r['mode']:9s} {r['requests']:4d} {r['steps_per_s']:8.1f} {r['output_tokens_per_s']:9.1f} "
-              f"{r['host_ms_per_step']:12.2f} {r['mean_acceptance_length']:7.2f}")
+        print(f"{r['mode']:9s} {r['loop']:6s} {r['requests']:4d} {r['steps_per_s']:8.1f} "
+              f"{r['output_tokens_per_s']:9.1f} {r['host_ms_per_step']:12.2f} {r['mean_acceptance_length']:7.2f}")
 
 
 if __name__ == "__main__":
