@@ -3,7 +3,8 @@
 Pure pieces, each in its own module:
 
 * :mod:`spec_decode.allocator`: ``allocate_drafts`` (device): caps per request from the global top-B survival.
-* :mod:`spec_decode.budget`: ``choose_budget`` (host): B maximising expected tokens per second of step time.
+* :mod:`spec_decode.budget`: ``choose_budget`` (host) and ``choose_budget_device`` (its jnp twin): B maximising
+  expected tokens per second of step time.
 * :mod:`spec_decode.cost_table`: profiled, monotone step-cost tables saved as ``cost_table.json``.
 * :mod:`spec_decode.estimator`: online acceptance estimator for drafters without a confidence head.
 * :mod:`spec_decode.rejection`: lossless greedy/stochastic rejection sampling over a ragged verify batch.
@@ -11,17 +12,21 @@ Pure pieces, each in its own module:
 * :mod:`spec_decode.step`: one speculative step as a pure function over an explicit state (jitted per bucket).
 * :mod:`spec_decode.scheduler`: the host side: admission, chunked prefill, pages, buckets, preemption.
 * :mod:`spec_decode.engine`: ``Engine.generate`` / ``Engine.stream``, continuous batching.
+* :mod:`spec_decode.device_loop`: jitted offline batch decoding (``generate(loop="device")``,
+  ``generate_offline``): the whole loop of a fixed batch in one compiled program.
 """
 
 from spec_decode.allocator import allocate_drafts, survival
-from spec_decode.budget import budget_values, choose_budget
+from spec_decode.budget import budget_values, choose_budget, choose_budget_device
 from spec_decode.cost_table import (
     COST_TABLE_FILENAME,
     CostTable,
+    CostTableArrays,
     load_cost_table,
     profile_cost_table,
     save_cost_table,
 )
+from spec_decode.device_loop import generate_offline
 from spec_decode.engine import Engine, GenerationResult, GenerationResults
 from spec_decode.estimator import (
     EstimatorState,
@@ -49,6 +54,7 @@ __all__ = [
     "STREAM_DRAFT",
     "STREAM_RESAMPLE",
     "CostTable",
+    "CostTableArrays",
     "Engine",
     "EstimatorState",
     "GenerationResult",
@@ -58,9 +64,11 @@ __all__ = [
     "allocate_drafts",
     "budget_values",
     "choose_budget",
+    "choose_budget_device",
     "confidence_feature",
     "confidence_feature_from_logits",
     "filter_logits",
+    "generate_offline",
     "init_estimator",
     "load_cost_table",
     "predict_acceptance",
