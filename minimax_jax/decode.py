@@ -17,8 +17,8 @@ token and its position come from the device-side metadata helpers only (binary s
 kernels on a GPU where every kernel the model runs ``supports`` its shapes, otherwise the references; see
 :func:`choose_implementation`). MoE layers get the same name and resolve ``"auto"`` on their own
 (``pallas_kernels.grouped_gemm``: the grouped-GEMM kernel on a GPU, else the dropless XLA fallback;
-``"reference"`` is ``lax.ragged_dot``). Interpret mode is for tests, far too slow to serve from: only an explicit
-``"pallas"`` on CPU or ``interpret=True`` runs it.
+``"reference"`` is ``lax.ragged_dot``). Interpret mode is for tests, far too slow to serve from: only an
+explicit ``"pallas"`` on CPU or ``interpret=True`` runs it.
 """
 
 from __future__ import annotations

@@ -144,9 +144,9 @@ class MoE(nnx.Module):
                  token_mask: jax.Array | None = None) -> jax.Array:
         """``x [..., d]`` -> ``[..., d]``. ``implementation`` of the routed experts' products
         (``grouped_gemm.moe_ffn``): ``"reference"`` (the default: ``lax.ragged_dot``, differentiable),
-        ``"pallas"``, ``"xla"`` (the dropless batched-matmul fallback) or ``"auto"`` (the compiled kernel on a GPU
-        that supports the sizes, else ``"xla"``). ``token_mask [...]`` (optional): tokens where it is False
-        (padding slots) are routed to no expert; their routed output is zero."""
+        ``"pallas"``, ``"xla"`` (the dropless batched-matmul fallback) or ``"auto"`` (the compiled kernel on a
+        GPU that supports the sizes, else ``"xla"``). ``token_mask [...]`` (optional): tokens where it is
+        False (padding slots) are routed to no expert; their routed output is zero."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         mask = None if token_mask is None else token_mask.reshape(-1)
@@ -160,8 +160,8 @@ class MoE(nnx.Module):
         """Weighted sum of the selected experts, fp32 ``[N, d]``."""
         weights, experts = self.gate(x)
         return routed_experts(x, weights, experts, self.experts_gate_up[...], self.experts_down[...],
-                              swiglu=swiglu_params(self.cfg), implementation=implementation, interpret=interpret,
-                              token_mask=token_mask)
+                              swiglu=swiglu_params(self.cfg), implementation=implementation,
+                              interpret=interpret, token_mask=token_mask)
 
 
 def swiglu_params(cfg: MiniMaxM3Config) -> tuple[float, float, float]:
@@ -169,15 +169,16 @@ def swiglu_params(cfg: MiniMaxM3Config) -> tuple[float, float, float]:
     return float(cfg.swiglu_alpha), float(cfg.swiglu_limit), float(cfg.swiglu_beta)
 
 
-def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
-                   *, swiglu: tuple[float, float, float], implementation: str = "reference",
-                   interpret: bool | None = None, token_mask: jax.Array | None = None,
+def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: jax.Array,
+                   w_down: jax.Array, *, swiglu: tuple[float, float, float],
+                   implementation: str = "reference", interpret: bool | None = None,
+                   token_mask: jax.Array | None = None,
                    gate_up_config=None, down_config=None) -> jax.Array:
-    """The routed half of the MoE, fp32 ``[N, d]``: the ``N * k`` (token, expert) pairs sorted by expert (stable
-    argsort), the tokens gathered, ``grouped_gemm.moe_ffn`` (``implementation``; launch configs of its two
-    kernels, ``None``: the chip's policy), each output row scaled by its routing weight and scattered back onto
-    its token. Pairs of tokens where ``token_mask`` is False sort after every expert's rows: padding rows of
-    ``moe_ffn``, which multiplies nothing for them and returns zeros."""
+    """The routed half of the MoE, fp32 ``[N, d]``: the ``N * k`` (token, expert) pairs sorted by expert
+    (stable argsort), the tokens gathered, ``grouped_gemm.moe_ffn`` (``implementation``; launch configs of its
+    two kernels, ``None``: the chip's policy), each output row scaled by its routing weight and scattered back
+    onto its token. Pairs of tokens where ``token_mask`` is False sort after every expert's rows: padding rows
+    of ``moe_ffn``, which multiplies nothing for them and returns zeros."""
     n, k = experts.shape
     num_experts = w_gate_up.shape[0]
     flat_expert = experts.reshape(-1)

@@ -1,17 +1,18 @@
-"""Grouped GEMM for the MoE's routed experts: a Pallas (Triton) kernel, its ragged_dot reference and a dropless
-XLA fallback.
+"""Grouped GEMM for the MoE's routed experts: a Pallas (Triton) kernel, its ragged_dot reference and a
+dropless XLA fallback.
 
 Contract. ``lhs: [M, K]`` rows sorted by group (expert); ``rhs: [G, K, N]`` one weight matrix per group;
 ``group_sizes: int32[G]``: group ``g`` owns rows ``[sum(gs[:g]), sum(gs[:g + 1]))``; rows at or past
 ``sum(gs)`` are *padding* and come out as exact zeros (``jax.lax.ragged_dot``'s rule; the sum must not exceed
 ``M``). ``grouped_matmul`` returns ``lhs @ rhs[g]`` per row in lhs's dtype (fp32 accumulation, rounded once);
-with ``swiglu=(alpha, limit, beta)`` it returns ``layers.swigluoai`` of that product instead: ``N = 2I`` weight
-columns whose halves are gate ``[0, I)`` and up ``[I, 2I)`` (split, not interleaved), output ``[M, I]``.
-``moe_ffn`` is the experts' whole MLP: ``swigluoai(xs @ w_gate_up[g]) @ w_down[g]``, each product rounded to
-the weights' dtype as in ``minimax_jax.layers.MoE``. Implementations (every entry point takes them all):
+with ``swiglu=(alpha, limit, beta)`` it returns ``layers.swigluoai`` of that product instead: ``N = 2I``
+weight columns whose halves are gate ``[0, I)`` and up ``[I, 2I)`` (split, not interleaved), output
+``[M, I]``. ``moe_ffn`` is the experts' whole MLP: ``swigluoai(xs @ w_gate_up[g]) @ w_down[g]``, each product
+rounded to the weights' dtype as in ``minimax_jax.layers.MoE``. Implementations (every entry point takes them
+all):
 
-* ``"reference"``: ``jax.lax.ragged_dot``, the model's original path. XLA lowers it on GPUs like a dense product
-  over every group (H200, M3 gate/up at 2048 rows: 25 ms against a 2.3 ms weight-read floor).
+* ``"reference"``: ``jax.lax.ragged_dot``, the model's original path. XLA lowers it on GPUs like a dense
+  product over every group (H200, M3 gate/up at 2048 rows: 25 ms against a 2.3 ms weight-read floor).
 * ``"pallas"``: the kernel below (compiled Triton on a GPU, interpret mode on CPU).
 * ``"xla"``: a dropless batched-matmul fallback for where the kernel cannot run (below).
 * ``"auto"``: the compiled kernel on a GPU when :func:`supports` says so, else ``"xla"``; interpret mode only
@@ -21,20 +22,20 @@ Kernel. A 1-D grid; one program per (row tile of one group, column tile). The ``
 and the padding tail) are cut into row tiles of ``block_m``; every program loads ``group_sizes`` and finds its
 (segment, row tile, column tile) on the device (a cumsum over the segments' program counts, as
 ``_common.locate_tile`` does for ragged query tiles; no host sync, no sort). Inside a segment the programs run
-row tiles fastest in bands of ``group_m`` (the weight column tile just read is reused from L2 by the band's row
-tiles, and the band's rows stay in L2 across the column tiles). The static grid is ``num_tiles_bound(M, G,
-block_m) * N / block_n`` programs (about ``cdiv(M, block_m) + G`` row tiles); programs past the last tile and
-empty groups do nothing, padding-tail programs only write zeros. A program loops over ``K`` in ``block_k``
+row tiles fastest in bands of ``group_m`` (the weight column tile just read is reused from L2 by the band's
+row tiles, and the band's rows stay in L2 across the column tiles). The static grid is
+``num_tiles_bound(M, G, block_m) * N / block_n`` programs (about ``cdiv(M, block_m) + G`` row tiles);
+programs past the last tile and empty groups do nothing, padding-tail programs only write zeros. A program loops over ``K`` in ``block_k``
 steps: a masked ``[block_m, block_k]`` row load, one ``[block_k, block_n]`` weight tile (two with the fused
 swigluoai: gate and up columns ``n0`` and ``I + n0``), fp32 dots; then the activation in registers and a
 masked store of its own rows only.
 
-Bytes and FLOPs per call (``A`` active groups, ``R = M`` rows, itemsize ``b``): weights ``A * K * N * b``
-read once per row band of a group (at decode, a few rows per expert: exactly once), rows ``R * K * b`` read
-once per column tile (mostly from L2), output ``R * N_out * b`` written once; ``2 * R * K * N`` useful FLOPs,
+Bytes and FLOPs per call (``A`` active groups, ``R = M`` rows, itemsize ``b``): weights ``A * K * N * b`` read
+once per row band of a group (at decode, a few rows per expert: exactly once), rows ``R * K * b`` read once
+per column tile (mostly from L2), output ``R * N_out * b`` written once; ``2 * R * K * N`` useful FLOPs,
 executed ``2 * sum_g(cdiv(gs_g, block_m) * block_m) * K * N``. M3 (hidden 6144, 128 experts, intermediate
 3072, bf16): gate/up weights 9.66 GB (2.25 ms at 4.3 TB/s), down 4.83 GB; 2048 pairs of gate/up are 155 GFLOP
-(0.16 ms at 989 TFLOP/s): weight-read bound up to about 14K rows.
+(0.16 ms at 989 TFLOP/s): weight-read bound up to about 29K rows at the tensor cores' peak.
 
 XLA fallback (``"xla"``): no product by every expert, no dropped row, static shapes. Each group's rows are cut
 into chunks of ``C = next_pow2(cdiv(2M, G))`` rows (the *capacity*, a power-of-2 bucket of twice the mean
@@ -219,7 +220,8 @@ def _grouped_matmul_kernel(
     if swiglu is None:
         y = accs[0]
     else:  # the reference rounds the product to the weights' dtype before the activation: so does the kernel
-        y = _swigluoai(accs[0].astype(dtype).astype(jnp.float32), accs[1].astype(dtype).astype(jnp.float32), swiglu)
+        g, u = (acc.astype(dtype).astype(jnp.float32) for acc in accs)
+        y = _swigluoai(g, u, swiglu)
     cols = n0 + jax.lax.broadcasted_iota(jnp.int32, (block_n,), 0)
     out_rows = out_of_bounds_where(row_ok, row0 + r, num_rows)
     plgpu.store(out_ref.at[out_rows[:, None], cols[None, :]], y.astype(dtype), mask=row_ok[:, None])
@@ -275,15 +277,16 @@ def resolve_implementation(
         return implementation
     if interpret:
         return "pallas"
-    ok = on_gpu() and supports(hidden_size=hidden_size, intermediate_size=intermediate_size, dtype=dtype, chip=chip)
-    return "pallas" if ok else "xla"
+    sizes = {"hidden_size": hidden_size, "intermediate_size": intermediate_size}
+    return "pallas" if on_gpu() and supports(**sizes, dtype=dtype, chip=chip) else "xla"
 
 
 def _check_inputs(lhs, rhs, group_sizes, swiglu):
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
         raise ValueError(f"lhs must be [M, K] and rhs [G, K, N], got {lhs.shape} and {rhs.shape}")
     if group_sizes.shape != (rhs.shape[0],) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise ValueError(f"group_sizes must be int32[G={rhs.shape[0]}], got {group_sizes.dtype}{group_sizes.shape}")
+        got = f"{group_sizes.dtype}{group_sizes.shape}"
+        raise ValueError(f"group_sizes must be int32[G={rhs.shape[0]}], got {got}")
     if lhs.dtype != rhs.dtype or not jnp.issubdtype(lhs.dtype, jnp.floating):
         raise ValueError(f"lhs ({lhs.dtype}) and rhs ({rhs.dtype}) must share one floating dtype")
     if swiglu is not None and (len(swiglu) != 3 or rhs.shape[2] % 2):
@@ -314,7 +317,8 @@ def grouped_matmul_pallas(
     if reason:
         raise ValueError(f"{reason}; use implementation='xla'")
     if k % config.block_k or n_out % config.block_n:
-        raise ValueError(f"block_k={config.block_k} and block_n={config.block_n} must divide K={k}, N={n_out}")
+        raise ValueError(f"block_k={config.block_k} and block_n={config.block_n} must divide K={k}, "
+                         f"N={n_out}")
     if not interpret and min(config.block_m, config.block_n, config.block_k) < MIN_DOT_DIM:
         raise ValueError(f"compiled Triton dots need blocks >= {MIN_DOT_DIM}, got {config}")
     if num_rows == 0:
@@ -489,7 +493,8 @@ def _slot_layout(group_sizes, *, num_rows: int, cap: int) -> _Slots:
     ends = jnp.minimum(ends_raw, num_rows)
     length = ends - start
     r = jnp.arange(num_rows, dtype=jnp.int32)
-    group = jnp.searchsorted(ends, r, side="right").astype(jnp.int32)  # first group ending past r; G: padding
+    # First group ending past r (G: padding). "compare_all": one [M, G] comparison, no loop on the device.
+    group = jnp.searchsorted(ends, r, side="right", method="compare_all").astype(jnp.int32)
     live = group < num_groups
     g = jnp.minimum(group, num_groups - 1)
     j = r - start[g]
@@ -500,13 +505,14 @@ def _slot_layout(group_sizes, *, num_rows: int, cap: int) -> _Slots:
     slot = jnp.where(live, slot, num_slots)
     slot_rows = jnp.full((num_slots, cap), -1, jnp.int32).at[slot, pos].set(r, mode="drop")
     v = jnp.arange(num_over, dtype=jnp.int32)
-    overflow_group = jnp.minimum(jnp.searchsorted(over_end, v, side="right"), num_groups - 1).astype(jnp.int32)
+    overflow_group = jnp.searchsorted(over_end, v, side="right", method="compare_all")
+    overflow_group = jnp.minimum(overflow_group, num_groups - 1).astype(jnp.int32)
     return _Slots(slot_rows, slot, pos, overflow_group, over_end[-1] > 0)
 
 
 def _chain(x, weights, swiglus, dtype):
-    """``x [B, C, K]`` through batched products with ``weights [B, K, N]`` (each rounded to ``dtype``, then the
-    optional swigluoai): the reference's roundings."""
+    """``x [B, C, K]`` through batched products with ``weights [B, K, N]`` (each rounded to ``dtype``, then
+    the optional swigluoai): the reference's roundings."""
     for w, swiglu in zip(weights, swiglus, strict=True):
         x = jnp.einsum("bck,bkn->bcn", x, w, preferred_element_type=jnp.float32).astype(dtype)
         if swiglu is not None:
@@ -575,14 +581,16 @@ def _check_ffn(xs, w_gate_up, w_down, group_sizes, swiglu):
     _check_inputs(xs, w_gate_up, group_sizes, swiglu)
     num_groups, inter, hidden = w_down.shape
     if (num_groups, 2 * inter) != (w_gate_up.shape[0], w_gate_up.shape[2]) or hidden != xs.shape[1]:
-        raise ValueError(f"w_gate_up {w_gate_up.shape} and w_down {w_down.shape} must be [G, d, 2I] and [G, I, d] "
-                         f"for xs {xs.shape}")
+        raise ValueError(f"w_gate_up {w_gate_up.shape} and w_down {w_down.shape} must be [G, d, 2I] and "
+                         f"[G, I, d] for xs {xs.shape}")
     if w_down.dtype != w_gate_up.dtype:
         raise ValueError(f"w_down ({w_down.dtype}) and w_gate_up ({w_gate_up.dtype}) must share a dtype")
 
 
-@functools.partial(jax.jit, static_argnames=("swiglu", "implementation", "interpret", "chip", "gate_up_config",
-                                             "down_config"))
+@functools.partial(
+    jax.jit,
+    static_argnames=("swiglu", "implementation", "interpret", "chip", "gate_up_config", "down_config"),
+)
 def moe_ffn(
     xs: jax.Array,
     w_gate_up: jax.Array,
@@ -599,7 +607,8 @@ def moe_ffn(
     """The routed experts' MLP over rows sorted by expert: ``swigluoai(xs @ w_gate_up[g]) @ w_down[g]``.
 
     Args:
-      xs: ``[M, d]`` rows sorted by expert, the weights' dtype; rows at or past ``sum(group_sizes)`` are padding.
+      xs: ``[M, d]`` rows sorted by expert, the weights' dtype; rows at or past ``sum(group_sizes)`` are
+        padding.
       w_gate_up: ``[E, d, 2I]`` (gate columns, then up columns); w_down: ``[E, I, d]``.
       group_sizes: ``int32[E]`` rows per expert, summing to at most ``M``.
       swiglu: ``(alpha, limit, beta)`` of the activation.
@@ -608,7 +617,8 @@ def moe_ffn(
       gate_up_config, down_config: launch settings of the two kernels (``None``: the chip's policy).
 
     Returns:
-      ``[M, d]`` in the weights' dtype (each product rounded to it, as in ``layers.MoE``); zeros on padding rows.
+      ``[M, d]`` in the weights' dtype (each product rounded to it, as in ``layers.MoE``); zeros on padding
+      rows.
     """
     _check_ffn(xs, w_gate_up, w_down, group_sizes, swiglu)
     impl = resolve_implementation(

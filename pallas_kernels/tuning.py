@@ -179,9 +179,9 @@ class GroupedGemmTable:
 
 
 # Grouped GEMM, not measured yet (scripts/bench_moe.py --sweep is the tuning run). Decode-sized groups (tens
-# of rows per expert) are weight-read bound: a 16..32-row tile streams each expert's weights once, 4 stages deep
-# (the fused gate/up tile gets 64-deep steps from the budget, the down tile 128); larger groups move to 64- and
-# 128-row tiles where the tensor cores matter.
+# of rows per expert) are weight-read bound: a 16..32-row tile streams each expert's weights once, 4 stages
+# deep (the fused gate/up tile gets 64-deep steps from the budget, the down tile 128); larger groups move to
+# 64- and 128-row tiles where the tensor cores matter.
 _HOPPER_GEMM = GroupedGemmTable(
     tiles=(
         GemmTile(min_rows=256, block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
