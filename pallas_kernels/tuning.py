@@ -578,11 +578,12 @@ def grouped_matmul_launch_config(
 
     ``n``: output columns (``fused``: the activation's, half the weight columns; two weight tiles and two
     accumulators per program). The table's ``GemmTile`` for the mean rows per active group
-    (``num_rows / min(num_groups, num_rows)``); ``block_m`` at most ``next_pow2`` of that mean and at least 16
-    (Triton's dot); ``block_k`` / ``block_n`` at most the largest powers of 2 dividing ``k`` / ``n`` (so no
-    reduction or column mask is needed); ``block_n`` halved while the accumulators exceed ``max_acc_elems``
-    and while fewer than ``programs_per_core`` programs per core would hold rows; ``block_k`` halved until
-    ``num_stages`` row and weight tiles fit ``smem_bytes``.
+    (``num_rows / min(num_groups, num_rows)``); ``block_m`` at most ``next_pow2`` of 1.5 x that mean (most
+    groups of a balanced routing then fit one row tile) and at least 16 (Triton's dot); ``block_k`` /
+    ``block_n`` at most the largest powers of 2 dividing ``k`` / ``n`` (so no reduction or column mask is
+    needed); ``block_n`` halved while the accumulators exceed ``max_acc_elems`` and while fewer than
+    ``programs_per_core`` programs per core would hold rows; ``block_k`` halved until ``num_stages`` row and
+    weight tiles fit ``smem_bytes``.
     """
     chip = resolve_chip(chip)
     table = TABLES[chip].grouped_gemm
@@ -590,8 +591,8 @@ def grouped_matmul_launch_config(
     active = max(1, min(num_groups, num_rows))
     mean = cdiv(max(num_rows, 1), active)
     tile = table.tile(mean)
-    if block_m is None:
-        block_m = max(MIN_DOT_DIM, min(tile.block_m, next_pow2(mean)))
+    if block_m is None:  # 1.5x the mean: most groups of a balanced routing fit one row tile
+        block_m = max(MIN_DOT_DIM, min(tile.block_m, next_pow2(cdiv(3 * mean, 2))))
     if num_warps is None:
         num_warps = tile.num_warps
     if num_stages is None:
