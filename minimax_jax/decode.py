@@ -15,8 +15,10 @@ token and its position come from the device-side metadata helpers only (binary s
 ``implementation`` selects the kernels: ``"pallas"`` (compiled Triton on a GPU, Pallas interpret mode on CPU),
 ``"reference"`` (the plain-jnp ``*_reference`` of each kernel) or ``"auto"`` (the default: the compiled Pallas
 kernels on a GPU where every kernel the model runs ``supports`` its shapes, otherwise the references; see
-:func:`choose_implementation`). Interpret mode is for tests, far too slow to serve from: only an explicit
-``"pallas"`` on CPU or ``interpret=True`` runs it.
+:func:`choose_implementation`). MoE layers get the same name and resolve ``"auto"`` on their own
+(``pallas_kernels.grouped_gemm``: the grouped-GEMM kernel on a GPU, else the dropless XLA fallback;
+``"reference"`` is ``lax.ragged_dot``). Interpret mode is for tests, far too slow to serve from: only an
+explicit ``"pallas"`` on CPU or ``interpret=True`` runs it.
 """
 
 from __future__ import annotations
@@ -207,6 +209,9 @@ def forward_ragged(
                                                          dtype=cache.k[0].dtype, interpret=interpret),
                  "interpret": interpret}
     meta = (batch.block_tables, batch.seq_lens, batch.query_start_loc)
+    # The MoE resolves "auto" itself (grouped_gemm.resolve_implementation: its kernel, else the XLA fallback);
+    # padding slots are routed to no expert.
+    moe_kw = {"implementation": implementation, "interpret": interpret, "token_mask": req >= 0}
 
     x = jnp.where(valid, model.embed(jnp.where(req >= 0, batch.input_ids, 0)), 0)
     new_k, new_v, new_index_k = list(cache.k), list(cache.v), list(cache.index_k)
@@ -229,7 +234,8 @@ def forward_ragged(
         else:
             o = ragged_paged_attention(q, new_k[i], new_v[i], *meta, scale=scale, **kernel_kw)
         h = x + attn.o_proj(o.reshape(t, -1))
-        x = h + layer.mlp(layer.post_attention_layernorm(h))
+        mlp_kw = moe_kw if cfg.is_moe_layer(i) else {}
+        x = h + layer.mlp(layer.post_attention_layernorm(h), **mlp_kw)
         x = jnp.where(valid, x, 0)
         if i in capture_layers:
             captured[i] = x

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from minimax_jax.config import MiniMaxM3Config
+from pallas_kernels.grouped_gemm import moe_ffn
 
 
 def _normal(stddev: float):
@@ -125,7 +126,8 @@ class Router(nnx.Module):
 
 
 class MoE(nnx.Module):
-    """Routed experts (grouped matmuls over expert-sorted tokens) plus one always-on shared expert."""
+    """Routed experts (grouped matmuls over expert-sorted tokens, ``pallas_kernels.grouped_gemm``) plus one
+    always-on shared expert."""
 
     def __init__(self, cfg: MiniMaxM3Config, *, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -138,27 +140,55 @@ class MoE(nnx.Module):
             if cfg.shared_intermediate_size > 0 else None
         )
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, implementation: str = "reference", interpret: bool | None = None,
+                 token_mask: jax.Array | None = None) -> jax.Array:
+        """``x [..., d]`` -> ``[..., d]``. ``implementation`` of the routed experts' products
+        (``grouped_gemm.moe_ffn``): ``"reference"`` (the default: ``lax.ragged_dot``, differentiable),
+        ``"pallas"``, ``"xla"`` (the dropless batched-matmul fallback) or ``"auto"`` (the compiled kernel on a
+        GPU that supports the sizes, else ``"xla"``). ``token_mask [...]`` (optional): tokens where it is
+        False (padding slots) are routed to no expert; their routed output is zero."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        out = self.routed(x2)
+        mask = None if token_mask is None else token_mask.reshape(-1)
+        out = self.routed(x2, implementation=implementation, interpret=interpret, token_mask=mask)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2).astype(jnp.float32)
         return out.astype(x.dtype).reshape(shape)
 
-    def routed(self, x: jax.Array) -> jax.Array:
+    def routed(self, x: jax.Array, *, implementation: str = "reference", interpret: bool | None = None,
+               token_mask: jax.Array | None = None) -> jax.Array:
         """Weighted sum of the selected experts, fp32 ``[N, d]``."""
-        c = self.cfg
-        n, k = x.shape[0], c.num_experts_per_tok
         weights, experts = self.gate(x)
-        flat_expert = experts.reshape(-1)
-        order = jnp.argsort(flat_expert, stable=True)
-        token = order // k
-        group_sizes = jnp.bincount(flat_expert, length=c.num_local_experts).astype(jnp.int32)
-        wgu, wd = self.experts_gate_up[...], self.experts_down[...]
-        xs = x[token].astype(wgu.dtype)
-        h = jax.lax.ragged_dot(xs, wgu, group_sizes, preferred_element_type=jnp.float32).astype(wgu.dtype)
-        h = swigluoai(h, alpha=c.swiglu_alpha, limit=c.swiglu_limit, beta=c.swiglu_beta)
-        y = jax.lax.ragged_dot(h, wd, group_sizes, preferred_element_type=jnp.float32)
-        y = y.astype(wd.dtype).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-        return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(y)
+        return routed_experts(x, weights, experts, self.experts_gate_up[...], self.experts_down[...],
+                              swiglu=swiglu_params(self.cfg), implementation=implementation,
+                              interpret=interpret, token_mask=token_mask)
+
+
+def swiglu_params(cfg: MiniMaxM3Config) -> tuple[float, float, float]:
+    """``(alpha, limit, beta)`` of the config's swigluoai (the kernels' ``swiglu`` argument)."""
+    return float(cfg.swiglu_alpha), float(cfg.swiglu_limit), float(cfg.swiglu_beta)
+
+
+def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: jax.Array,
+                   w_down: jax.Array, *, swiglu: tuple[float, float, float],
+                   implementation: str = "reference", interpret: bool | None = None,
+                   token_mask: jax.Array | None = None,
+                   gate_up_config=None, down_config=None) -> jax.Array:
+    """The routed half of the MoE, fp32 ``[N, d]``: the ``N * k`` (token, expert) pairs sorted by expert
+    (stable argsort), the tokens gathered, ``grouped_gemm.moe_ffn`` (``implementation``; launch configs of its
+    two kernels, ``None``: the chip's policy), each output row scaled by its routing weight and scattered back
+    onto its token. Pairs of tokens where ``token_mask`` is False sort after every expert's rows: padding rows
+    of ``moe_ffn``, which multiplies nothing for them and returns zeros."""
+    n, k = experts.shape
+    num_experts = w_gate_up.shape[0]
+    flat_expert = experts.reshape(-1)
+    if token_mask is not None:
+        flat_expert = jnp.where(jnp.repeat(token_mask.astype(bool), k), flat_expert, num_experts)
+    order = jnp.argsort(flat_expert, stable=True)
+    token = order // k
+    group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)  # drops the masked pairs
+    xs = x[token].astype(w_gate_up.dtype)
+    y = moe_ffn(xs, w_gate_up, w_down, group_sizes, swiglu=swiglu, implementation=implementation,
+                interpret=interpret, gate_up_config=gate_up_config, down_config=down_config)
+    y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(y)

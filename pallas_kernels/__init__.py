@@ -2,12 +2,21 @@
 
 One module per concern: ``indexer`` (ragged MSA top-k), ``sparse_attention`` (MSA block-sparse attention),
 ``paged_attention`` (dense paged attention), ``attention_walk`` (the walk both attention kernels share),
+``grouped_gemm`` (the MoE experts' grouped GEMM and its dropless XLA fallback),
 ``tuning`` (chips, their detection and every kernel's launch tables and policies), ``metadata`` (ragged
 metadata on the device), ``platform`` (interpret/compiled dispatch, deviceless lowering), ``_common`` (shared
 helpers).
 """
 
 from pallas_kernels import platform as platform  # installs the Triton deprecation filter
+from pallas_kernels.grouped_gemm import (
+    grouped_matmul,
+    grouped_matmul_reference,
+    grouped_matmul_xla,
+    moe_ffn,
+    moe_ffn_reference,
+    moe_ffn_xla,
+)
 from pallas_kernels.indexer import (
     index_block_scores_reference,
     ragged_index_topk,
@@ -19,8 +28,10 @@ from pallas_kernels.sparse_attention import ragged_sparse_attention, ragged_spar
 from pallas_kernels.tuning import (
     CHIPS,
     AttentionLaunchConfig,
+    GroupedMatmulLaunchConfig,
     IndexerLaunchConfig,
     detect_chip,
+    grouped_matmul_launch_config,
     indexer_launch_config,
     paged_attention_launch_config,
     sparse_attention_launch_config,
@@ -29,10 +40,18 @@ from pallas_kernels.tuning import (
 __all__ = [
     "CHIPS",
     "AttentionLaunchConfig",
+    "GroupedMatmulLaunchConfig",
     "IndexerLaunchConfig",
     "detect_chip",
+    "grouped_matmul",
+    "grouped_matmul_launch_config",
+    "grouped_matmul_reference",
+    "grouped_matmul_xla",
     "index_block_scores_reference",
     "indexer_launch_config",
+    "moe_ffn",
+    "moe_ffn_reference",
+    "moe_ffn_xla",
     "paged_attention_launch_config",
     "query_lens",
     "ragged_index_topk",

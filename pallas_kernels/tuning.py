@@ -12,9 +12,10 @@ Chips (each runs on one platform, ``"cuda"`` or ``"rocm"``):
 :func:`detect_chip` names the default device's chip (``None`` off GPU); :func:`resolve_chip` turns a kernel's
 ``chip=`` argument into a chip, ``DEFAULT_CHIP`` when there is no GPU (interpret mode then makes the launch
 choices of the measured chip). The tables sit side by side in ``TABLES`` (one :class:`ChipTables` per chip:
-the indexer, the sparse and the dense attention walks, the walks' tile pre-pass and split-K merge), and the
-policy functions (:func:`indexer_launch_config`, :func:`sparse_attention_launch_config`,
-:func:`paged_attention_launch_config`) turn static shapes and a chip into a launch config. Retune here, nowhere
+the indexer, the sparse and the dense attention walks, the walks' tile pre-pass and split-K merge, the
+MoE's grouped GEMM), and the policy functions (:func:`indexer_launch_config`,
+:func:`sparse_attention_launch_config`, :func:`paged_attention_launch_config`,
+:func:`grouped_matmul_launch_config`) turn static shapes and a chip into a launch config. Retune here, nowhere
 else. Every in-kernel shape is a power of 2 and ``num_warps <= 16`` (AMD wavefronts are 64 lanes wide), so the
 kernels stay portable.
 """
@@ -151,6 +152,47 @@ class MergeTable:
 
 
 @dataclasses.dataclass(frozen=True)
+class GemmTile:
+    """Grouped-GEMM launch settings for groups of at least ``min_rows`` rows on average (rows per active
+    group: ``num_rows / min(num_groups, num_rows)``)."""
+
+    min_rows: int
+    block_m: int  # rows per program (capped at next_pow2 of the mean group, at least 16)
+    block_n: int  # output columns per program
+    block_k: int  # reduction step
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedGemmTable:
+    """``grouped_gemm.grouped_matmul``'s knobs (the MoE's expert products)."""
+
+    tiles: tuple[GemmTile, ...]  # largest min_rows first: the first a mean group reaches applies
+    smem_bytes: int  # budget for num_stages x (row tile + weight tiles); block_k is halved to fit
+    max_acc_elems: int = 16384  # fp32 accumulator elements per program (block_m x block_n x accumulators)
+    programs_per_core: int = 2  # block_n is halved (down to 32) until live programs fill the chip this often
+    group_m: int = 8  # row tiles of one group that sweep the weight columns together (L2 reuse of both)
+
+    def tile(self, rows: int) -> GemmTile:
+        return next((t for t in self.tiles if rows >= t.min_rows), self.tiles[-1])
+
+
+# Grouped GEMM, not measured yet (scripts/bench_moe.py --sweep is the tuning run). Decode-sized groups (tens
+# of rows per expert) are weight-read bound: a 16..32-row tile streams each expert's weights once, 4 stages
+# deep (the fused gate/up tile gets 64-deep steps from the budget, the down tile 128); larger groups move to
+# 64- and 128-row tiles where the tensor cores matter.
+_HOPPER_GEMM = GroupedGemmTable(
+    tiles=(
+        GemmTile(min_rows=256, block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
+        GemmTile(min_rows=64, block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3),
+        GemmTile(min_rows=1, block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=4),
+    ),
+    smem_bytes=160 * 1024,
+)
+
+
+@dataclasses.dataclass(frozen=True)
 class ChipTables:
     platform: str  # "cuda" or "rocm"
     num_cores: int  # SMs / CUs; the device's own count is used when it reports one (core_count)
@@ -159,6 +201,7 @@ class ChipTables:
     paged_attention: WalkTable
     prepass: PrepassTable = PrepassTable()
     merge: MergeTable = MergeTable()
+    grouped_gemm: GroupedGemmTable = _HOPPER_GEMM
 
 
 # Hopper walk tiles, from the H200 sweeps (docs/kernels/sparse_attention.md): the sparse walk is fastest in 64-row
@@ -189,6 +232,15 @@ _CDNA3 = ChipTables(
     ),
     sparse_attention=WalkTable(tiles=_CDNA3_WALK_TILES, smem_bytes=64 * 1024, max_splits=16),
     paged_attention=WalkTable(tiles=_CDNA3_WALK_TILES, smem_bytes=64 * 1024, max_splits=16),
+    # Grouped GEMM: 2-stage pipelines kept well under the 64 KiB LDS of a CU (24 KiB per program).
+    grouped_gemm=GroupedGemmTable(
+        tiles=(
+            GemmTile(min_rows=64, block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2),
+            GemmTile(min_rows=1, block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=2),
+        ),
+        smem_bytes=24 * 1024,
+        max_acc_elems=8192,
+    ),
 )
 
 TABLES: dict[str, ChipTables] = {
@@ -471,4 +523,98 @@ def _attention_launch_config(
         prepass_warps=tables.prepass.num_warps,
         merge_rows=tables.merge.block_rows,
         merge_warps=tables.merge.num_warps,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedMatmulLaunchConfig:
+    """Static launch settings of one ``grouped_gemm.grouped_matmul`` call (all sizes powers of 2).
+
+    block_m: rows of one group per program; block_n: output columns per program (with the fused swigluoai:
+    columns of the activation, i.e. of each half of the weights); block_k: reduction step; group_m: row tiles
+    of one group that sweep the column tiles together (program order inside a group, for L2 reuse).
+    """
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8
+
+    def validate(self) -> None:
+        for name in ("block_m", "block_n", "block_k", "group_m"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of 2, got {v}")
+        if self.num_warps < 1 or self.num_warps > 16 or self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"num_warps must be a power of 2 in [1, 16], got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+
+
+def pow2_divisor(n: int) -> int:
+    """The largest power of 2 dividing ``n`` (``n >= 1``): a block that tiles ``n`` exactly."""
+    return int(n) & -int(n)
+
+
+def grouped_matmul_launch_config(
+    *,
+    num_rows: int,
+    num_groups: int,
+    k: int,
+    n: int,
+    fused: bool = False,
+    itemsize: int = 2,
+    chip: str | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    group_m: int | None = None,
+) -> GroupedMatmulLaunchConfig:
+    """Launch settings of a grouped matmul ``[num_rows, k] x [num_groups, k, n']``; explicit arguments win.
+
+    ``n``: output columns (``fused``: the activation's, half the weight columns; two weight tiles and two
+    accumulators per program). The table's ``GemmTile`` for the mean rows per active group
+    (``num_rows / min(num_groups, num_rows)``); ``block_m`` at most ``next_pow2`` of 1.5 x that mean (most
+    groups of a balanced routing then fit one row tile) and at least 16 (Triton's dot); ``block_k`` /
+    ``block_n`` at most the largest powers of 2 dividing ``k`` / ``n`` (so no reduction or column mask is
+    needed); ``block_n`` halved while the accumulators exceed ``max_acc_elems`` and while fewer than
+    ``programs_per_core`` programs per core would hold rows; ``block_k`` halved until ``num_stages`` row and
+    weight tiles fit ``smem_bytes``.
+    """
+    chip = resolve_chip(chip)
+    table = TABLES[chip].grouped_gemm
+    mats = 2 if fused else 1
+    active = max(1, min(num_groups, num_rows))
+    mean = cdiv(max(num_rows, 1), active)
+    tile = table.tile(mean)
+    if block_m is None:  # 1.5x the mean: most groups of a balanced routing fit one row tile
+        block_m = max(MIN_DOT_DIM, min(tile.block_m, next_pow2(cdiv(3 * mean, 2))))
+    if num_warps is None:
+        num_warps = tile.num_warps
+    if num_stages is None:
+        num_stages = tile.num_stages
+    if block_n is None:
+        block_n = min(tile.block_n, pow2_divisor(n))
+        while block_n > MIN_DOT_DIM and block_m * block_n * mats > table.max_acc_elems:
+            block_n //= 2
+        programs = active * cdiv(mean, block_m) * cdiv(n, block_n)
+        while block_n > 32 and programs < table.programs_per_core * core_count(chip):
+            block_n //= 2
+            programs *= 2
+    if block_k is None:
+        block_k = min(tile.block_k, pow2_divisor(k))
+        tile_bytes = (block_m + mats * block_n) * itemsize  # one row tile + weight tiles, per unit of block_k
+        while block_k > MIN_DOT_DIM and num_stages * tile_bytes * block_k > table.smem_bytes:
+            block_k //= 2
+    return GroupedMatmulLaunchConfig(
+        block_m=int(block_m),
+        block_n=int(block_n),
+        block_k=int(block_k),
+        num_warps=int(num_warps),
+        num_stages=int(num_stages),
+        group_m=int(table.group_m if group_m is None else group_m),
     )

@@ -136,3 +136,64 @@ def test_indexer_compiled(page, dim, heads, block_q, num_splits, pages_per_step,
             ti.assert_score_equivalent(got, want, pooled, local_blocks=local)
             np.testing.assert_array_equal(got, want)  # integer inputs too: kernel and reference break ties alike
             assert (got[b["qsl"][-1]:] == -1).all()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The MoE's grouped GEMM (pallas_kernels.grouped_gemm), compiled: every routing trap, poisoned outputs.
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dtype, block_m, block_n, block_k, num_warps, num_stages, group_m",
+    [
+        ("f32", 16, 16, 16, 4, 2, 2),
+        ("f32", 32, 32, 32, 4, 3, 8),
+        ("bf16", 16, 64, 64, 4, 3, 8),
+        ("bf16", 64, 32, 32, 4, 4, 1),
+        ("bf16", 128, 64, 32, 8, 3, 4),
+    ],
+)
+def test_grouped_gemm_compiled(dtype, block_m, block_n, block_k, num_warps, num_stages, group_m):
+    from pallas_kernels import grouped_gemm as gg
+    from tests.test_grouped_gemm import SWIGLU, make_weights, routings
+
+    dt = {"f32": jnp.float32, "bf16": jnp.bfloat16}[dtype]
+    tol = 1e-4 if dtype == "f32" else 2e-2
+    rng = np.random.default_rng(0)
+    num_rows, num_groups, d, inter = 300, 9, 128, 64
+    wgu, wd = make_weights(rng, num_groups, d, inter, dt)
+    config = tuning.GroupedMatmulLaunchConfig(block_m=block_m, block_n=block_n, block_k=block_k,
+                                              num_warps=num_warps, num_stages=num_stages, group_m=group_m)
+    for name, gs_np in routings(rng, num_rows, num_groups, block_m).items():
+        gs = jnp.asarray(gs_np, jnp.int32)
+        xs = jnp.asarray(rng.standard_normal((num_rows, d)), dt)
+        h = gg.grouped_matmul_pallas(xs, wgu, gs, swiglu=SWIGLU, config=config, interpret=False, poison=True)
+        y = gg.grouped_matmul_pallas(h, wd, gs, swiglu=None, config=config, interpret=False, poison=True)
+        for out, ref in ((h, gg.grouped_matmul_reference(xs, wgu, gs, swiglu=SWIGLU)),
+                         (y, gg.moe_ffn_reference(xs, wgu, wd, gs, swiglu=SWIGLU))):
+            out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+            scale = max(float(np.abs(ref).max()), 1e-6)
+            assert not np.isnan(out).any(), name
+            assert np.abs(out - ref).max() <= tol * scale, (name, np.abs(out - ref).max(), scale)
+            assert (out[int(gs_np.sum()):] == 0).all(), name  # padding rows: exact zeros
+
+
+@pytest.mark.parametrize("num_tokens", [1, 64, 512])
+def test_moe_ffn_compiled_default_policy(num_tokens):
+    """The chip's own launch policy at a narrow M3-like shape (bf16, 32 experts, top-4) == ragged_dot, and the
+    XLA fallback too."""
+    from pallas_kernels import grouped_gemm as gg
+    from tests.test_grouped_gemm import SWIGLU, make_weights
+
+    rng = np.random.default_rng(num_tokens)
+    num_groups, d, inter, top_k = 32, 512, 256, 4
+    wgu, wd = make_weights(rng, num_groups, d, inter, jnp.bfloat16)
+    picks = [rng.choice(num_groups, top_k, replace=False) for _ in range(num_tokens)]
+    experts = np.sort(np.concatenate(picks))
+    gs = jnp.asarray(np.bincount(experts, minlength=num_groups), jnp.int32)
+    xs = jnp.asarray(rng.standard_normal((num_tokens * top_k, d)), jnp.bfloat16)
+    ref = np.asarray(gg.moe_ffn_reference(xs, wgu, wd, gs, swiglu=SWIGLU), np.float32)
+    scale = float(np.abs(ref).max())
+    for impl in ("pallas", "auto", "xla"):
+        out = np.asarray(gg.moe_ffn(xs, wgu, wd, gs, swiglu=SWIGLU, implementation=impl), np.float32)
+        assert np.abs(out - ref).max() <= 2e-2 * scale, (impl, np.abs(out - ref).max(), scale)
