@@ -97,7 +97,11 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def save(self, step: int, state, meta: dict) -> None:
+        """Save ``step``; a checkpoint of the same step (a timed save just before the final one, on a slow machine)
+        is replaced, since the final save's metadata is newer."""
         ocp = self._ocp
+        if int(step) in self.manager.all_steps():
+            self.manager.delete(int(step))
         self.manager.save(int(step), args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                              meta=ocp.args.JsonSave(meta)), force=True)
         self.manager.wait_until_finished()
