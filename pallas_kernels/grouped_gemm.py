@@ -199,7 +199,9 @@ def _grouped_matmul_kernel(
     )
     group = jnp.minimum(seg, num_groups - 1)
     # Only a group's tiles multiply; the padding tail's accumulators stay zero (and swigluoai(0) == 0).
-    steps = jnp.where((seg < num_groups) & (nrows > 0), k_steps, 0)
+    # int32 bounds on both ends: a weakly typed bound lowers to another integer width than the other on
+    # jax 0.11's Triton lowering, and Triton then refuses the loop ('scf.for' bounds of different types)
+    steps = jnp.where((seg < num_groups) & (nrows > 0), jnp.int32(k_steps), jnp.int32(0))
     r = jax.lax.broadcasted_iota(jnp.int32, (block_m,), 0)
     row_ok = r < nrows
     rows = jnp.where(row_ok, row0 + r, 0)
@@ -215,7 +217,7 @@ def _grouped_matmul_kernel(
         return tuple(out)
 
     zeros = jnp.zeros((block_m, block_n), jnp.float32)
-    accs = jax.lax.fori_loop(0, steps, step, (zeros,) * (1 if swiglu is None else 2))
+    accs = jax.lax.fori_loop(jnp.int32(0), steps, step, (zeros,) * (1 if swiglu is None else 2))
     dtype = out_ref.dtype
     if swiglu is None:
         y = accs[0]
