@@ -1,10 +1,11 @@
 """Pallas (Triton lowering) kernels for ragged MSA decode, their pure-JAX references and ragged metadata.
 
 One module per concern: ``indexer`` (ragged MSA top-k), ``sparse_attention`` (MSA block-sparse attention),
-``paged_attention`` (dense paged attention), ``attention_walk`` (the walk both attention kernels share),
-``tuning`` (chips, their detection and every kernel's launch tables and policies), ``metadata`` (ragged
-metadata on the device), ``platform`` (interpret/compiled dispatch, deviceless lowering), ``_common`` (shared
-helpers).
+``paged_attention`` (dense paged attention), ``draft_attention`` (the DSpark drafter's context attention; its
+entry point keeps the module's name, so it is not re-exported here), ``attention_walk`` (the walk both
+attention kernels share), ``tuning`` (chips, their detection and every kernel's launch tables and policies),
+``metadata`` (ragged metadata on the device), ``platform`` (interpret/compiled dispatch, deviceless lowering),
+``_common`` (shared helpers).
 """
 
 from pallas_kernels import platform as platform  # installs the Triton deprecation filter
