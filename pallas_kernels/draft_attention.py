@@ -2,7 +2,7 @@
 
 Contract (the drafter's attention, SPEC section 6; ``minimax_jax.draft_attention.draft_attention`` with a
 length mask). ``q: [R, K, H_q, D]`` the block's queries (``K`` draft slots); the context caches ``k_cache,
-v_cache: [R_c, S, H_kv, D]``, or the whole draft cache ``[L, R_c, S, H_kv, D]`` with a static ``layer``;
+v_cache: [R_c, S, H_kv, D]``, or the whole draft cache ``[L, R_c, S, H_kv, D]`` with a ``layer``;
 ``ctx_lengths: int32[R]``; ``k_blk, v_blk: [R, K, H_kv, D]`` the block's own keys and values. Slot ``k`` of
 row ``r`` and query head ``qh`` of KV group ``g = qh // (H_q / H_kv)`` attend, under ONE softmax (scale
 ``scale``, fp32), to the context keys ``j < ctx_lengths[r]`` of cache row ``r`` (or ``cache_rows[r]``; a
@@ -16,8 +16,9 @@ slots x 16 heads = 128 rows), so every context key and value is loaded once per 
 them. The context is walked in ``block_s``-key steps (unmasked full steps, one masked tail step) with an
 online softmax in the log2 domain; the last split then adds the block's ``K`` keys (padded to 16 and masked).
 With ``num_splits > 1`` the splits write fp32 partial outputs and a base-2 log-sum-exp and the split-K merge
-kernel of ``attention_walk`` combines them. Every in-kernel shape is a power of 2 and every dot 2-D. Launch
-settings: ``tuning.draft_attention_launch_config`` (per chip).
+kernel of ``attention_walk`` combines them. The layer is a kernel input (a value, not a block index), so
+one compiled kernel serves every layer of the cache. Every in-kernel shape is a power of 2 and every dot 2-D.
+Launch settings: ``tuning.draft_attention_launch_config`` (per chip).
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ def _dot(a, b, *, contract_b: int):
 
 
 def _draft_attention_kernel(
+    layer_ref,  # [1] int32: the layer of the cache to read
     len_ref,  # [R] int32 context lengths
-    *refs,  # [rows_ref [R] when has_rows], q_ref [R*K*H_q, D], k_ref / v_ref [R_c, S, D] (this KV head),
+    *refs,  # [rows_ref [R] when has_rows], q_ref [R*K*H_q, D], k_ref / v_ref [L, R_c, S, D] (this KV head),
     #         kb_ref / vb_ref [R*K*H_kv, D], then the outputs (o_ref, or o_ref f32 + lse_ref f32 for split-K)
     has_rows: bool,
     block_size: int,
@@ -86,7 +88,8 @@ def _draft_attention_kernel(
     g = pl.program_id(1) // chunks
     chunk = pl.program_id(1) % chunks
     split = pl.program_id(2)
-    num_cache_rows, capacity, head_dim = k_ref.shape
+    _, num_cache_rows, capacity, head_dim = k_ref.shape
+    layer = layer_ref[0]  # a value, not a block index: one compiled kernel serves every layer
 
     length = jnp.clip(len_ref[r], 0, capacity)
     if has_rows:
@@ -116,8 +119,8 @@ def _draft_attention_kernel(
     def full_step(step, carry):
         acc, m_prev, l_prev = carry
         start = pl.multiple_of(step * block_s, block_s)
-        kb = k_ref[crow, pl.ds(start, block_s), :]  # [block_s, D]
-        vb = v_ref[crow, pl.ds(start, block_s), :]
+        kb = k_ref[layer, crow, pl.ds(start, block_s), :]  # [block_s, D]
+        vb = v_ref[layer, crow, pl.ds(start, block_s), :]
         s = _dot(q, kb, contract_b=1) * qk_scale  # [rows, block_s]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         p = jnp.exp2(s - m_next[:, None])
@@ -130,8 +133,8 @@ def _draft_attention_kernel(
         acc, m_prev, l_prev = carry
         start = pl.multiple_of(step * block_s, block_s)
         visible = start + key_iota < length  # never read at or past the length
-        kb = plgpu.load(k_ref.at[crow, pl.ds(start, block_s), :], mask=visible[:, None], other=0)
-        vb = plgpu.load(v_ref.at[crow, pl.ds(start, block_s), :], mask=visible[:, None], other=0)
+        kb = plgpu.load(k_ref.at[layer, crow, pl.ds(start, block_s), :], mask=visible[:, None], other=0)
+        vb = plgpu.load(v_ref.at[layer, crow, pl.ds(start, block_s), :], mask=visible[:, None], other=0)
         s = jnp.where(visible[None, :], _dot(q, kb, contract_b=1) * qk_scale, MASK_VALUE)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         p = jnp.where(visible[None, :], jnp.exp2(s - m_next[:, None]), 0.0)
@@ -318,16 +321,14 @@ def draft_attention_pallas(
     flat_rows = r * kq * h
     grid = (r, g * chunks, num_splits)
 
-    if k_cache.ndim == 5:
-        cache_spec = pl.BlockSpec(
-            (None, num_cache_rows, capacity, None, d), lambda i, c, s: (layer, 0, 0, c // chunks, 0)
-        )
-    else:
-        cache_spec = pl.BlockSpec((num_cache_rows, capacity, None, d), lambda i, c, s: (0, 0, c // chunks, 0))
+    if k_cache.ndim == 4:  # one layer: a free reshape to the [L, R_c, S, H_kv, D] form
+        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+    cache_spec = pl.BlockSpec((k_cache.shape[0], num_cache_rows, capacity, None, d),
+                              lambda i, c, s: (0, 0, 0, c // chunks, 0))
     full_1d = pl.BlockSpec((r,), lambda i, c, s: (0,))
     has_rows = cache_rows is not None
     in_specs = (
-        [full_1d]
+        [pl.BlockSpec((1,), lambda i, c, s: (0,)), full_1d]
         + ([full_1d] if has_rows else [])
         + [
             pl.BlockSpec((flat_rows, d), lambda i, c, s: (0, 0)),
@@ -338,7 +339,7 @@ def draft_attention_pallas(
         ]
     )
     args = (
-        [ctx_lengths.astype(jnp.int32)]
+        [jnp.full((1,), layer, jnp.int32), ctx_lengths.astype(jnp.int32)]
         + ([cache_rows.astype(jnp.int32)] if has_rows else [])
         + [
             q.reshape(flat_rows, d),

@@ -92,13 +92,14 @@ def test_kernel_against_oracle_reference_and_jnp():
     want = oracle(q, kc[1], vc[1], lengths, kb, vb, 0.3, cache_rows)
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
-    ref = da.draft_attention_reference(*args[:6], scale=0.3, layer=1, cache_rows=args[6])
+    reference = jax.jit(lambda *a: da.draft_attention_reference(*a[:6], scale=0.3, layer=1, cache_rows=a[6]))
+    ref = reference(*args)
     np.testing.assert_allclose(np.asarray(ref), want, atol=2e-5, rtol=2e-5)
     # The drafter's jnp path (a length mask over the gathered rows; it reads the capacity, so no NaN there).
     rows = np.maximum(cache_rows, 0)
     ends = np.where(cache_rows >= 0, lengths, 0)
     visible = (np.arange(cap)[None, :] < ends[:, None])[:, None, :]
-    jnp_out = jnp_draft_attention(
+    jnp_out = jax.jit(jnp_draft_attention, static_argnames="scale")(
         jnp.asarray(q),
         jnp.asarray(clean_k[rows]),
         jnp.asarray(clean_v[rows]),
