@@ -235,6 +235,15 @@ def _donate() -> bool:
     return jax.default_backend() != "cpu"  # XLA:CPU ignores donation (with a warning)
 
 
+# XLA options of every program the profile compiles: --tiny on CPU trades code quality for compile time.
+COMPILER_OPTIONS: dict = {}
+FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _jit(fn, **kw):
+    return jax.jit(fn, compiler_options=COMPILER_OPTIONS or None, **kw)
+
+
 def call_op(op: Op, state: dict):
     """Run ``op`` once on its (resolved) arguments; donated arguments are replaced by the op's outputs."""
     args = [a.get(state) if isinstance(a, Ref) else a for a in op.args]
@@ -271,7 +280,7 @@ def module_fn(module, method: Callable, **jit_kw):
     def f(st, *args):
         return method(nnx.merge(graphdef, st), *args)
 
-    return jax.jit(f, **jit_kw), state
+    return _jit(f, **jit_kw), state
 
 
 def _nbytes(*arrays) -> int:
@@ -474,7 +483,7 @@ def build_verify_ops(
     req, slots, cos, sin = add(
         Op(
             "metadata+rope",
-            jax.jit(meta_fn),
+            _jit(meta_fn),
             (batch.query_start_loc, batch.seq_lens, batch.block_tables),
             flops=0.0,
             bytes=float(
@@ -493,7 +502,7 @@ def build_verify_ops(
     x = add(
         Op(
             "embed",
-            jax.jit(embed_fn),
+            _jit(embed_fn),
             (model.embed_tokens[...], batch.input_ids, req),
             flops=0.0,
             bytes=float(2 * t * d * b + 2 * t * 4),
@@ -560,7 +569,7 @@ def build_verify_ops(
             donate = (0, 1, 2) if _donate() else ()
             op(
                 "cache_write",
-                jax.jit(write3, donate_argnums=donate),
+                _jit(write3, donate_argnums=donate),
                 (Ref(f"k{i}"), Ref(f"v{i}"), Ref(f"x{j}"), k, v, ik, slots),
                 0,
                 2 * t * (2 * g * hd + di) * b + t * 4,
@@ -569,7 +578,7 @@ def build_verify_ops(
                 note="K, V and index-K of the step's tokens into the paged caches (donated)",
             )
             topk = cfg.index_topk_blocks
-            fn = jax.jit(
+            fn = _jit(
                 functools.partial(
                     ragged_index_topk, topk=topk, local_blocks=cfg.index_local_blocks, **kernel_kw
                 )
@@ -588,7 +597,7 @@ def build_verify_ops(
             union_bytes, union_mean = _union_bytes(sel_np, qsl_np, 2 * page * hd * b)
             io = 2 * t * h * hd * b + sel_np.size * 4 + _nbytes(*meta)
             flops = _sparse_useful_flops(sel_np, pos_np, page=page, heads_per_group=h // g, head_dim=hd)
-            fn = jax.jit(functools.partial(ragged_sparse_attention, scale=scale, **kernel_kw))
+            fn = _jit(functools.partial(ragged_sparse_attention, scale=scale, **kernel_kw))
             o = op(
                 "sparse_attention",
                 fn,
@@ -611,7 +620,7 @@ def build_verify_ops(
             donate = (0, 1) if _donate() else ()
             op(
                 "cache_write",
-                jax.jit(write2, donate_argnums=donate),
+                _jit(write2, donate_argnums=donate),
                 (Ref(f"k{i}"), Ref(f"v{i}"), k, v, slots),
                 0,
                 2 * t * 2 * g * hd * b + t * 4,
@@ -620,7 +629,7 @@ def build_verify_ops(
                 note="K and V of the step's tokens into the paged caches (donated)",
             )
             ctx_pages = int(np.sum(-(-seq_np // page)))
-            fn = jax.jit(functools.partial(ragged_paged_attention, scale=scale, **kernel_kw))
+            fn = _jit(functools.partial(ragged_paged_attention, scale=scale, **kernel_kw))
             o = op(
                 "paged_attention",
                 fn,
@@ -698,7 +707,7 @@ def build_verify_ops(
 
             x = op(
                 "moe_combine+residual",
-                jax.jit(combine),
+                _jit(combine),
                 (hres, y_routed, y_shared, req),
                 3 * t * d,
                 (3 * t * d) * b + t * d * 4,
@@ -712,7 +721,7 @@ def build_verify_ops(
             def residual(h_, y_, req_):
                 return jnp.where((req_ >= 0)[:, None], h_ + y_, 0)
 
-            x = op("residual", jax.jit(residual), (hres, y, req), t * d, 3 * t * d * b, "other")
+            x = op("residual", _jit(residual), (hres, y, req), t * d, 3 * t * d * b, "other")
 
     # ---- final norm and LM head over the verified rows
     n = inp.logit_rows.shape[0]
@@ -726,7 +735,7 @@ def build_verify_ops(
     logits = add(
         Op(
             "lm_head",
-            jax.jit(lm_head),
+            _jit(lm_head),
             (model.lm_head[...], hfin),
             flops=2.0 * n * d * vocab,
             bytes=float(d * vocab * b + n * d * b + n * vocab * 4),
@@ -751,7 +760,7 @@ def make_verify_step(model, *, implementation: str, moe_implementation: str | No
         hidden, _, cache = forward_ragged(m, cache, batch, implementation=implementation, **kw)
         return m.logits(hidden[logit_rows]), cache
 
-    return jax.jit(step, donate_argnums=(1,) if _donate() else ()), bool(kw)
+    return _jit(step, donate_argnums=(1,) if _donate() else ()), bool(kw)
 
 
 # ----------------------------------------------------------------------------------------------- draft step
@@ -900,7 +909,7 @@ def build_draft_ops(
         return x, cos, sin, jnp.minimum(lengths, anchor_pos.astype(jnp.int32))
 
     graphdef, dstate = nnx.split(drafter)
-    fn = jax.jit(lambda st, *a: block_inputs(nnx.merge(graphdef, st), *a))
+    fn = _jit(lambda st, *a: block_inputs(nnx.merge(graphdef, st), *a))
     x, cos, sin, end = add(
         Op(
             "block_inputs",
@@ -947,7 +956,7 @@ def build_draft_ops(
         att_bytes = (ctx_len * g * hd * 2 + m_rows * g * hd * 2 + 2 * m_rows * h * hd) * b + r_rows * 4
         o = None
         for impl in attention_impls:
-            fn = jax.jit(functools.partial(_draft_attention_fn(impl), layer=li, scale=scale))
+            fn = _jit(functools.partial(_draft_attention_fn(impl), layer=li, scale=scale))
             out = op(
                 f"draft_attention[{impl}]",
                 fn,
@@ -993,7 +1002,7 @@ def build_draft_ops(
     u = add(
         Op(
             "lm_head",
-            jax.jit(lm_head),
+            _jit(lm_head),
             (drafter.lm_head[...], hfin),
             flops=2.0 * m_rows * d * vocab,
             bytes=float(d * vocab * b + m_rows * d * b + m_rows * vocab * 4),
@@ -1018,7 +1027,7 @@ def build_draft_ops(
     def sampling_fn(dr, u_, h_, anchors, temps, keys):
         return DSparkDrafter.sample_block(_Logits(dr, u_), h_, anchors, temps, keys, return_probs=sample)
 
-    fn = jax.jit(lambda st, *a: sampling_fn(nnx.merge(graphdef, st), *a))
+    fn = _jit(lambda st, *a: sampling_fn(nnx.merge(graphdef, st), *a))
     markov = cfg.markov_rank
     samp_flops = m_rows * vocab * (8.0 if sample else 2.0) + 2.0 * m_rows * markov * vocab
     samp_bytes = m_rows * vocab * 4 * (2 if sample else 1) + markov * vocab * b + m_rows * d * b
@@ -1058,7 +1067,7 @@ def build_draft_ops(
         i = jnp.arange(t_ctx, dtype=jnp.int32) - qsl[rr]
         return req, start[rr] + i
 
-    req, positions = jax.jit(ctx_positions)(inp.feature_qsl, inp.start)
+    req, positions = _jit(ctx_positions)(inp.feature_qsl, inp.start)
     fn, st = module_fn(drafter, lambda m, hc, p: m.context_kv(hc, jnp.maximum(p, 0)))
     w_kv = d * 2 * g * hd
     k_new, v_new = add(
@@ -1087,7 +1096,7 @@ def build_draft_ops(
     add(
         Op(
             "ctx.scatter",
-            jax.jit(scatter, donate_argnums=donate),
+            _jit(scatter, donate_argnums=donate),
             (Ref("dk"), Ref("dv"), k_new, v_new, req, positions),
             flops=0.0,
             bytes=float(2 * 2 * t_ctx * g * hd * n_layers * b),
@@ -1105,7 +1114,7 @@ def build_draft_ops(
     add(
         Op(
             "engine.slot_view",
-            jax.jit(view),
+            _jit(view),
             (Ref("dk"), Ref("dv"), inp.slots),
             flops=0.0,
             bytes=float(2 * cache_bytes),
@@ -1317,14 +1326,14 @@ def _draft_step_wholes(drafter, inp: DraftInputs, *, sampling: str, impls: list[
         ops.append(
             Op(
                 f"whole_draft_step[{impl}]",
-                run,
+                _jit(run),  # as an engine calls it: inside its jitted step (no host-side checks per call)
                 (dstate, cache, inp.anchors, inp.anchor_positions, inp.temperature, inp.keys),
                 0.0,
                 0.0,
             )
         )
 
-    @functools.partial(jax.jit, static_argnames="view")
+    @functools.partial(_jit, static_argnames="view")
     def engine(st, cache_, slots, anchors, pos, temps, keys, *, view):
         dr = nnx.merge(graphdef, st)
         if view:
@@ -1389,7 +1398,7 @@ def profile_draft(
 
     app = Op(
         "append_context",
-        append,
+        _jit(append, donate_argnums=(1,) if _donate() else ()),
         (dstate, DraftRef(inp.lengths), inp.features, inp.feature_qsl, inp.start, inp.num_new),
         0.0,
         0.0,
@@ -1706,6 +1715,9 @@ def parser() -> argparse.ArgumentParser:
 def parse_args(argv=None):
     a = parser().parse_args(argv)
     tiny = a.tiny
+    COMPILER_OPTIONS.clear()
+    if tiny and jax.default_backend() == "cpu":
+        COMPILER_OPTIONS.update(FAST_CPU_COMPILE)
     a.shapes = a.shapes or (TINY_SHAPES if tiny else M3_SHAPES)
     a.context = a.context or (128 if tiny else 4096)
     a.draft_rows = a.draft_rows or ("4" if tiny else "64,512")
