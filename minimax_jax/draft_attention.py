@@ -1,9 +1,13 @@
 """Draft-block attention of the DSpark drafter (SPEC section 6): each block slot attends to the visible context
 keys and to every key of its own block (bidirectional inside the block), under one softmax.
 
-:func:`draft_attention` is the serving implementation (two score blocks, no K/V concatenation);
+:func:`draft_attention` is the plain-jnp implementation (two score blocks, no K/V concatenation);
 :func:`draft_attention_reference` is the same contract through the target's masked
-:func:`~minimax_jax.attention.grouped_attention`. A Pallas kernel would sit beside them.
+:func:`~minimax_jax.attention.grouped_attention`. The Pallas kernel is
+:func:`pallas_kernels.draft_attention.draft_attention`: the drafter's context mask is a length mask
+(``j < min(length, anchor position)``), so the kernel takes the lengths and reads each row's context only up
+to them, once per (row, KV head) for all ``K`` slots. :func:`choose_implementation` picks between the two the
+way ``decode.choose_implementation`` does for the target's kernels.
 """
 
 from __future__ import annotations
@@ -12,6 +16,30 @@ import jax
 import jax.numpy as jnp
 
 from minimax_jax.attention import MASK_VALUE, grouped_attention
+from pallas_kernels import draft_attention as _kernel
+from pallas_kernels.platform import on_gpu
+
+IMPLEMENTATIONS = ("auto", "pallas", "reference")
+
+
+def choose_implementation(implementation: str, cfg, *, block_size: int, dtype,
+                          interpret: bool | None = None) -> str:
+    """Resolve the drafter's attention implementation: ``"pallas"`` (the kernel; Pallas interpret mode on CPU)
+    or ``"reference"`` (the plain-jnp :func:`draft_attention`) pass through; ``"auto"`` (the default) is the
+    compiled kernel on a GPU when it ``supports`` the draft layers' shapes (``cfg``: their
+    ``MiniMaxM3Config``), ``K`` and the cache ``dtype``, interpret mode with ``interpret=True``, and the jnp
+    path otherwise (CPU)."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if implementation != "auto":
+        return implementation
+    if interpret:
+        return "pallas"
+    if not on_gpu():
+        return "reference"
+    ok = _kernel.supports(head_dim=cfg.head_dim, num_q_heads=cfg.num_attention_heads,
+                          num_kv_heads=cfg.num_key_value_heads, block_size=block_size, dtype=dtype)
+    return "pallas" if ok else "reference"
 
 
 def draft_attention(q, k_ctx, v_ctx, ctx_visible, k_blk, v_blk, *, scale: float) -> jax.Array:

@@ -113,15 +113,17 @@ def _check_draft_args(dims, cache: DraftCache, anchors, anchor_positions, temper
 
 
 # ----------------------------------------------------------------------------------------------- draft
-@functools.partial(jax.jit, static_argnames=("graphdef", "return_probs"))
-def _draft_jit(graphdef, state, cache, anchors, anchor_positions, temperature, key, *, return_probs):
+@functools.partial(jax.jit, static_argnames=("graphdef", "return_probs", "implementation", "interpret"))
+def _draft_jit(graphdef, state, cache, anchors, anchor_positions, temperature, key, *, return_probs,
+               implementation="auto", interpret=None):
     drafter = nnx.merge(graphdef, state)
-    h = drafter.block_hidden(cache, anchors, anchor_positions)
+    h = drafter.block_hidden(cache, anchors, anchor_positions, implementation=implementation, interpret=interpret)
     return drafter.sample_block(h, anchors, temperature, key, return_probs=return_probs)
 
 
 def draft_step(graphdef, state, cache: DraftCache, anchors, anchor_positions, temperature=0.0, key=None, *,
-               return_probs: bool = True, validate: bool = True) -> DraftOutput:
+               return_probs: bool = True, validate: bool = True, implementation: str = "auto",
+               interpret: bool | None = None) -> DraftOutput:
     """One drafting step for ``R`` request rows (jitted; ``graphdef`` and ``return_probs`` static).
 
     Args:
@@ -135,6 +137,9 @@ def draft_step(graphdef, state, cache: DraftCache, anchors, anchor_positions, te
       return_probs: also return the ``f32[R, K, V]`` draft distributions (what rejection sampling needs).
       validate: also check VALUES (token ids in the vocabulary, positions >= 0, a key when sampling); this
         reads the arrays back to the host, so an engine's hot loop passes False (shapes are always checked).
+      implementation: the draft attention (``"auto"``: the Pallas kernel on a GPU, plain jnp elsewhere;
+        ``"pallas"``, ``"reference"``; :func:`minimax_jax.draft_attention.choose_implementation`). interpret:
+        Pallas interpret mode for the kernel (``None``: on CPU).
     Returns:
       :class:`DraftOutput` (``tokens int32[R, K]``, ``probs``, ``confidences``, ``confidence_logits``).
     """
@@ -147,7 +152,8 @@ def draft_step(graphdef, state, cache: DraftCache, anchors, anchor_positions, te
         temps, key = jnp.zeros((r,), jnp.float32), _greedy_keys(r)
     else:
         key = normalise_keys(key, r)  # [R] typed keys
-    return _draft_jit(graphdef, state, cache, anchors, anchor_positions, temps, key, return_probs=return_probs)
+    return _draft_jit(graphdef, state, cache, anchors, anchor_positions, temps, key, return_probs=return_probs,
+                      implementation=implementation, interpret=interpret)
 
 
 @functools.lru_cache(maxsize=8)

@@ -34,6 +34,7 @@ are conveniences around those entry points.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -43,7 +44,7 @@ from flax import nnx
 from minimax_jax.attention import Attention
 from minimax_jax.calibration import apply_sts
 from minimax_jax.config import MiniMaxM3Config
-from minimax_jax.draft_attention import draft_attention, draft_attention_reference
+from minimax_jax.draft_attention import choose_implementation, draft_attention, draft_attention_reference
 from minimax_jax.draft_cache import DraftCache
 from minimax_jax.draft_step import (
     DraftOutput,
@@ -55,6 +56,7 @@ from minimax_jax.draft_step import (
 from minimax_jax.drafter_config import MARKOV_HEAD_TYPES, DSparkConfig, validate_target_layer_ids
 from minimax_jax.layers import DenseMLP, Linear, apply_rope, norm_for, rope_cos_sin
 from minimax_jax.model import MiniMaxM3ForCausalLM, check_input_ids
+from pallas_kernels import draft_attention as draft_attention_kernel
 from pallas_kernels.metadata import token_to_request
 
 
@@ -99,7 +101,8 @@ class DraftLayer(nnx.Module):
         return apply_rope(k, cos, sin), v
 
     def __call__(self, x, cos, sin, k_ctx, v_ctx, ctx_visible, *, attention=None) -> jax.Array:
-        """``x [R, K, d]`` block hidden states; ``k_ctx, v_ctx [R, S, H_kv, D]``; ``ctx_visible bool[R, 1|K, S]``."""
+        """``x [R, K, d]`` block hidden states; ``k_ctx, v_ctx [R, S, H_kv, D]``; ``ctx_visible bool[R, 1|K, S]``
+        (or whatever ``attention`` takes in their place: the Pallas kernel takes the whole cache and lengths)."""
         attention = draft_attention if attention is None else attention
         r, k = x.shape[:2]
         q, kb, vb = self.self_attn.project_qkv(self.input_layernorm(x), cos, sin)
@@ -250,13 +253,39 @@ class DSparkDrafter(nnx.Module):
         return x, self._rope(positions)
 
     # ------------------------------------------------------------------ backbone
-    def block_hidden(self, cache: DraftCache, anchors: jax.Array, anchor_positions: jax.Array) -> jax.Array:
-        """Final-normed block hidden states ``h [R, K, d]`` using the cached context."""
+    def block_hidden(self, cache: DraftCache, anchors: jax.Array, anchor_positions: jax.Array, *,
+                     cache_rows: jax.Array | None = None, implementation: str = "auto",
+                     interpret: bool | None = None) -> jax.Array:
+        """Final-normed block hidden states ``h [R, K, d]`` using the cached context.
+
+        ``cache_rows int32[R]`` (optional): row ``r`` drafts from cache row ``cache_rows[r]`` (negative: no
+        context) instead of row ``r``. ``implementation``: the attention, ``"pallas"`` (the kernel: each row's
+        context read once per KV head, up to its length), ``"reference"`` (plain jnp over the whole capacity)
+        or ``"auto"`` (:func:`minimax_jax.draft_attention.choose_implementation`: the kernel on a GPU).
+        """
+        impl = choose_implementation(implementation, self.cfg.layer_config, block_size=self.cfg.block_size,
+                                     dtype=cache.k.dtype, interpret=interpret)
         x, (cos, sin) = self._block_inputs(anchors, anchor_positions)
-        end = jnp.minimum(cache.lengths, anchor_positions.astype(jnp.int32))
+        lengths = cache.lengths
+        if cache_rows is not None:
+            ok = (cache_rows >= 0) & (cache_rows < cache.num_requests)
+            lengths = jnp.where(ok, lengths[jnp.clip(cache_rows, 0, cache.num_requests - 1)], 0)
+        end = jnp.minimum(lengths, anchor_positions.astype(jnp.int32))
+        if impl == "pallas":
+            # The kernel reads the [L, R, S, H_kv, D] cache in place (layer and row chosen inside), up to end.
+            for i, layer in enumerate(self.layers):
+                attention = functools.partial(draft_attention_kernel.draft_attention, layer=i,
+                                              cache_rows=cache_rows, implementation="pallas",
+                                              interpret=interpret)
+                x = layer(x, cos, sin, cache.k, cache.v, end, attention=attention)
+            return self.norm(x)
+        k_all, v_all = cache.k, cache.v
+        if cache_rows is not None:
+            rows = jnp.clip(cache_rows, 0, cache.num_requests - 1)
+            k_all, v_all = k_all[:, rows], v_all[:, rows]
         visible = (jnp.arange(cache.capacity, dtype=jnp.int32)[None, :] < end[:, None])[:, None, :]  # [R, 1, S]
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], visible)
+            x = layer(x, cos, sin, k_all[i], v_all[i], visible)
         return self.norm(x)
 
     def block_hidden_reference(self, features, anchors: jax.Array, anchor_positions: jax.Array) -> jax.Array:
@@ -384,11 +413,11 @@ class DSparkDrafter(nnx.Module):
 
     # ------------------------------------------------------------------ conveniences (jitted)
     def draft(self, cache: DraftCache, anchors, anchor_positions, *, temperature=0.0, key=None,
-              return_probs: bool = True, validate: bool = True) -> DraftOutput:
+              return_probs: bool = True, validate: bool = True, implementation: str = "auto") -> DraftOutput:
         """One jitted draft step; see :func:`draft_step`."""
         graphdef, state = nnx.split(self)
         return draft_step(graphdef, state, cache, anchors, anchor_positions, temperature, key,
-                          return_probs=return_probs, validate=validate)
+                          return_probs=return_probs, validate=validate, implementation=implementation)
 
     def append_context(self, cache: DraftCache, features, start, num_new, *, validate: bool = True) -> DraftCache:
         """Jitted :func:`append_context_step`."""

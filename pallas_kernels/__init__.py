@@ -2,7 +2,8 @@
 
 One module per concern: ``indexer`` (ragged MSA top-k), ``sparse_attention`` (MSA block-sparse attention),
 ``paged_attention`` (dense paged attention), ``attention_walk`` (the walk both attention kernels share),
-``grouped_gemm`` (the MoE experts' grouped GEMM and its dropless XLA fallback),
+``grouped_gemm`` (the MoE experts' grouped GEMM and its dropless XLA fallback), ``draft_attention`` (the DSpark
+drafter's context attention; its entry point keeps the module's name, so it is not re-exported here),
 ``tuning`` (chips, their detection and every kernel's launch tables and policies), ``metadata`` (ragged
 metadata on the device), ``platform`` (interpret/compiled dispatch, deviceless lowering), ``_common`` (shared
 helpers).

@@ -193,6 +193,31 @@ _HOPPER_GEMM = GroupedGemmTable(
 
 
 @dataclasses.dataclass(frozen=True)
+class DraftAttentionTable:
+    """The DSpark draft-attention kernel's knobs (``pallas_kernels.draft_attention``): one program per
+    (request row, KV head, split) streams the row's context in ``block_s``-key steps for a query tile of
+    ``K`` draft slots x the group's heads."""
+
+    num_warps: int  # query tiles of max_rows rows; half of it (at least 4) for smaller tiles
+    num_stages: int  # software pipelining depth of the context walk
+    block_s: int  # context keys per step (power of 2, >= MIN_DOT_DIM); halved to fit smem_bytes
+    max_rows: int  # query rows per program (slots x heads, padded to a power of 2): heads are split above it
+    programs_per_core: int  # split the context when fewer programs than this many per core
+    max_splits: int  # split-K cap
+    smem_bytes: int  # budget for the query tile + num_stages K/V buffers
+
+
+# Hopper: not measured yet (issue 15: scripts/profile_step.py --draft-attention pallas,reference measures it).
+# A 128-row tile (8 slots x 16 heads at M3) with 8 warps reads each row's context once per KV head; 64-key
+# steps, 3 stages (3 x 2 x 64 x 256 B = 96 KiB + 32 KiB of queries).
+_HOPPER_DRAFT = DraftAttentionTable(num_warps=8, num_stages=3, block_s=64, max_rows=128, programs_per_core=2,
+                                    max_splits=8, smem_bytes=200 * 1024)
+# CDNA3 / CDNA4: untuned guesses in the spirit of the walk tables (2 stages, 32-key steps, 64 KiB LDS).
+_CDNA3_DRAFT = DraftAttentionTable(num_warps=8, num_stages=2, block_s=32, max_rows=128, programs_per_core=2,
+                                   max_splits=8, smem_bytes=64 * 1024)
+
+
+@dataclasses.dataclass(frozen=True)
 class ChipTables:
     platform: str  # "cuda" or "rocm"
     num_cores: int  # SMs / CUs; the device's own count is used when it reports one (core_count)
@@ -202,6 +227,7 @@ class ChipTables:
     prepass: PrepassTable = PrepassTable()
     merge: MergeTable = MergeTable()
     grouped_gemm: GroupedGemmTable = _HOPPER_GEMM
+    draft_attention: DraftAttentionTable = _HOPPER_DRAFT
 
 
 # Hopper walk tiles, from the H200 sweeps (docs/kernels/sparse_attention.md): the sparse walk is fastest in 64-row
@@ -241,6 +267,7 @@ _CDNA3 = ChipTables(
         smem_bytes=24 * 1024,
         max_acc_elems=8192,
     ),
+    draft_attention=_CDNA3_DRAFT,
 )
 
 TABLES: dict[str, ChipTables] = {
@@ -617,4 +644,87 @@ def grouped_matmul_launch_config(
         num_warps=int(num_warps),
         num_stages=int(num_stages),
         group_m=int(table.group_m if group_m is None else group_m),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftAttentionLaunchConfig:
+    """Static launch settings of one ``pallas_kernels.draft_attention`` call.
+
+    block_h: query heads of the KV group per program (the tile is ``K`` slots x ``block_h`` heads);
+    block_s: context keys per step; num_splits: programs sharing one (row, KV head, head chunk)'s context
+    (split-K, then the walks' merge kernel); num_warps / num_stages: Triton settings of the walk.
+    """
+
+    block_h: int
+    block_s: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+    merge_rows: int = 32
+    merge_warps: int = 4
+
+
+def draft_attention_rows(block_size: int, block_h: int) -> int:
+    """Query rows of one draft-attention program: ``K`` slots x ``block_h`` heads, a power of 2 >= 16."""
+    return max(MIN_DOT_DIM, next_pow2(block_size * block_h))
+
+
+def draft_attention_launch_config(
+    *,
+    num_rows: int,
+    block_size: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    capacity: int,
+    head_dim: int = 128,
+    itemsize: int = 2,
+    chip: str | None = None,
+    block_h: int | None = None,
+    block_s: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> DraftAttentionLaunchConfig:
+    """Launch settings of the draft-attention kernel from static shapes; explicit arguments win.
+
+    ``block_h``: the group's heads, halved while the ``K x block_h`` tile exceeds the table's ``max_rows``
+    (M3, K = 7: all 16 heads, 128 rows). ``num_warps``: the table's for a full tile, half of it (at least 4)
+    below. ``block_s``: the table's, halved (down to 16) until the query tile and ``num_stages`` K/V steps fit
+    ``smem_bytes``, and at most the capacity (or 16). ``num_splits``: 1 when ``R x H_kv x head chunks``
+    programs reach ``programs_per_core`` per core, else enough to get there, at most ``max_splits`` and the
+    context's steps (the lengths are not static: the capacity bounds them).
+    """
+    chip = resolve_chip(chip)
+    tables = TABLES[chip]
+    pol = tables.draft_attention
+    group = num_q_heads // num_kv_heads
+    if block_h is None:
+        block_h = group
+        while block_h > 1 and draft_attention_rows(block_size, block_h) > pol.max_rows:
+            block_h = (block_h + 1) // 2
+    rows = draft_attention_rows(block_size, block_h)
+    if num_warps is None:
+        num_warps = pol.num_warps if rows >= pol.max_rows else max(4, pol.num_warps // 2)
+    if num_stages is None:
+        num_stages = pol.num_stages
+    if block_s is None:
+        block_s = min(pol.block_s, max(MIN_DOT_DIM, next_pow2(capacity + 1) // 2))  # a power of 2 <= capacity
+        q_bytes = rows * head_dim * itemsize
+        kv_step = 2 * head_dim * itemsize  # one key and one value
+        while block_s > MIN_DOT_DIM and q_bytes + max(num_stages, 1) * block_s * kv_step > pol.smem_bytes:
+            block_s //= 2
+    if num_splits is None:
+        programs = num_rows * num_kv_heads * cdiv(group, block_h)
+        target = core_count(chip) * pol.programs_per_core
+        steps = max(1, cdiv(capacity, block_s))
+        num_splits = 1 if programs >= target else min(pol.max_splits, cdiv(target, programs), steps)
+    return DraftAttentionLaunchConfig(
+        block_h=int(block_h),
+        block_s=int(block_s),
+        num_splits=int(num_splits),
+        num_warps=int(num_warps),
+        num_stages=int(num_stages),
+        merge_rows=tables.merge.block_rows,
+        merge_warps=tables.merge.num_warps,
     )

@@ -1,0 +1,547 @@
+"""DSpark draft-block attention as a Pallas (Triton) kernel: each request row's context read once per KV head.
+
+Contract (the drafter's attention, SPEC section 6; ``minimax_jax.draft_attention.draft_attention`` with a
+length mask). ``q: [R, K, H_q, D]`` the block's queries (``K`` draft slots); the context caches ``k_cache,
+v_cache: [R_c, S, H_kv, D]``, or the whole draft cache ``[L, R_c, S, H_kv, D]`` with a ``layer``;
+``ctx_lengths: int32[R]``; ``k_blk, v_blk: [R, K, H_kv, D]`` the block's own keys and values. Slot ``k`` of
+row ``r`` and query head ``qh`` of KV group ``g = qh // (H_q / H_kv)`` attend, under ONE softmax (scale
+``scale``, fp32), to the context keys ``j < ctx_lengths[r]`` of cache row ``r`` (or ``cache_rows[r]``; a
+negative entry reads nothing) and to all ``K`` block keys (bidirectional inside the block). The output has q's
+dtype. Lengths are clamped to ``[0, S]``; entries at or past a row's length are never read (they may hold
+anything, NaN included), so the bytes read follow the lengths, not the capacity.
+
+Algorithm. One program per (request row, KV head, head chunk, split): its query tile is the ``K`` slots x
+``block_h`` heads of the group (row = slot * block_h + head, padded to a power of 2 >= 16; at M3, K = 7 -> 8
+slots x 16 heads = 128 rows), so every context key and value is loaded once per (row, KV head) for all of
+them. The context is walked in ``block_s``-key steps (unmasked full steps, one masked tail step) with an
+online softmax in the log2 domain; the last split then adds the block's ``K`` keys (padded to 16 and masked).
+With ``num_splits > 1`` the splits write fp32 partial outputs and a base-2 log-sum-exp and the split-K merge
+kernel of ``attention_walk`` combines them. The layer is a kernel input (a value, not a block index), so
+one compiled kernel serves every layer of the cache. Every in-kernel shape is a power of 2 and every dot 2-D.
+Launch settings: ``tuning.draft_attention_launch_config`` (per chip).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._common import MASK_VALUE, cdiv, next_pow2, out_of_bounds_where
+from pallas_kernels.attention_walk import _merge_splits_kernel, pallas_call
+from pallas_kernels.platform import resolve_interpret
+from pallas_kernels.tuning import (
+    COMPILED_DTYPES,
+    MIN_DOT_DIM,
+    DraftAttentionLaunchConfig,
+    draft_attention_launch_config,
+    draft_attention_rows,
+    resolve_chip,
+)
+
+__all__ = ["draft_attention", "draft_attention_pallas", "draft_attention_reference", "supports"]
+
+_LOG2E = math.log2(math.e)
+
+
+def _dot(a, b, *, contract_b: int):
+    """2-D ``a @ b`` (``contract_b=0``) or ``a @ b.T`` (``contract_b=1``), fp32 accumulator; fp32 operands in
+    IEEE fp32 (Triton's default would be TF32), bf16 on the tensor cores."""
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jax.lax.dot_general(
+        a, b, (((1,), (contract_b,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _draft_attention_kernel(
+    layer_ref,  # [1] int32: the layer of the cache to read
+    len_ref,  # [R] int32 context lengths
+    *refs,  # [rows_ref [R] when has_rows], q_ref [R*K*H_q, D], k_ref / v_ref [L, R_c, S, D] (this KV head),
+    #         kb_ref / vb_ref [R*K*H_kv, D], then the outputs (o_ref, or o_ref f32 + lse_ref f32 for split-K)
+    has_rows: bool,
+    block_size: int,
+    group: int,
+    block_h: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    block_s: int,
+    rows: int,
+    blk_rows: int,
+    num_splits: int,
+    scale: float,
+):
+    if has_rows:
+        rows_ref, q_ref, k_ref, v_ref, kb_ref, vb_ref, *out_refs = refs
+    else:
+        q_ref, k_ref, v_ref, kb_ref, vb_ref, *out_refs = refs
+    r = pl.program_id(0)
+    chunks = cdiv(group, block_h)
+    g = pl.program_id(1) // chunks
+    chunk = pl.program_id(1) % chunks
+    split = pl.program_id(2)
+    _, num_cache_rows, capacity, head_dim = k_ref.shape
+    layer = layer_ref[0]  # a value, not a block index: one compiled kernel serves every layer
+
+    length = jnp.clip(len_ref[r], 0, capacity)
+    if has_rows:
+        crow = rows_ref[r]
+        length = jnp.where((crow >= 0) & (crow < num_cache_rows), length, 0)
+        crow = jnp.clip(crow, 0, num_cache_rows - 1)
+    else:
+        crow = r
+
+    # Query rows: slot-major, the chunk's heads inside (row = slot * block_h + head).
+    i = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
+    slot = i // block_h
+    head = chunk * block_h + i % block_h
+    row_ok = (slot < block_size) & (head < group)
+    q_rows = jnp.where(row_ok, (r * block_size + slot) * num_q_heads + g * group + head, 0)
+    d = jax.lax.broadcasted_iota(jnp.int32, (head_dim,), 0)
+    q = plgpu.load(q_ref.at[q_rows[:, None], d[None, :]], mask=row_ok[:, None], other=0)  # [rows, D]
+    qk_scale = scale * _LOG2E
+
+    # The context walk: steps [lo, hi) of cdiv(length, block_s); the first n_full need no mask.
+    n_steps = (length + block_s - 1) // block_s
+    n_full = length // block_s
+    lo = (split * n_steps) // num_splits
+    hi = ((split + 1) * n_steps) // num_splits
+    key_iota = jax.lax.broadcasted_iota(jnp.int32, (block_s,), 0)
+
+    def full_step(step, carry):
+        acc, m_prev, l_prev = carry
+        start = pl.multiple_of(step * block_s, block_s)
+        kb = k_ref[layer, crow, pl.ds(start, block_s), :]  # [block_s, D]
+        vb = v_ref[layer, crow, pl.ds(start, block_s), :]
+        s = _dot(q, kb, contract_b=1) * qk_scale  # [rows, block_s]
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        p = jnp.exp2(s - m_next[:, None])
+        alpha = jnp.exp2(m_prev - m_next)
+        l_next = l_prev * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.astype(vb.dtype), vb, contract_b=0)
+        return acc, m_next, l_next
+
+    def tail_step(step, carry):
+        acc, m_prev, l_prev = carry
+        start = pl.multiple_of(step * block_s, block_s)
+        visible = start + key_iota < length  # never read at or past the length
+        kb = plgpu.load(k_ref.at[layer, crow, pl.ds(start, block_s), :], mask=visible[:, None], other=0)
+        vb = plgpu.load(v_ref.at[layer, crow, pl.ds(start, block_s), :], mask=visible[:, None], other=0)
+        s = jnp.where(visible[None, :], _dot(q, kb, contract_b=1) * qk_scale, MASK_VALUE)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        p = jnp.where(visible[None, :], jnp.exp2(s - m_next[:, None]), 0.0)
+        alpha = jnp.exp2(m_prev - m_next)
+        l_next = l_prev * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.astype(vb.dtype), vb, contract_b=0)
+        return acc, m_next, l_next
+
+    carry = (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    if block_s <= capacity:  # (a step longer than the cache is never full: every step is masked)
+        carry = jax.lax.fori_loop(lo, jnp.minimum(hi, n_full), full_step, carry)
+        lo = jnp.maximum(lo, n_full)
+    acc, m_i, l_i = jax.lax.fori_loop(lo, hi, tail_step, carry)
+
+    # The block's own keys (every slot sees all K of them), in the last split only.
+    j = jax.lax.broadcasted_iota(jnp.int32, (blk_rows,), 0)
+    j_ok = j < block_size
+    blk_idx = jnp.where(j_ok, (r * block_size + j) * num_kv_heads + g, 0)
+    kb = plgpu.load(kb_ref.at[blk_idx[:, None], d[None, :]], mask=j_ok[:, None], other=0)  # [blk_rows, D]
+    vb = plgpu.load(vb_ref.at[blk_idx[:, None], d[None, :]], mask=j_ok[:, None], other=0)
+    take = j_ok & (split == num_splits - 1)
+    s = jnp.where(take[None, :], _dot(q, kb, contract_b=1) * qk_scale, MASK_VALUE)
+    m_next = jnp.maximum(m_i, jnp.max(s, axis=1))
+    p = jnp.where(take[None, :], jnp.exp2(s - m_next[:, None]), 0.0)
+    alpha = jnp.exp2(m_i - m_next)
+    l_i = l_i * alpha + jnp.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _dot(p.astype(vb.dtype), vb, contract_b=0)
+    m_i = m_next
+
+    has_keys = l_i > 0.0
+    out = acc / jnp.where(has_keys, l_i, 1.0)[:, None]
+    out_rows = out_of_bounds_where(row_ok, q_rows, q_ref.shape[0])
+    store_idx = out_rows[:, None], d[None, :]
+    if num_splits == 1:
+        (o_ref,) = out_refs
+        plgpu.store(o_ref.at[store_idx], out.astype(o_ref.dtype), mask=row_ok[:, None])
+    else:
+        o_ref, lse_ref = out_refs
+        lse = jnp.where(has_keys, m_i + jnp.log2(jnp.where(has_keys, l_i, 1.0)), MASK_VALUE)
+        plgpu.store(o_ref.at[store_idx], out, mask=row_ok[:, None])
+        plgpu.store(lse_ref.at[out_rows], lse, mask=row_ok)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Validation, supports
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _unsupported(
+    *, head_dim: int, num_q_heads: int, num_kv_heads: int, block_size: int, dtype, interpret: bool
+) -> str | None:
+    if num_kv_heads < 1 or num_q_heads < 1 or num_q_heads % num_kv_heads:
+        return f"H_q={num_q_heads} must be a positive multiple of H_kv={num_kv_heads}"
+    if head_dim < 1 or head_dim & (head_dim - 1):
+        return f"head_dim must be a power of 2, got {head_dim}"
+    if block_size < 1 or next_pow2(block_size) > 128:
+        return f"the block size K={block_size} must be in [1, 128]"
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return f"q and the caches must be floating, got {jnp.dtype(dtype).name}"
+    if interpret:
+        return None
+    if jnp.dtype(dtype).name not in COMPILED_DTYPES:
+        return f"compiled kernels take {', '.join(COMPILED_DTYPES)}, got {jnp.dtype(dtype).name}"
+    if head_dim < MIN_DOT_DIM:
+        return f"compiled Triton dots need K >= {MIN_DOT_DIM}: head_dim {head_dim}"
+    return None
+
+
+def supports(
+    *,
+    head_dim: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    block_size: int,
+    dtype,
+    chip: str | None = None,
+    interpret: bool = False,
+) -> bool:
+    """Whether :func:`draft_attention` runs these shapes, compiled for ``chip`` (``None``: the default
+    device's) or in interpret mode: head_dim a power of 2, ``H_q`` a multiple of ``H_kv``, ``K <= 128``;
+    compiled, also a dtype of ``tuning.COMPILED_DTYPES`` and head_dim >= 16. Every chip has the same limits
+    today."""
+    resolve_chip(chip)
+    return (
+        _unsupported(
+            head_dim=head_dim,
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            block_size=block_size,
+            dtype=dtype,
+            interpret=interpret,
+        )
+        is None
+    )
+
+
+def _check_inputs(q, k_cache, v_cache, ctx_lengths, k_blk, v_blk, layer, cache_rows):
+    if q.ndim != 4:
+        raise ValueError(f"q must be [R, K, H_q, D], got shape {q.shape}")
+    r, kq, h, d = q.shape
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError(
+            f"k_cache {k_cache.shape} {k_cache.dtype} and v_cache {v_cache.shape} {v_cache.dtype} must match"
+        )
+    if k_cache.ndim == 5:
+        if layer is None or not 0 <= layer < k_cache.shape[0]:
+            raise ValueError(
+                f"a [L, R, S, H_kv, D] cache {k_cache.shape} needs a static layer in [0, "
+                f"{k_cache.shape[0]}), got {layer!r}"
+            )
+    elif k_cache.ndim != 4 or layer is not None:
+        raise ValueError(
+            f"k_cache must be [R, S, H_kv, D] (layer=None) or [L, R, S, H_kv, D] with a layer, got "
+            f"shape {k_cache.shape} and layer={layer!r}"
+        )
+    r_c, _, g, dk = k_cache.shape[-4:]
+    if dk != d or g < 1 or h % g:
+        raise ValueError(f"q {q.shape} and the cache {k_cache.shape} do not fit (head_dim, H_q % H_kv)")
+    if k_blk.shape != (r, kq, g, d) or v_blk.shape != k_blk.shape:
+        raise ValueError(
+            f"k_blk, v_blk must be [R, K, H_kv, D] = {[r, kq, g, d]}, got {k_blk.shape}, {v_blk.shape}"
+        )
+    if ctx_lengths.shape != (r,) or not jnp.issubdtype(ctx_lengths.dtype, jnp.integer):
+        raise ValueError(
+            f"ctx_lengths must be int32[R={r}], got {ctx_lengths.dtype}{list(ctx_lengths.shape)}"
+        )
+    if cache_rows is None:
+        if r_c != r:
+            raise ValueError(f"without cache_rows the cache must hold R={r} rows, got {r_c}")
+    elif cache_rows.shape != (r,) or not jnp.issubdtype(cache_rows.dtype, jnp.integer):
+        raise ValueError(f"cache_rows must be int32[R={r}], got {cache_rows.dtype}{list(cache_rows.shape)}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Entry points
+# ----------------------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "layer", "config", "interpret", "poison"))
+def draft_attention_pallas(
+    q,
+    k_cache,
+    v_cache,
+    ctx_lengths,
+    k_blk,
+    v_blk,
+    cache_rows=None,
+    *,
+    scale: float,
+    layer: int | None,
+    config: DraftAttentionLaunchConfig,
+    interpret: bool,
+    poison: bool = False,
+):
+    """The kernel (and the split-K merge) with an explicit launch ``config``. ``poison`` (tests only): the
+    float output buffers start as NaN, so a row the kernels fail to write shows up."""
+    _check_inputs(q, k_cache, v_cache, ctx_lengths, k_blk, v_blk, layer, cache_rows)
+    reason = _unsupported(
+        head_dim=q.shape[3],
+        num_q_heads=q.shape[2],
+        num_kv_heads=k_blk.shape[2],
+        block_size=q.shape[1],
+        dtype=k_cache.dtype,
+        interpret=interpret,
+    )
+    if reason:
+        raise ValueError(f"{reason}; use implementation='reference'")
+    r, kq, h, d = q.shape
+    g = k_blk.shape[2]
+    group = h // g
+    block_h, block_s, num_splits = config.block_h, config.block_s, config.num_splits
+    if block_h < 1 or block_s < 1 or block_s & (block_s - 1) or num_splits < 1:
+        raise ValueError(f"bad launch config {config}")
+    if not interpret and block_s < MIN_DOT_DIM:
+        raise ValueError(f"compiled Triton dots need N >= {MIN_DOT_DIM}: context keys per step {block_s}")
+    rows = draft_attention_rows(kq, block_h)
+    blk_rows = max(MIN_DOT_DIM, next_pow2(kq))
+    chunks = cdiv(group, block_h)
+    num_cache_rows, capacity = k_cache.shape[-4], k_cache.shape[-3]
+    flat_rows = r * kq * h
+    grid = (r, g * chunks, num_splits)
+
+    if k_cache.ndim == 4:  # one layer: a free reshape to the [L, R_c, S, H_kv, D] form
+        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+    cache_spec = pl.BlockSpec((k_cache.shape[0], num_cache_rows, capacity, None, d),
+                              lambda i, c, s: (0, 0, 0, c // chunks, 0))
+    full_1d = pl.BlockSpec((r,), lambda i, c, s: (0,))
+    has_rows = cache_rows is not None
+    in_specs = (
+        [pl.BlockSpec((1,), lambda i, c, s: (0,)), full_1d]
+        + ([full_1d] if has_rows else [])
+        + [
+            pl.BlockSpec((flat_rows, d), lambda i, c, s: (0, 0)),
+            cache_spec,
+            cache_spec,
+            pl.BlockSpec((r * kq * g, d), lambda i, c, s: (0, 0)),
+            pl.BlockSpec((r * kq * g, d), lambda i, c, s: (0, 0)),
+        ]
+    )
+    args = (
+        [jnp.full((1,), layer, jnp.int32), ctx_lengths.astype(jnp.int32)]
+        + ([cache_rows.astype(jnp.int32)] if has_rows else [])
+        + [
+            q.reshape(flat_rows, d),
+            k_cache,
+            v_cache,
+            k_blk.reshape(r * kq * g, d),
+            v_blk.reshape(r * kq * g, d),
+        ]
+    )
+    if num_splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((flat_rows, d), q.dtype)]
+        out_specs = [pl.BlockSpec((flat_rows, d), lambda i, c, s: (0, 0))]
+    else:
+        out_shape = [
+            jax.ShapeDtypeStruct((num_splits, flat_rows, d), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, flat_rows), jnp.float32),
+        ]
+        out_specs = [
+            pl.BlockSpec((None, flat_rows, d), lambda i, c, s: (s, 0, 0)),
+            pl.BlockSpec((None, flat_rows), lambda i, c, s: (s, 0)),
+        ]
+    kernel = functools.partial(
+        _draft_attention_kernel,
+        has_rows=has_rows,
+        block_size=kq,
+        group=group,
+        block_h=block_h,
+        num_q_heads=h,
+        num_kv_heads=g,
+        block_s=block_s,
+        rows=rows,
+        blk_rows=blk_rows,
+        num_splits=num_splits,
+        scale=float(scale),
+    )
+    outs = pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        args=args,
+        poison=poison,
+        interpret=interpret,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        name=f"draft_attention_rows{rows}_bs{block_s}_splits{num_splits}",
+    )
+    if num_splits == 1:
+        out = outs[0]
+    else:
+        merge_rows = min(config.merge_rows, next_pow2(flat_rows))
+        (out,) = pallas_call(
+            functools.partial(_merge_splits_kernel, num_splits=num_splits, block_rows=merge_rows),
+            grid=(cdiv(flat_rows, merge_rows),),
+            in_specs=[
+                pl.BlockSpec((num_splits, flat_rows, d), lambda i: (0, 0, 0)),
+                pl.BlockSpec((num_splits, flat_rows), lambda i: (0, 0)),
+            ],
+            out_specs=[pl.BlockSpec((flat_rows, d), lambda i: (0, 0))],
+            out_shape=[jax.ShapeDtypeStruct((flat_rows, d), q.dtype)],
+            args=list(outs),
+            poison=poison,
+            interpret=interpret,
+            num_warps=config.merge_warps,
+            num_stages=1,
+            name=f"draft_attention_merge_splits{num_splits}",
+        )
+    return out.reshape(r, kq, h, d)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "layer",
+        "implementation",
+        "interpret",
+        "block_h",
+        "block_s",
+        "num_splits",
+        "num_warps",
+        "num_stages",
+        "chip",
+    ),
+)
+def draft_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    ctx_lengths: jax.Array,
+    k_blk: jax.Array,
+    v_blk: jax.Array,
+    *,
+    scale: float,
+    layer: int | None = None,
+    cache_rows: jax.Array | None = None,
+    implementation: str = "pallas",
+    interpret: bool | None = None,
+    block_h: int | None = None,
+    block_s: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    chip: str | None = None,
+) -> jax.Array:
+    """Draft-block attention over each row's context (``j < ctx_lengths[r]``) and the block's own keys.
+
+    Args:
+      q: ``[R, K, H_q, D]`` block queries.
+      k_cache, v_cache: ``[R_c, S, H_kv, D]``, or ``[L, R_c, S, H_kv, D]`` with ``layer`` (static; the draft
+        cache is read in place, no per-layer slice copy).
+      ctx_lengths: ``int32[R]`` visible context of each row (clamped to ``[0, S]``).
+      k_blk, v_blk: ``[R, K, H_kv, D]`` the block's keys (normed, rotated) and values.
+      scale: softmax scale.
+      cache_rows: optional ``int32[R]``: row ``r`` reads cache row ``cache_rows[r]`` (negative: no context)
+        instead of row ``r`` (what an engine's slot map needs without gathering the cache).
+      implementation: ``"pallas"`` (Triton; interpret mode on CPU) or ``"reference"`` (plain jnp).
+      interpret: ``None``: interpret mode on CPU, compiled Triton on a GPU.
+      block_h, block_s, num_splits, num_warps, num_stages: launch overrides; ``None`` asks the chip's policy
+        (``tuning.draft_attention_launch_config``). chip: a chip of ``tuning.CHIPS`` (``None``: the device's).
+
+    Returns:
+      ``[R, K, H_q, D]`` in q's dtype.
+    """
+    _check_inputs(q, k_cache, v_cache, ctx_lengths, k_blk, v_blk, layer, cache_rows)
+    if implementation == "reference":
+        return draft_attention_reference(
+            q, k_cache, v_cache, ctx_lengths, k_blk, v_blk, scale=scale, layer=layer, cache_rows=cache_rows
+        )
+    if implementation != "pallas":
+        raise ValueError(f"implementation must be 'pallas' or 'reference', got {implementation!r}")
+    config = draft_attention_launch_config(
+        num_rows=q.shape[0],
+        block_size=q.shape[1],
+        num_q_heads=q.shape[2],
+        num_kv_heads=k_blk.shape[2],
+        capacity=k_cache.shape[-3],
+        head_dim=q.shape[3],
+        itemsize=k_cache.dtype.itemsize,
+        chip=chip,
+        block_h=block_h,
+        block_s=block_s,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return draft_attention_pallas(
+        q,
+        k_cache,
+        v_cache,
+        ctx_lengths,
+        k_blk,
+        v_blk,
+        cache_rows,
+        scale=scale,
+        layer=layer,
+        config=config,
+        interpret=resolve_interpret(interpret),
+    )
+
+
+def draft_attention_reference(
+    q,
+    k_cache,
+    v_cache,
+    ctx_lengths,
+    k_blk,
+    v_blk,
+    *,
+    scale: float,
+    layer: int | None = None,
+    cache_rows=None,
+    **ignored,
+) -> jax.Array:
+    """Plain jnp, same contract as :func:`draft_attention` (launch arguments are accepted and ignored): the
+    row's context and the block's keys concatenated, one masked fp32 softmax per (slot, head)."""
+    del ignored
+    _check_inputs(q, k_cache, v_cache, ctx_lengths, k_blk, v_blk, layer, cache_rows)
+    kc = k_cache if layer is None else k_cache[layer]
+    vc = v_cache if layer is None else v_cache[layer]
+    r, kq, h, d = q.shape
+    capacity, g = kc.shape[1], kc.shape[2]
+    lengths = jnp.clip(ctx_lengths.astype(jnp.int32), 0, capacity)
+    if cache_rows is not None:
+        ok = (cache_rows >= 0) & (cache_rows < kc.shape[0])
+        idx = jnp.clip(cache_rows, 0, kc.shape[0] - 1)
+        kc, vc, lengths = kc[idx], vc[idx], jnp.where(ok, lengths, 0)
+    keys = jnp.concatenate([kc, k_blk.astype(kc.dtype)], axis=1).astype(jnp.float32)  # [R, S + K, G, D]
+    values = jnp.concatenate([vc, v_blk.astype(vc.dtype)], axis=1).astype(jnp.float32)
+    visible = jnp.concatenate(
+        [jnp.arange(capacity)[None, :] < lengths[:, None], jnp.ones((r, kq), bool)], axis=1
+    )
+    qg = q.astype(jnp.float32).reshape(r, kq, g, h // g, d)
+    s = jnp.einsum("rqgnd,rsgd->rgnqs", qg, keys, precision=jax.lax.Precision.HIGHEST) * scale
+    s = jnp.where(visible[:, None, None, None, :], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    p = jnp.where(visible[:, None, None, None, :], p, 0.0)  # masked (possibly NaN) values never contribute
+    out = jnp.einsum(
+        "rgnqs,rsgd->rqgnd",
+        p,
+        jnp.where(visible[:, :, None, None], values, 0.0),
+        precision=jax.lax.Precision.HIGHEST,
+    )
+    return out.reshape(r, kq, h, d).astype(q.dtype)

@@ -1,0 +1,152 @@
+"""Benchmark the DSpark draft-attention kernel at M3 draft shapes, with a small launch sweep.
+
+    PYTHONPATH=. python3 scripts/bench_draft_attention.py --out $OUT/draft_attention.json
+    PYTHONPATH=. python3 scripts/bench_draft_attention.py --quick    # tiny shapes, CPU interpret smoke run
+
+Shapes: K = 7 draft slots, 64 query / 4 KV heads of 128, bf16, a 2-layer draft cache of ``--context`` + 16
+slots per row read in place at layer 1, every row at ``--context`` visible tokens; R = 64 and 512 rows. Per
+launch variant (the policy's default first, then ``SWEEP`` overrides): the time (median of back-to-back calls,
+two cache copies rotated), the bytes any implementation must read (each row's visible context K and V once per
+KV head, plus q, the block's K/V and the output), % of ``--hbm`` and the max abs error against the jnp
+reference (bf16 output). The plain-jnp path the drafter used before
+(``minimax_jax.draft_attention.draft_attention`` with a length mask, which reads the whole capacity and
+materialises fp32 scores) is timed beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import draft_attention as da
+from pallas_kernels.tuning import draft_attention_launch_config
+from scripts import bench_common
+from scripts.profile_step import normal_arrays
+
+SWEEP = [
+    {"block_s": 32},
+    {"block_s": 128},
+    {"num_stages": 2},
+    {"num_stages": 4},
+    {"num_warps": 4},
+    {"block_h": 8},
+    {"block_h": 8, "num_warps": 4, "block_s": 64},
+    {"num_splits": 2},
+    {"num_splits": 4},
+]
+
+
+def make(rows, context, *, layers=2, k=7, heads=64, kv_heads=4, dim=128, copies=2, seed=0):
+    """Random inputs made on the device (``profile_step.normal_arrays``); ``layers`` cache layers (the kernel
+    reads the last one in place: its access pattern does not depend on how many there are)."""
+    cap = context + 16
+    cache = (layers, rows, cap, kv_heads, dim)
+    specs = [((rows, k, heads, dim), jnp.bfloat16)] + [((rows, k, kv_heads, dim), jnp.bfloat16)] * 2
+    q, kb, vb, *flat = normal_arrays(specs + [(cache, jnp.bfloat16)] * (2 * copies), seed)
+    caches = [(flat[2 * c], flat[2 * c + 1]) for c in range(copies)]
+    lengths = jnp.full((rows,), context, jnp.int32)
+    floor = rows * kv_heads * context * dim * 2 * 2 + (2 * q.size + 2 * kb.size) * 2
+    return q, caches, lengths, kb, vb, floor
+
+
+def jnp_path(q, kc, vc, lengths, kb, vb, *, layer, scale):
+    from minimax_jax.draft_attention import draft_attention
+
+    visible = (jnp.arange(kc.shape[2])[None, :] < lengths[:, None])[:, None, :]
+    return draft_attention(q, kc[layer], vc[layer], visible, kb, vb, scale=scale)
+
+
+M3 = {"heads": 64, "kv_heads": 4, "dim": 128}
+
+
+def run(rows_list, context, *, hbm, sweep, reps, shape=M3, interpret=False, log=print):
+    out = []
+    for rows in rows_list:
+        q, caches, lengths, kb, vb, floor = make(rows, context, **shape)
+        scale = shape["dim"] ** -0.5
+        arg_sets = [(q, kc, vc, lengths, kb, vb) for kc, vc in caches]
+        ref = jax.jit(functools.partial(jnp_path, layer=1, scale=scale))
+        want = ref(*arg_sets[0]).astype(jnp.float32)
+        t_ref = bench_common.time_fn_batched(ref, arg_sets, reps=max(3, reps // 4))
+        base = draft_attention_launch_config(
+            num_rows=rows,
+            block_size=7,
+            num_q_heads=shape["heads"],
+            num_kv_heads=shape["kv_heads"],
+            capacity=caches[0][0].shape[2],
+            head_dim=shape["dim"],
+        )
+        for variant in [{}] + list(sweep):
+            config = dataclasses.replace(base, **variant)
+            row = {
+                "rows": rows,
+                "context": context,
+                "variant": ",".join(f"{k}={v}" for k, v in variant.items()) or "default",
+                **{f"cfg_{k}": v for k, v in dataclasses.asdict(config).items()},
+                "floor_bytes": floor,
+                "jnp_ms": 1e3 * t_ref,
+            }
+            try:
+                fn = jax.jit(
+                    functools.partial(
+                        da.draft_attention_pallas, scale=scale, layer=1, config=config, interpret=interpret
+                    )
+                )
+                got = fn(*arg_sets[0]).astype(jnp.float32)
+                row["max_abs_err"] = float(jnp.max(jnp.abs(got - want)))
+                sec = bench_common.time_fn_batched(fn, arg_sets, reps=reps)
+                row.update(time_ms=1e3 * sec, pct_hbm=100 * floor / sec / hbm, vs_jnp=t_ref / sec)
+            except Exception as e:  # noqa: BLE001  (a variant that does not compile must not lose the others)
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            log(json.dumps(row))
+            out.append(row)
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="64,512")
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--hbm", type=float, default=4.3e12, help="bytes/s the %% column is quoted against")
+    p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--quick", action="store_true", help="tiny shapes in interpret mode: a CPU smoke run")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    if a.quick:  # interpret mode on tiny shapes: only that every path runs
+        tiny = {"heads": 4, "kv_heads": 2, "dim": 16}
+        rows = run(
+            [2],
+            40,
+            hbm=a.hbm,
+            sweep=[{"block_s": 16, "block_h": 1}, {"num_splits": 2}],
+            reps=1,
+            shape=tiny,
+            interpret=True,
+        )
+        return 0 if all("error" not in r for r in rows) else 1
+    env = bench_common.environment()
+    print(f"# {env}", flush=True)
+    rows = run(
+        [int(r) for r in a.rows.split(",")],
+        a.context,
+        hbm=a.hbm,
+        sweep=[] if a.no_sweep else SWEEP,
+        reps=a.reps,
+    )
+    if a.out:
+        bench_common.write_json(a.out, {"environment": env, "hbm_bytes_per_s": a.hbm, "rows": rows})
+    bench_common.print_table(
+        rows, ["rows", "variant", "time_ms", "pct_hbm", "jnp_ms", "vs_jnp", "max_abs_err", "error"]
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
