@@ -183,8 +183,12 @@ def forward_ragged(
     capture_layers: Sequence[int] = (),
     implementation: str = "auto",
     interpret: bool | None = None,
+    moe_implementation: str | None = None,
 ) -> tuple[jax.Array, list[jax.Array], PagedCache]:
     """Run the packed tokens through the model, writing their K/V/index-K into ``cache``.
+
+    ``implementation`` picks the attention and indexer kernels and, unless ``moe_implementation`` names another
+    (``"auto" | "pallas" | "xla" | "reference"``, ``pallas_kernels.grouped_gemm``), the MoE experts' products.
 
     Returns ``(hidden [T, d], captured [T, d] per capture layer, new cache)``. ``hidden`` is the residual stream
     after the last layer (before the final norm); ``model.logits(hidden[rows])`` gives the logits of the rows that
@@ -211,7 +215,8 @@ def forward_ragged(
     meta = (batch.block_tables, batch.seq_lens, batch.query_start_loc)
     # The MoE resolves "auto" itself (grouped_gemm.resolve_implementation: its kernel, else the XLA fallback);
     # padding slots are routed to no expert.
-    moe_kw = {"implementation": implementation, "interpret": interpret, "token_mask": req >= 0}
+    moe_kw = {"implementation": implementation if moe_implementation is None else moe_implementation,
+              "interpret": interpret, "token_mask": req >= 0}
 
     x = jnp.where(valid, model.embed(jnp.where(req >= 0, batch.input_ids, 0)), 0)
     new_k, new_v, new_index_k = list(cache.k), list(cache.v), list(cache.index_k)

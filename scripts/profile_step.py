@@ -666,11 +666,9 @@ def build_verify_ops(
                 "router", fn, (st, hn), 2 * t * d * e, (d * e + t * d) * b + t * kk * 8, "moe"
             )
             hit = int(np.unique(np.asarray(experts)).size)
-            moe_kw = {}
-            if moe_implementation:
-                if "implementation" in _arg_names(MoE.routed):
-                    moe_kw["implementation"] = moe_implementation
-                info["moe_routed_takes_implementation"] = "implementation" in moe_kw
+            # the MoE as forward_ragged runs it: its implementation, or the attention kernels' choice
+            moe_kw = {"implementation": moe_implementation or implementation}
+            info["moe_routed_takes_implementation"] = True
             probe = {}
 
             def routed(m, a, w_, e_, moe_kw=moe_kw, probe=probe):
