@@ -215,10 +215,12 @@ def make_step_fn(target, drafter, config: StepConfig):
         # ---- 1. draft
         if k > 0:
             drafter = nnx.merge(dgraph, drafter_params)
-            dc = state.draft_cache
-            view = dataclasses.replace(dc, k=dc.k[:, slot], v=dc.v[:, slot],
-                                       lengths=jnp.where(is_decode, dc.lengths[slot], 0))
-            h = drafter.block_hidden(view, anchor, num_cached)
+            # each decode row drafts from its slot's context, read in place (no per-step copy of the cache);
+            # other rows see no context
+            h = drafter.block_hidden(state.draft_cache, anchor, num_cached,
+                                     cache_rows=jnp.where(is_decode, slot, -1),
+                                     implementation="reference" if config.implementation == "reference" else "auto",
+                                     interpret=config.interpret)
             keys = jax.vmap(lambda s, p: sampling_key(s, p, STREAM_DRAFT))(plan.seed, num_cached)
             draft = drafter.sample_block(h, anchor, plan.temperature, keys if config.sampling else None,
                                          return_probs=config.sampling,
