@@ -47,16 +47,18 @@ from pallas_kernels.tuning import chip_platform
 
 __all__ = [
     "BATCHES",
-    "GATE_BATCHES",
+    "GATE_CASES",
     "KERNELS",
     "PINNED_JAX",
     "PINNED_TRITON",
     "TARGETS",
     "Batch",
+    "Case",
     "KernelCall",
     "KernelReport",
     "Target",
     "TritonKernel",
+    "all_cases",
     "amd_occupancy",
     "compile_all",
     "compile_kernel",
@@ -123,16 +125,22 @@ _CUDA_RESERVED_SHARED = 1024
 
 def amd_occupancy(*, register_waves: int, shared: int, num_warps: int, target: Target) -> tuple[int, str]:
     """Waves per SIMD and what limits them: LLVM's register occupancy (VGPRs incl. AGPRs, SGPRs; LLVM sees no
-    LDS because Triton allocates it dynamically) against the LDS: ``floor(LDS per CU / shared)`` workgroups,
-    their ``num_warps`` waves spread over the CU's 4 SIMDs."""
+    LDS because Triton allocates it dynamically), the LDS (``floor(LDS per CU / shared)`` workgroups, their
+    ``num_warps`` waves spread over the CU's 4 SIMDs), the workgroups per CU (16 barriers for workgroups of more
+    than one wave) and the 8-wave cap. Ties name the first of that order."""
     if shared > target.max_shared_per_block:
         return 0, "LDS"
-    groups = target.max_blocks if num_warps > 1 else target.max_waves * _AMD_SIMDS_PER_CU
+
+    def per_simd(groups: int) -> int:
+        return max(1, groups * num_warps // _AMD_SIMDS_PER_CU)
+
+    limits = {"registers": register_waves}
     if shared:
         granules = -(-shared // _AMD_LDS_GRANULE)
-        groups = min(groups, target.shared_per_core // (granules * _AMD_LDS_GRANULE))
-    lds_waves = max(1, groups * num_warps // _AMD_SIMDS_PER_CU)
-    limits = {"registers": register_waves, "LDS": lds_waves, "waves": target.max_waves}
+        limits["LDS"] = per_simd(target.shared_per_core // (granules * _AMD_LDS_GRANULE))
+    if num_warps > 1:
+        limits["workgroups"] = per_simd(target.max_blocks)
+    limits["waves"] = target.max_waves
     waves = min(limits.values())
     return waves, next(k for k, v in limits.items() if v == waves)
 
@@ -180,15 +188,6 @@ BATCHES: tuple[Batch, ...] = (
     Batch("verify", 512, 8, 4096),
     Batch("verify", 64, 8, 32768),
     Batch("decode", 64, 1, 4096),
-    Batch("decode", 512, 1, 4096),
-    Batch("decode", 1, 1, 32768),
-    Batch("prefill", 1, 512, 4096),
-)
-# The CI gate's subset (tests/test_compile_kernels.py; about a third of the compile time): every kernel and
-# every distinct launch shape of the AMD tables (indexer fused and split at 8 / 32-token tiles, 16- and 128-row
-# walks, the pre-pass at 512 requests and at 32K, the merge at its largest split count).
-GATE_BATCHES: tuple[Batch, ...] = (
-    Batch("verify", 64, 8, 32768),
     Batch("decode", 512, 1, 4096),
     Batch("decode", 1, 1, 32768),
     Batch("prefill", 1, 512, 4096),
@@ -262,11 +261,43 @@ def _paged_attention_call(batch: Batch) -> KernelCall:
     return KernelCall(ragged_paged_attention, args, kwargs)
 
 
-# Every kernel entry point: (name, batch -> the call to lower, or None to skip that batch). Add new kernels here.
+# Every kernel entry point: (name, batch -> the call to lower, or None to skip that batch). Add new kernels here;
+# they join both the full report (BATCHES) and the CI gate (GATE_CASES).
 KERNELS: tuple[tuple[str, Callable[[Batch], KernelCall | None]], ...] = (
     ("ragged_index_topk", _indexer_call),
     ("ragged_sparse_attention", _sparse_attention_call),
     ("ragged_paged_attention", _paged_attention_call),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One kernel entry point at one serving size."""
+
+    kernel: str
+    make: Callable[[Batch], KernelCall | None]
+    batch: Batch
+
+    @property
+    def label(self) -> str:
+        return f"{self.kernel} {self.batch.label}"
+
+
+def all_cases(kernels=KERNELS, batches: Iterable[Batch] = BATCHES, *, only: Iterable[str] | None = None) -> list[Case]:
+    """Every kernel of ``kernels`` (or the ``only`` names) at every batch."""
+    names = None if only is None else set(only)
+    return [Case(name, make, b) for b in batches for name, make in kernels if names is None or name in names]
+
+
+# The CI gate (tests/test_compile_kernels.py): every kernel and every launch shape of the AMD tables in about
+# half the full report's compile time. K = 7 verification of 32 requests at 32K (128-row walks at 238-240
+# VGPRs on gfx942, the split indexer, the union pre-pass at its worst: 95 SGPRs spilled with the old 4-warp
+# pre-pass), 16 requests decoding (the engine's default slots: 16-row walks, split-K and its merge on every
+# chip), and the indexer's fused path (512 decoding requests) and 8-warp, 32-token prefill tile.
+GATE_CASES: tuple[Case, ...] = (
+    *all_cases(batches=(Batch("verify", 32, 8, 32768),)),
+    *all_cases(batches=(Batch("decode", 16, 1, 4096),), only=("ragged_sparse_attention", "ragged_paged_attention")),
+    *all_cases(batches=(Batch("decode", 512, 1, 4096), Batch("prefill", 1, 512, 4096)), only=("ragged_index_topk",)),
 )
 
 
@@ -497,36 +528,61 @@ def compile_kernel(kernel: TritonKernel, target: Target) -> KernelReport:
 
 def compile_all(
     targets: Iterable[Target] = TARGETS,
-    kernels: Sequence[tuple[str, Callable[[Batch], KernelCall | None]]] = KERNELS,
-    batches: Sequence[Batch] = BATCHES,
+    cases: Iterable[Case] | None = None,
     *,
+    jobs: int = 1,
     log: Callable[[str], None] | None = None,
 ) -> list[KernelReport]:
-    """Reports of every distinct kernel of every ``kernels`` x ``batches`` call, for every target (in order)."""
+    """Reports of every distinct kernel of ``cases`` (default: every kernel at every batch) for every target.
+
+    Each target's chip tables lower every case (in this process); the same IR and launch compile once, in
+    ``jobs`` worker processes when ``jobs > 1``. Reports come in target, case and program order.
+    """
+    cases = all_cases() if cases is None else list(cases)
     reports: list[KernelReport] = []
+    pending: list[tuple[int, TritonKernel, Target]] = []  # (index in reports, kernel, target) to compile
     for target in targets:
         by_key: dict[str, KernelReport] = {}
-        for name, make in kernels:
-            for batch in batches:
-                call = make(batch)
-                if call is None:
-                    continue
-                case = f"{name} {batch.label}"
-                try:
-                    found = triton_kernels(call, target.chip)
-                except Exception as e:  # noqa: BLE001 (a lowering failure is a result)
-                    failed = KernelReport(target.name, name, 0, 0, (0, 0, 0), cases=[case])
-                    failed.error = f"lowering failed: {type(e).__name__}: {e}"[:4000]
-                    reports.append(failed)
-                    continue
-                for kernel in found:
-                    if kernel.key not in by_key:
-                        by_key[kernel.key] = compile_kernel(kernel, target)
-                        reports.append(by_key[kernel.key])
-                        if log:
-                            r = by_key[kernel.key]
-                            log(f"{target.name} {r.name}: {'ERROR ' + r.error if r.error else _summary(r)}")
-                    by_key[kernel.key].cases.append(case)
+        for case in cases:
+            call = case.make(case.batch)
+            if call is None:
+                continue
+            try:
+                found = triton_kernels(call, target.chip)
+            except Exception as e:  # noqa: BLE001 (a lowering failure is a result)
+                failed = KernelReport(target.name, case.kernel, 0, 0, (0, 0, 0), cases=[case.label])
+                failed.error = f"lowering failed: {type(e).__name__}: {e}"[:4000]
+                reports.append(failed)
+                continue
+            for kernel in found:
+                if kernel.key not in by_key:
+                    by_key[kernel.key] = KernelReport(
+                        target.name, kernel.name, kernel.num_warps, kernel.num_stages, kernel.grid
+                    )
+                    pending.append((len(reports), kernel, target))
+                    reports.append(by_key[kernel.key])
+                by_key[kernel.key].cases.append(case.label)
+
+    def done(index: int, compiled: KernelReport) -> None:
+        compiled.cases = reports[index].cases
+        reports[index] = compiled
+        if log:
+            where = f"{compiled.target} {compiled.name}"
+            log(f"{where}: ERROR {compiled.error}" if compiled.error else f"{where}: {_summary(compiled)}")
+
+    if jobs > 1 and len(pending) > 1:
+        import concurrent.futures
+        import multiprocessing
+
+        # spawn: the parent's JAX runtime threads make fork unsafe; workers only import triton and this module.
+        context = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+            futures = {pool.submit(compile_kernel, k, t): i for i, k, t in pending}
+            for future in concurrent.futures.as_completed(futures):
+                done(futures[future], future.result())
+    else:
+        for index, kernel, target in pending:
+            done(index, compile_kernel(kernel, target))
     return reports
 
 

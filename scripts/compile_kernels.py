@@ -5,9 +5,9 @@
     PYTHONPATH=. python3 scripts/compile_kernels.py --gate --check               # the CI gate's subset
 
 Each kernel entry point (``pallas_kernels.compile_check.KERNELS``) is lowered deviceless at M3 shapes for each
-serving size (``BATCHES``; ``--gate``: ``GATE_BATCHES``) with the launch tables of the target's chip (gfx942:
-``cdna3``, gfx950: ``cdna4``, sm_90: ``hopper``), and every distinct Triton kernel is compiled with the pip
-triton wheel: registers (VGPR / AGPR / SGPR on AMD), LDS / shared memory, spills and occupancy (waves per SIMD
+serving size (``BATCHES``; ``--gate``: the CI gate's ``GATE_CASES``) with the launch tables of the target's
+chip (gfx942: ``cdna3``, gfx950: ``cdna4``, sm_90: ``hopper``), and every distinct Triton kernel is compiled with
+the pip triton wheel (``--jobs`` processes): registers (VGPR / AGPR / SGPR on AMD), LDS / shared memory, spills and occupancy (waves per SIMD
 on AMD, warps and blocks per SM on sm_90). Prints one markdown table per target and the problems (compile
 errors, spills, scratch, AMD kernels under 2 waves per SIMD); ``--check`` exits 1 when there are any.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -29,8 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write the reports as JSON here")
     ap.add_argument("--targets", default=",".join(t.name for t in cc.TARGETS),
                     help="comma-separated subset of " + ", ".join(t.name for t in cc.TARGETS))
-    ap.add_argument("--gate", action="store_true", help="only the CI gate's serving sizes (GATE_BATCHES)")
+    ap.add_argument("--gate", action="store_true", help="only the CI gate's cases (GATE_CASES)")
     ap.add_argument("--check", action="store_true", help="exit 1 on any problem")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes (default: all cores)")
     ap.add_argument("--quiet", action="store_true", help="no per-kernel progress lines")
     args = ap.parse_args(argv)
 
@@ -44,13 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown targets {unknown}; choose from {sorted(known)}")
     targets = [known[n] for n in names]
-    batches = cc.GATE_BATCHES if args.gate else cc.BATCHES
+    cases = cc.GATE_CASES if args.gate else cc.all_cases()
 
     import triton
 
     start = time.perf_counter()
     log = None if args.quiet else (lambda line: print(f"[{time.perf_counter() - start:6.1f} s] {line}", flush=True))
-    reports = cc.compile_all(targets, batches=batches, log=log)
+    reports = cc.compile_all(targets, cases, jobs=args.jobs, log=log)
     elapsed = time.perf_counter() - start
     problems = cc.problems(reports)
 
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                     "jax": jax.__version__,
                     "triton": triton.__version__,
                     "targets": [t.name for t in targets],
-                    "batches": [b.label for b in batches],
+                    "cases": [c.label for c in cases],
                     "seconds": round(elapsed, 1),
                     "kernels": [r.to_json() for r in reports],
                     "problems": problems,
