@@ -116,3 +116,14 @@ def test_problems_name_errors_spills_and_low_occupancy():
     got = cc.problems([ok, spill, low, cuda, broken])
     assert len(got) == 3
     assert "sgpr" in got[0] and "LDS-limited" in got[1] and "boom" in got[2]
+
+
+def test_gate_skips_without_the_pinned_pair(monkeypatch):
+    """The gate runs only with the pinned jax + triton pair and names what is missing otherwise."""
+    import sys
+
+    monkeypatch.setattr(cc.jax, "__version__", "0.11.2")
+    assert "jax 0.11.2 is not the pinned" in cc.toolchain_unavailable()
+    monkeypatch.setattr(cc.jax, "__version__", cc.PINNED_JAX)
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton -> ImportError
+    assert "triton is not installed" in cc.toolchain_unavailable()
