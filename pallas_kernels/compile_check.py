@@ -179,14 +179,17 @@ class Batch:
         return f"{self.kind} {self.requests}x{self.tokens}@{self.context // 1024}K"
 
 
-# M3 serving sizes (every launch-policy branch at least once): K = 7 verification at 4K (the indexer's split path
-# at 64 requests, its fused path at 512) and at 32K (the sparse pre-pass's longest union walk), decode at 64 and
-# 512 requests and one 32K request alone (split-K at the chip's largest split count and its merge), a 512-token
-# prefill chunk (the engine's max_num_batched_tokens: 32-token indexer tiles, 8 warps).
+# M3 serving sizes (every launch-policy branch at least once; a superset of the CI gate's): K = 7 verification
+# at 4K (the indexer's split path at 64 requests, its fused path at 512) and at 32K (the sparse pre-pass's
+# longest union walks), decode at 16 (the engine's default slots), 64 and 512 requests and one 32K request alone
+# (split-K at the chip's largest split count and its merge), a 512-token prefill chunk (the engine's
+# max_num_batched_tokens: 32-token indexer tiles, 8 warps).
 BATCHES: tuple[Batch, ...] = (
     Batch("verify", 64, 8, 4096),
     Batch("verify", 512, 8, 4096),
+    Batch("verify", 32, 8, 32768),
     Batch("verify", 64, 8, 32768),
+    Batch("decode", 16, 1, 4096),
     Batch("decode", 64, 1, 4096),
     Batch("decode", 512, 1, 4096),
     Batch("decode", 1, 1, 32768),
