@@ -117,7 +117,7 @@ TARGETS: tuple[Target, ...] = (
 )
 
 _AMD_SIMDS_PER_CU = 4
-_AMD_LDS_GRANULE = 512  # LDS is allocated in 128-dword blocks
+_AMD_LDS_GRANULE = 512  # gfx9 allocates LDS in 128-dword blocks (assumed for gfx950 as well)
 _CUDA_REGS_PER_SM = 64 * 1024
 _CUDA_REG_GRANULE = 256  # registers are allocated per warp in 256-register units
 _CUDA_RESERVED_SHARED = 1024
@@ -169,7 +169,7 @@ def cuda_occupancy(*, registers: int, shared: int, num_warps: int, target: Targe
 class Batch:
     """A ragged serving batch: ``requests`` requests of ``tokens`` new tokens each, at ``context`` tokens."""
 
-    kind: str  # "verify", "decode", "prefill", "long"
+    kind: str  # "verify", "decode", "prefill"
     requests: int
     tokens: int
     context: int
@@ -212,6 +212,12 @@ def _m3():
     return MiniMaxM3Config.m3()
 
 
+def _page(cfg) -> int:
+    from minimax_jax.cache import page_size_for
+
+    return page_size_for(cfg)  # the paged K/V and index-key caches' page: the MSA block (128 for M3)
+
+
 def _ragged(batch: Batch, page: int):
     """Block tables, seq_lens and query_start_loc of ``batch`` (one private page per block, page 0 spare)."""
     s = jax.ShapeDtypeStruct
@@ -226,7 +232,7 @@ def _indexer_call(batch: Batch) -> KernelCall:
     from pallas_kernels.indexer import ragged_index_topk
 
     cfg = _m3()
-    s, page = jax.ShapeDtypeStruct, cfg.index_block_size
+    s, page = jax.ShapeDtypeStruct, _page(cfg)
     pages, meta = _ragged(batch, page)
     t = batch.requests * batch.tokens
     args = (
@@ -240,7 +246,7 @@ def _indexer_call(batch: Batch) -> KernelCall:
 
 def _attention_args(batch: Batch):
     cfg = _m3()
-    s, page = jax.ShapeDtypeStruct, cfg.index_block_size
+    s, page = jax.ShapeDtypeStruct, _page(cfg)
     pages, meta = _ragged(batch, page)
     t = batch.requests * batch.tokens
     cache = s((cfg.num_key_value_heads, pages, page, cfg.head_dim), jnp.bfloat16)
@@ -292,8 +298,8 @@ def all_cases(kernels=KERNELS, batches: Iterable[Batch] = BATCHES, *, only: Iter
     return [Case(name, make, b) for b in batches for name, make in kernels if names is None or name in names]
 
 
-# The CI gate (tests/test_compile_kernels.py): every kernel and every launch shape of the AMD tables in about
-# half the full report's compile time. K = 7 verification of 32 requests at 32K (128-row walks at 238-240
+# The CI gate (tests/test_compile_kernels.py): every kernel and every launch shape of the AMD tables in about a
+# third of the full report's compile time (49 of 173 kernels). K = 7 verification of 32 requests at 32K (128-row walks at 238-240
 # VGPRs on gfx942, the split indexer, the union pre-pass at its worst: 95 SGPRs spilled with the old 4-warp
 # pre-pass), 16 requests decoding (the engine's default slots: 16-row walks, split-K and its merge on every
 # chip), and the indexer's fused path (512 decoding requests) and 8-warp, 32-token prefill tile.
