@@ -76,11 +76,15 @@ def abstract_gpu(platform: str) -> Iterator[None]:
         yield
 
 
-def lower_for_gpu(fn, *args, platform: str, **kwargs) -> str:
-    """Lower ``fn(*args, **kwargs)`` for ``platform`` without a GPU and return the StableHLO text.
+def lowered_for_gpu(fn, *args, platform: str, **kwargs) -> jax.stages.Lowered:
+    """Lower ``fn(*args, **kwargs)`` for ``platform`` without a GPU (``args`` may be ``jax.ShapeDtypeStruct``s).
 
-    ``args`` may be ``jax.ShapeDtypeStruct``s. The text contains the serialized Triton kernel call.
+    Each Pallas kernel is a ``__gpu$xla.gpu.triton`` custom call in the result; ``compile_check`` compiles them.
     """
     with abstract_gpu(platform):
-        lowered = jax.jit(lambda *a: fn(*a, **kwargs)).trace(*args).lower(lowering_platforms=(platform,))
-    return lowered.as_text()
+        return jax.jit(lambda *a: fn(*a, **kwargs)).trace(*args).lower(lowering_platforms=(platform,))
+
+
+def lower_for_gpu(fn, *args, platform: str, **kwargs) -> str:
+    """:func:`lowered_for_gpu` as StableHLO text, which contains the serialized Triton kernel calls."""
+    return lowered_for_gpu(fn, *args, platform=platform, **kwargs).as_text()

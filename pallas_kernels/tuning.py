@@ -6,8 +6,10 @@ Chips (each runs on one platform, ``"cuda"`` or ``"rocm"``):
   (``docs/BENCHMARKS.md``, ``docs/kernels/*.md``).
 * ``"ampere"``: any other NVIDIA GPU (Ampere, Ada, Blackwell): the indexer's conservative table, the Hopper
   attention tables; none of it measured on such a part.
-* ``"cdna3"``: AMD MI300X / MI325X (gfx942); also AMD parts not named below. Untuned guesses.
-* ``"cdna4"``: AMD MI350X / MI355X (gfx950): cdna3's untuned tables.
+* ``"cdna3"``: AMD MI300X / MI325X (gfx942); also AMD parts not named below. Set from compiled resources
+  (``scripts/compile_kernels.py``: registers, LDS, spills, occupancy), not from timings on the hardware.
+* ``"cdna4"``: AMD MI350X / MI355X (gfx950): cdna3's tables but the indexer's 2 stages (160 KiB of LDS); the same
+  compiled-resource basis.
 
 :func:`detect_chip` names the default device's chip (``None`` off GPU); :func:`resolve_chip` turns a kernel's
 ``chip=`` argument into a chip, ``DEFAULT_CHIP`` when there is no GPU (interpret mode then makes the launch
@@ -247,14 +249,37 @@ _HOPPER_TILES = (
 _HOPPER_SPARSE = WalkTable(tiles=_HOPPER_TILES, smem_bytes=200 * 1024, max_splits=8, max_rows=64)
 _HOPPER_DENSE = WalkTable(tiles=_HOPPER_TILES, smem_bytes=200 * 1024, max_splits=16, max_rows=128)
 
-# CDNA3 (MI300X, gfx942): 304 CUs, 64-wide wavefronts (4 warps = 256 lanes), 64 KiB LDS per CU. Not measured:
-# conservative 2-stage pipelines, 32-key walk steps.
+# CDNA3 (MI300X / MI325X, gfx942): 304 CUs of 4 SIMDs; 64-wide wavefronts, so 4 warps put one wave on each
+# SIMD. Each SIMD has 512 VGPRs per lane, shared by a wave's arch VGPRs and AGPRs (MFMA accumulators):
+# floor(512 / VGPRs) waves per SIMD, i.e. <= 256 VGPRs for 2 waves, <= 168 for 3, <= 128 for 4 (at most 8).
+# 64 KiB of LDS per CU; Triton allocates a workgroup's LDS dynamically, so LLVM's occupancy ignores it and
+# workgroups per CU = floor(64 KiB / LDS). No timing on the hardware yet: every value below is set from what
+# the kernels compile to (pip triton 3.9 on a CPU, scripts/compile_kernels.py; the tables before / after are
+# in docs/BENCHMARKS.md), with the rule that every kernel keeps >= 2 waves per SIMD without spills.
+#
+# * Indexer: the dot's B operand, one index-key page (128 keys x 128 dims bf16 = 32 KiB), is staged through
+#   LDS for the v_mfma_f32_32x32x8_bf16 layout. Two stages add 512 B (33,280 B): one workgroup per CU, one wave
+#   per SIMD. One stage keeps exactly 32 KiB: two workgroups per CU, 2 waves per SIMD (3 for the 8-warp
+#   prefill tiles), and the second workgroup's page loads overlap the first's math, as the pipeline would.
+#   8 warps for the 8-token verify tile (M = 32 rows) was worse: 198 VGPRs and 15 SGPRs spilled.
+# * Walks: one tile row, 4 warps, 2 stages, 32-key steps. K + V of 32 keys x 2 stages are 32 KiB of LDS (two
+#   workgroups per CU). The 128-row tile (8 tokens x 16 heads: verification, prefill) takes 238-240 VGPRs, 2
+#   waves per SIMD: each wave owns 32 query rows (v_mfma_f32_32x32x8_bf16) and their 32 x 128 fp32 accumulator.
+#   8 warps would fit 3 waves (161-166 VGPRs) but Triton then lays Q K^T out over [8, 1] waves, two waves per
+#   32-row block: 96 v_mfma per wave where an even split gives 64 (4 warps: 128), 1.5x the matrix issue per
+#   tile; 64-key steps spill. Kept at 4 warps until measured on an MI300X. 16-row decode tiles: 108-118 VGPRs, 16 KiB, 4
+#   waves (v_mfma_f32_16x16x16_bf16).
+# * Pre-pass: the sparse union walk compares the tile's [block_q, topk] selections with 64 block ids at a time
+#   (8192 lanes); every compare result is a 64-bit lane mask in an SGPR pair, and at 4 warps (32 per lane)
+#   the 8-token tiles of a 32K context spill 9-12 SGPRs (at the 102-SGPR limit). 16 warps: 72 SGPRs, no spill.
+# * Merge: 16 rows per program. Each program loads all num_splits partial rows up front; at 32 rows x 16 splits
+#   that is 221 VGPRs (2 waves), at 16 rows 113 (4 waves).
 _CDNA3_WALK_TILES = (WalkTile(min_rows=16, num_warps=4, num_stages=2, block_k=32),)
 _CDNA3 = ChipTables(
     platform="rocm",
     num_cores=304,
     indexer=IndexerTable(
-        num_warps=4, num_stages=2, programs_per_core=2, max_block_q=32, fused_max_elems=8192
+        num_warps=4, num_stages=1, programs_per_core=2, max_block_q=32, fused_max_elems=8192
     ),
     sparse_attention=WalkTable(tiles=_CDNA3_WALK_TILES, smem_bytes=64 * 1024, max_splits=16),
     paged_attention=WalkTable(tiles=_CDNA3_WALK_TILES, smem_bytes=64 * 1024, max_splits=16),
@@ -268,6 +293,16 @@ _CDNA3 = ChipTables(
         max_acc_elems=8192,
     ),
     draft_attention=_CDNA3_DRAFT,
+    prepass=PrepassTable(num_warps=16),
+    merge=MergeTable(block_rows=16, num_warps=4),
+)
+# CDNA4 (MI350X / MI355X, gfx950): 256 CUs, the same 512 VGPRs per SIMD lane, 160 KiB of LDS per CU and bf16
+# MFMAs of twice the depth (v_mfma_f32_32x32x16_bf16 / 16x16x32_bf16). cdna3's tables, except the indexer keeps
+# 2 stages: its pipelined page goes through 4-8 KiB of LDS on gfx950 (34 KiB for the 8-warp prefill tile, still
+# 4 workgroups per CU) and registers allow 2-5 waves. The 128-row walk takes 220-222 VGPRs (2 waves) and the same
+# 32 KiB of LDS; the pre-pass spills as on gfx942 at 4 warps.
+_CDNA4 = dataclasses.replace(
+    _CDNA3, num_cores=256, indexer=dataclasses.replace(_CDNA3.indexer, num_stages=2)
 )
 
 TABLES: dict[str, ChipTables] = {
@@ -293,8 +328,7 @@ TABLES: dict[str, ChipTables] = {
         paged_attention=_HOPPER_DENSE,
     ),
     "cdna3": _CDNA3,
-    # CDNA4 (MI350X / MI355X, gfx950): 256 CUs, 160 KiB LDS per CU; cdna3's tables until measured.
-    "cdna4": dataclasses.replace(_CDNA3, num_cores=256),
+    "cdna4": _CDNA4,
 }
 
 CHIPS = tuple(TABLES)

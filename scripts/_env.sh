@@ -29,7 +29,9 @@ fi
 STAMP="$VENV/.minimax_jax_installed"
 if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip >&2
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[test]" >&2
+  # [amd]: the pinned jax + triton pair of the AMD compile gate (CPU; about 290 MB of wheels). A venv that must
+  # keep its own jax (a GPU box) sets MINIMAX_JAX_EXTRAS=test; the gate then skips.
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[${MINIMAX_JAX_EXTRAS:-test,amd}]" >&2
   touch "$STAMP"
 fi
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"

@@ -73,6 +73,18 @@ def test_hopper_tables_keep_the_h200_measurements():
     assert hopper.merge == MergeTable(block_rows=32, num_warps=4)
 
 
+def test_rocm_tables_keep_the_compiled_resource_settings():
+    """cdna3 / cdna4 values chosen from compiled resources (docs/BENCHMARKS.md, "AMD compile gate"; the gate
+    itself is tests/test_compile_kernels.py): gfx942's indexer at 1 stage (32 KiB of LDS, 2 workgroups per CU),
+    a 16-warp pre-pass (no SGPR spill), a 16-row merge; gfx950 keeps the indexer's 2 stages."""
+    cdna3, cdna4 = TABLES["cdna3"], TABLES["cdna4"]
+    assert (cdna3.indexer.num_stages, cdna4.indexer.num_stages) == (1, 2)
+    assert cdna3.prepass == cdna4.prepass == PrepassTable(num_warps=16)
+    assert cdna3.merge == cdna4.merge == MergeTable(block_rows=16, num_warps=4)
+    assert cdna3.sparse_attention == cdna4.sparse_attention and cdna3.paged_attention == cdna4.paged_attention
+    assert (cdna3.num_cores, cdna4.num_cores) == (304, 256)
+
+
 @pytest.mark.parametrize("chip", CHIPS)
 def test_tables_are_portable(chip):
     """Power-of-2 shapes, at most 16 warps (AMD wavefronts are 64 lanes), every tile height covered."""
