@@ -64,6 +64,7 @@ from pallas_kernels.tuning import (
     COMPILED_DTYPES,
     MIN_DOT_DIM,
     GroupedMatmulLaunchConfig,
+    chip_platform,
     grouped_matmul_launch_config,
     pow2_divisor,
     resolve_chip,
@@ -257,10 +258,15 @@ def supports(
     ``tuning.CHIPS``; ``None``: the default device's) or in interpret mode.
 
     Always: a floating dtype. Compiled: also a dtype of ``tuning.COMPILED_DTYPES`` and hidden and intermediate
-    sizes that are multiples of 16 (``tuning.MIN_DOT_DIM``: the power-of-2 tiles must divide K and N exactly).
-    Every chip has the same limits today.
+    sizes that are multiples of 16 (``tuning.MIN_DOT_DIM``: the power-of-2 tiles must divide K and N exactly),
+    and an NVIDIA chip: on AMD (cdna3 / cdna4) the pinned Triton's ROCm pipeline aborts in its
+    ``TritonAMDFoldTrueCmpI`` pass on this kernel at every size (found by the deviceless compile check,
+    ``pallas_kernels.compile_check``; not yet narrowed down), so ``"auto"`` takes the dropless XLA fallback
+    there.
     """
-    resolve_chip(chip)
+    chip = resolve_chip(chip)
+    if not interpret and chip_platform(chip) == "rocm":
+        return False
     return all(
         _unsupported(k=k, n=n, dtype=dtype, interpret=interpret) is None
         for k, n in ((hidden_size, intermediate_size), (intermediate_size, hidden_size))
