@@ -36,7 +36,7 @@ from pallas_kernels import indexer, paged_attention, sparse_attention
 from pallas_kernels.indexer import ragged_index_topk
 from pallas_kernels.metadata import token_positions, token_to_request
 from pallas_kernels.paged_attention import ragged_paged_attention
-from pallas_kernels.platform import on_gpu
+from pallas_kernels.platform import resolve_auto
 from pallas_kernels.sparse_attention import ragged_sparse_attention
 
 
@@ -156,23 +156,18 @@ def choose_implementation(implementation: str, cfg: MiniMaxM3Config, *, page_siz
     (``page_size``, head dims, heads, top-k) and the cache ``dtype`` on this chip; else the plain-jnp references
     (on CPU, or shapes a kernel cannot compile).
     """
-    if implementation not in ("auto", "pallas", "reference"):
-        raise ValueError(f"implementation must be 'auto', 'pallas' or 'reference', got {implementation!r}")
-    if implementation != "auto":
-        return implementation
-    if interpret:
-        return "pallas"
-    if not on_gpu():
-        return "reference"
-    heads = {"num_q_heads": cfg.num_attention_heads, "num_kv_heads": cfg.num_key_value_heads}
-    ok = len(cfg.sparse_layer_ids) == cfg.num_hidden_layers or paged_attention.supports(
-        page_size=page_size, head_dim=cfg.head_dim, dtype=dtype, **heads)
-    if cfg.sparse_layer_ids:
-        ok = ok and indexer.supports(page_size=page_size, index_head_dim=cfg.index_head_dim,
-                                     num_index_heads=cfg.index_n_heads, dtype=dtype)
-        ok = ok and sparse_attention.supports(page_size=page_size, head_dim=cfg.head_dim,
-                                              topk=cfg.index_topk_blocks, dtype=dtype, **heads)
-    return "pallas" if ok else "reference"
+    def supported() -> bool:
+        heads = {"num_q_heads": cfg.num_attention_heads, "num_kv_heads": cfg.num_key_value_heads}
+        ok = len(cfg.sparse_layer_ids) == cfg.num_hidden_layers or paged_attention.supports(
+            page_size=page_size, head_dim=cfg.head_dim, dtype=dtype, **heads)
+        if cfg.sparse_layer_ids:
+            ok = ok and indexer.supports(page_size=page_size, index_head_dim=cfg.index_head_dim,
+                                         num_index_heads=cfg.index_n_heads, dtype=dtype)
+            ok = ok and sparse_attention.supports(page_size=page_size, head_dim=cfg.head_dim,
+                                                  topk=cfg.index_topk_blocks, dtype=dtype, **heads)
+        return ok
+
+    return resolve_auto(implementation, interpret=interpret, supported=supported)
 
 
 def forward_ragged(

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from minimax_jax.attention import MASK_VALUE, grouped_attention
 from pallas_kernels import draft_attention as _kernel
-from pallas_kernels.platform import on_gpu
+from pallas_kernels.platform import resolve_auto
 
 IMPLEMENTATIONS = ("auto", "pallas", "reference")
 
@@ -29,17 +29,11 @@ def choose_implementation(implementation: str, cfg, *, block_size: int, dtype,
     compiled kernel on a GPU when it ``supports`` the draft layers' shapes (``cfg``: their
     ``MiniMaxM3Config``), ``K`` and the cache ``dtype``, interpret mode with ``interpret=True``, and the jnp
     path otherwise (CPU)."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    if implementation != "auto":
-        return implementation
-    if interpret:
-        return "pallas"
-    if not on_gpu():
-        return "reference"
-    ok = _kernel.supports(head_dim=cfg.head_dim, num_q_heads=cfg.num_attention_heads,
-                          num_kv_heads=cfg.num_key_value_heads, block_size=block_size, dtype=dtype)
-    return "pallas" if ok else "reference"
+    def supported():
+        return _kernel.supports(head_dim=cfg.head_dim, num_q_heads=cfg.num_attention_heads,
+                                num_kv_heads=cfg.num_key_value_heads, block_size=block_size, dtype=dtype)
+
+    return resolve_auto(implementation, interpret=interpret, supported=supported, choices=IMPLEMENTATIONS)
 
 
 def draft_attention(q, k_ctx, v_ctx, ctx_visible, k_blk, v_blk, *, scale: float) -> jax.Array:

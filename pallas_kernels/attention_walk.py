@@ -510,24 +510,32 @@ def run_walk(
         num_stages=config.num_stages,
         name=f"ragged_{kind}_attention_bq{block_q}_rows{rows}_bk{block_k}_splits{num_splits}",
     )
-    if num_splits == 1:
-        out = outs[0]
-    else:
-        merge_rows = min(config.merge_rows, next_pow2(flat_rows))
-        (out,) = pallas_call(
-            functools.partial(_merge_splits_kernel, num_splits=num_splits, block_rows=merge_rows),
-            grid=(cdiv(flat_rows, merge_rows),),
-            in_specs=[
-                pl.BlockSpec((num_splits, flat_rows, head_dim), lambda i: (0, 0, 0)),
-                pl.BlockSpec((num_splits, flat_rows), lambda i: (0, 0)),
-            ],
-            out_specs=[pl.BlockSpec((flat_rows, head_dim), lambda i: (0, 0))],
-            out_shape=[jax.ShapeDtypeStruct((flat_rows, head_dim), q.dtype)],
-            args=list(outs),
-            poison=poison,
-            interpret=interpret,
-            num_warps=config.merge_warps,
-            num_stages=1,
-            name=f"ragged_{kind}_attention_merge_splits{num_splits}",
-        )
+    out = outs[0] if num_splits == 1 else merge_splits(
+        outs, num_splits=num_splits, dtype=q.dtype, merge_rows=config.merge_rows, merge_warps=config.merge_warps,
+        poison=poison, interpret=interpret, name=f"ragged_{kind}_attention_merge_splits{num_splits}")
     return out.reshape(num_tokens, num_q_heads, head_dim)
+
+
+def merge_splits(outs, *, num_splits: int, dtype, merge_rows: int, merge_warps: int, poison: bool,
+                 interpret: bool, name: str) -> jax.Array:
+    """Combine split-K partials: ``outs = (o [S, rows, D] fp32, lse [S, rows])`` -> ``[rows, D]`` in ``dtype``
+    (the merge kernel; shared by every split-K attention kernel)."""
+    _, flat_rows, head_dim = outs[0].shape
+    block_rows = min(merge_rows, next_pow2(flat_rows))
+    (out,) = pallas_call(
+        functools.partial(_merge_splits_kernel, num_splits=num_splits, block_rows=block_rows),
+        grid=(cdiv(flat_rows, block_rows),),
+        in_specs=[
+            pl.BlockSpec((num_splits, flat_rows, head_dim), lambda i: (0, 0, 0)),
+            pl.BlockSpec((num_splits, flat_rows), lambda i: (0, 0)),
+        ],
+        out_specs=[pl.BlockSpec((flat_rows, head_dim), lambda i: (0, 0))],
+        out_shape=[jax.ShapeDtypeStruct((flat_rows, head_dim), dtype)],
+        args=list(outs),
+        poison=poison,
+        interpret=interpret,
+        num_warps=merge_warps,
+        num_stages=1,
+        name=name,
+    )
+    return out

@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import MASK_VALUE, cdiv, next_pow2, out_of_bounds_where
-from pallas_kernels.attention_walk import _merge_splits_kernel, pallas_call
+from pallas_kernels.attention_walk import merge_splits, pallas_call
 from pallas_kernels.platform import resolve_interpret
 from pallas_kernels.tuning import (
     COMPILED_DTYPES,
@@ -388,26 +388,9 @@ def draft_attention_pallas(
         num_stages=config.num_stages,
         name=f"draft_attention_rows{rows}_bs{block_s}_splits{num_splits}",
     )
-    if num_splits == 1:
-        out = outs[0]
-    else:
-        merge_rows = min(config.merge_rows, next_pow2(flat_rows))
-        (out,) = pallas_call(
-            functools.partial(_merge_splits_kernel, num_splits=num_splits, block_rows=merge_rows),
-            grid=(cdiv(flat_rows, merge_rows),),
-            in_specs=[
-                pl.BlockSpec((num_splits, flat_rows, d), lambda i: (0, 0, 0)),
-                pl.BlockSpec((num_splits, flat_rows), lambda i: (0, 0)),
-            ],
-            out_specs=[pl.BlockSpec((flat_rows, d), lambda i: (0, 0))],
-            out_shape=[jax.ShapeDtypeStruct((flat_rows, d), q.dtype)],
-            args=list(outs),
-            poison=poison,
-            interpret=interpret,
-            num_warps=config.merge_warps,
-            num_stages=1,
-            name=f"draft_attention_merge_splits{num_splits}",
-        )
+    out = outs[0] if num_splits == 1 else merge_splits(
+        outs, num_splits=num_splits, dtype=q.dtype, merge_rows=config.merge_rows, merge_warps=config.merge_warps,
+        poison=poison, interpret=interpret, name=f"draft_attention_merge_splits{num_splits}")
     return out.reshape(r, kq, h, d)
 
 

@@ -33,6 +33,20 @@ def on_gpu() -> bool:
     return jax.default_backend() in _GPU_PLATFORMS
 
 
+def resolve_auto(implementation: str, *, interpret: bool | None, supported, choices=("auto", "pallas", "reference"),
+                 fallback: str = "reference") -> str:
+    """The one ``"auto"`` rule every kernel family shares: a name of ``choices`` other than ``"auto"`` passes
+    through; ``"auto"`` is Pallas interpret mode with ``interpret=True``, the compiled kernel (``"pallas"``) on a
+    GPU where ``supported()`` says the shapes compile, else ``fallback``. Unknown names raise ValueError."""
+    if implementation not in choices:
+        raise ValueError(f"implementation must be one of {tuple(choices)}, got {implementation!r}")
+    if implementation != "auto":
+        return implementation
+    if interpret:
+        return "pallas"
+    return "pallas" if on_gpu() and supported() else fallback
+
+
 def resolve_interpret(interpret: bool | None) -> bool:
     """``None`` means: interpret mode on CPU, compiled Triton kernels on a GPU."""
     if interpret is None:

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from minimax_jax import decode, load_model
+import pallas_kernels.platform
+from minimax_jax import load_model
 from minimax_jax.cache import OutOfPagesError, PageAllocator, init_cache, slot_mapping, write_tokens
 from minimax_jax.config import MiniMaxM3Config
 from minimax_jax.decode import (
@@ -154,7 +155,7 @@ def test_auto_is_compiled_kernels_on_a_gpu_else_references(monkeypatch):
     with pytest.raises(ValueError, match="implementation"):
         choose_implementation("triton", tiny, **kw)
 
-    monkeypatch.setattr(decode, "on_gpu", lambda: True)
+    monkeypatch.setattr(pallas_kernels.platform, "on_gpu", lambda: True)  # resolve_auto's view of the device
     gpu = tiny.replace(index_block_size=16, head_dim=32, rotary_dim=16, index_head_dim=32)
     assert choose_implementation("auto", gpu, page_size=16, dtype=jnp.bfloat16) == "pallas"
     assert choose_implementation("auto", tiny, **kw) == "reference"  # 4-token pages: the attention dots' N

@@ -118,8 +118,10 @@ def test_a_batch_that_does_not_fit_is_refused_before_compiling(target, drafter, 
     with pytest.raises(ValueError, match=r"the batch needs 41 KV pages .* more than the engine's pool of 20"):
         eng.generate(prompts, sampling_params=[SamplingParams(max_new_tokens=m) for m in MAX_NEW], loop="device")
     assert eng.num_compiles == 0
+    with pytest.warns(UserWarning, match="verifies fewer than K=3"):
+        small_cap = Engine(target, drafter, num_speculative_tokens=3, verification="fixed", max_total_logit_rows=4,
+                           **{**COMMON, "max_num_seqs": 4})
     with pytest.raises(ValueError, match="max_total_logit_rows"):
-        Engine(target, drafter, num_speculative_tokens=3, verification="fixed", max_total_logit_rows=4,
-               **{**COMMON, "max_num_seqs": 4}).generate(prompts, max_new_tokens=4, loop="device")
+        small_cap.generate(prompts, max_new_tokens=4, loop="device")
     with pytest.raises(ValueError, match="loop must be 'host' or 'device'"):
         eng.generate(prompts, max_new_tokens=4, loop="gpu")
