@@ -64,7 +64,6 @@ from pallas_kernels.tuning import (
     COMPILED_DTYPES,
     MIN_DOT_DIM,
     GroupedMatmulLaunchConfig,
-    chip_platform,
     grouped_matmul_launch_config,
     pow2_divisor,
     resolve_chip,
@@ -130,8 +129,12 @@ def locate_program(p, seg_start, seg_len, *, num_groups: int, block_m: int, n_ti
     first = (local // width) * group_m
     band = jnp.clip(m_tiles - first, 1, group_m)
     within = local % width
-    m = first + within % band
-    n_tile = within // band
+    # within // band with a dynamic band in [1, group_m], as a select over static divisors: a division by the
+    # dynamic value makes the ROCm pipeline of the pinned Triton abort (TritonAMDFoldTrueCmpI; compile_check)
+    n_tile = jnp.zeros_like(within)
+    for divisor in range(1, group_m + 1):
+        n_tile = jnp.where(band == divisor, within // divisor, n_tile)
+    m = first + within - n_tile * band
     nrows = jnp.where(seg <= num_groups, jnp.clip(length - m * block_m, 0, block_m), 0)
     return seg, start + m * block_m, nrows, n_tile
 
@@ -258,15 +261,11 @@ def supports(
     ``tuning.CHIPS``; ``None``: the default device's) or in interpret mode.
 
     Always: a floating dtype. Compiled: also a dtype of ``tuning.COMPILED_DTYPES`` and hidden and intermediate
-    sizes that are multiples of 16 (``tuning.MIN_DOT_DIM``: the power-of-2 tiles must divide K and N exactly),
-    and an NVIDIA chip: on AMD (cdna3 / cdna4) the pinned Triton's ROCm pipeline aborts in its
-    ``TritonAMDFoldTrueCmpI`` pass on this kernel at every size (found by the deviceless compile check,
-    ``pallas_kernels.compile_check``; not yet narrowed down), so ``"auto"`` takes the dropless XLA fallback
-    there.
+    sizes that are multiples of 16 (``tuning.MIN_DOT_DIM``: the power-of-2 tiles must divide K and N exactly).
+    Every chip has the same limits today (the kernel compiles for gfx942, gfx950 and sm_90:
+    ``pallas_kernels.compile_check``).
     """
-    chip = resolve_chip(chip)
-    if not interpret and chip_platform(chip) == "rocm":
-        return False
+    resolve_chip(chip)
     return all(
         _unsupported(k=k, n=n, dtype=dtype, interpret=interpret) is None
         for k, n in ((hidden_size, intermediate_size), (intermediate_size, hidden_size))
