@@ -226,18 +226,27 @@ def _walk_kernel(
     carry = jax.lax.fori_loop(lo, mid, past_step, (acc, m_i, l_i))
     acc, m_i, l_i = jax.lax.fori_loop(mid, hi, causal_step, carry)
 
+    store_walk_output(out_refs, acc, m_i, l_i, q_rows=q_rows, row_ok=row_valid, num_rows=q_ref.shape[0],
+                      num_splits=num_splits)
+
+
+def store_walk_output(out_refs, acc, m_i, l_i, *, q_rows, row_ok, num_rows: int, num_splits: int) -> None:
+    """The online-softmax epilogue every attention walk shares (in-kernel): normalise ``acc [rows, D]`` by
+    ``l_i`` and store it at ``q_rows``, or with split-K the fp32 partial and its base-2 log-sum-exp (the merge
+    kernel's inputs). A row that saw no key stores zeros and ``MASK_VALUE``."""
     has_keys = l_i > 0.0
     out = acc / jnp.where(has_keys, l_i, 1.0)[:, None]
-    out_rows = out_of_bounds_where(row_valid, q_rows, q_ref.shape[0])
+    out_rows = out_of_bounds_where(row_ok, q_rows, num_rows)
+    d = jax.lax.broadcasted_iota(jnp.int32, (acc.shape[1],), 0)
     store_idx = out_rows[:, None], d[None, :]
     if num_splits == 1:
         (o_ref,) = out_refs
-        plgpu.store(o_ref.at[store_idx], out.astype(o_ref.dtype), mask=row_valid[:, None])
+        plgpu.store(o_ref.at[store_idx], out.astype(o_ref.dtype), mask=row_ok[:, None])
     else:
         o_ref, lse_ref = out_refs
         lse = jnp.where(has_keys, m_i + jnp.log2(jnp.where(has_keys, l_i, 1.0)), MASK_VALUE)
-        plgpu.store(o_ref.at[store_idx], out, mask=row_valid[:, None])
-        plgpu.store(lse_ref.at[out_rows], lse, mask=row_valid)
+        plgpu.store(o_ref.at[store_idx], out, mask=row_ok[:, None])
+        plgpu.store(lse_ref.at[out_rows], lse, mask=row_ok)
 
 
 def _merge_splits_kernel(

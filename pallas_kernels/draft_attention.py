@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import MASK_VALUE, cdiv, next_pow2, out_of_bounds_where
-from pallas_kernels.attention_walk import merge_splits, pallas_call
+from pallas_kernels._common import MASK_VALUE, cdiv, next_pow2
+from pallas_kernels.attention_walk import merge_splits, pallas_call, store_walk_output
 from pallas_kernels.platform import resolve_interpret
 from pallas_kernels.tuning import (
     COMPILED_DTYPES,
@@ -168,18 +168,8 @@ def _draft_attention_kernel(
     acc = acc * alpha[:, None] + _dot(p.astype(vb.dtype), vb, contract_b=0)
     m_i = m_next
 
-    has_keys = l_i > 0.0
-    out = acc / jnp.where(has_keys, l_i, 1.0)[:, None]
-    out_rows = out_of_bounds_where(row_ok, q_rows, q_ref.shape[0])
-    store_idx = out_rows[:, None], d[None, :]
-    if num_splits == 1:
-        (o_ref,) = out_refs
-        plgpu.store(o_ref.at[store_idx], out.astype(o_ref.dtype), mask=row_ok[:, None])
-    else:
-        o_ref, lse_ref = out_refs
-        lse = jnp.where(has_keys, m_i + jnp.log2(jnp.where(has_keys, l_i, 1.0)), MASK_VALUE)
-        plgpu.store(o_ref.at[store_idx], out, mask=row_ok[:, None])
-        plgpu.store(lse_ref.at[out_rows], lse, mask=row_ok)
+    store_walk_output(out_refs, acc, m_i, l_i, q_rows=q_rows, row_ok=row_ok, num_rows=q_ref.shape[0],
+                      num_splits=num_splits)
 
 
 # ----------------------------------------------------------------------------------------------------------

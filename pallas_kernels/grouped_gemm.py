@@ -59,7 +59,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import cdiv, next_pow2, num_tiles_bound, out_of_bounds_where
 from pallas_kernels.attention_walk import pallas_call
-from pallas_kernels.platform import on_gpu, resolve_interpret
+from pallas_kernels.platform import resolve_auto, resolve_interpret
 from pallas_kernels.tuning import (
     COMPILED_DTYPES,
     MIN_DOT_DIM,
@@ -278,14 +278,11 @@ def resolve_implementation(
 ) -> str:
     """``"auto"``: Pallas interpret mode with ``interpret=True``; the compiled kernel on a GPU where
     :func:`supports` the sizes; else the ``"xla"`` fallback. Other names pass through (checked)."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    if implementation != "auto":
-        return implementation
-    if interpret:
-        return "pallas"
-    sizes = {"hidden_size": hidden_size, "intermediate_size": intermediate_size}
-    return "pallas" if on_gpu() and supports(**sizes, dtype=dtype, chip=chip) else "xla"
+    def supported() -> bool:
+        return supports(hidden_size=hidden_size, intermediate_size=intermediate_size, dtype=dtype, chip=chip)
+
+    return resolve_auto(implementation, interpret=interpret, supported=supported, choices=IMPLEMENTATIONS,
+                        fallback="xla")
 
 
 def _check_inputs(lhs, rhs, group_sizes, swiglu):

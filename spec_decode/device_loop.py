@@ -428,7 +428,6 @@ def fill_requests(requests: Sequence[Request], out: LoopOutputs, k: int) -> None
         n = int(out.num_tokens[i])
         q.output = [int(x) for x in out.tokens[i, :n]]
         q.target_steps = int(out.target_steps[i])
-        q.num_cached = len(q.prompt) + max(n - 1, 0)
         kk = max(k, 1)
         q.accepted_per_position = np.zeros(kk, np.int64)
         q.verified_per_position = np.zeros(kk, np.int64)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import pallas_kernels.platform
 from minimax_jax.config import MiniMaxM3Config
 from minimax_jax.layers import MoE, swiglu_params
 from pallas_kernels import grouped_gemm as gg
@@ -210,14 +211,14 @@ def test_moe_module_parity():
 
 def test_auto_is_the_kernel_on_a_gpu_else_the_xla_fallback(monkeypatch):
     m3 = {"hidden_size": 6144, "intermediate_size": 3072, "dtype": jnp.bfloat16}
-    monkeypatch.setattr(gg, "on_gpu", lambda: False)
+    monkeypatch.setattr(pallas_kernels.platform, "on_gpu", lambda: False)
     assert gg.resolve_implementation("auto", **m3) == "xla"  # CPU
     assert gg.resolve_implementation("auto", interpret=True, **m3) == "pallas"
     for name in ("pallas", "xla", "reference"):
         assert gg.resolve_implementation(name, **m3) == name
     with pytest.raises(ValueError, match="implementation"):
         gg.resolve_implementation("triton", **m3)
-    monkeypatch.setattr(gg, "on_gpu", lambda: True)
+    monkeypatch.setattr(pallas_kernels.platform, "on_gpu", lambda: True)
     assert gg.resolve_implementation("auto", **m3) == "pallas"
     assert gg.resolve_implementation("auto", **{**m3, "intermediate_size": 3080}) == "xla"  # 3080 = 8 x 385
     assert gg.resolve_implementation("auto", **{**m3, "dtype": jnp.float64}) == "xla"
