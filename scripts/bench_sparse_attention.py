@@ -87,7 +87,7 @@ def make_inputs(
     head_dim: int = 128,
     page: int = 128,
     topk: int = 16,
-    noise: float = 0.2,
+    noise: float = 0.2,  # float("inf"): independent selections
     copies: int = 1,
     dtype=jnp.bfloat16,
 ) -> Inputs:
@@ -114,7 +114,9 @@ def make_inputs(
     pos = context - q_len + jnp.arange(q_len)
     n_visible = pos // page + 1  # [q_len]
     base = jax.random.normal(ks, (num_requests, 1, num_kv_heads, max_blocks))
-    scores = base + noise * jax.random.normal(kn, (num_requests, q_len, num_kv_heads, max_blocks))
+    token_scores = jax.random.normal(kn, (num_requests, q_len, num_kv_heads, max_blocks))
+    # noise = inf: every token ranks the blocks on its own (no agreement beyond the forced local block)
+    scores = token_scores if noise == float("inf") else base + noise * token_scores
     b = jnp.arange(max_blocks)
     vis = b[None, :] < n_visible[:, None]  # [q_len, nb]
     scores = jnp.where(vis[None, :, None, :], scores, -jnp.inf)
@@ -520,6 +522,7 @@ def run(
 COLUMNS = [
     "kernel",
     "size",
+    "noise",
     "variant",
     "cfg_block_q",
     "cfg_num_splits",
@@ -562,13 +565,23 @@ def _one_line(row: dict) -> str:
 
 # Launch variants (each a dict of ``ragged_sparse_attention`` overrides) timed by ``--sweep``, around the CUDA
 # policy (sparse verify: 64-row tiles, 4 warps, 32-key steps, 3 stages; see tuning.TABLES["hopper"]).
-_Q8 = {"block_q": 8, "num_warps": 8, "block_k": 64, "num_stages": 5}  # 128-row tiles, one program per SM
+# 128-row tiles (8 tokens x 16 heads: each request's union read once per KV head). Registers / shared memory per
+# program from the pip-triton sm_90 compile (pallas_kernels.compile_check), which XLA's own Triton may differ from:
+_Q8 = {"block_q": 8, "num_warps": 8, "block_k": 64, "num_stages": 5}  # 188 registers, 129 KiB: one per SM
+_Q8_SWEEP = [
+    {"block_q": 8, "num_warps": 8, "block_k": 32, "num_stages": 3},  # 126 registers, 64 KiB: two per SM
+    {"block_q": 8, "num_warps": 8, "block_k": 64, "num_stages": 3},
+    {"block_q": 8, "num_warps": 4, "block_k": 32, "num_stages": 3},  # one warpgroup: 255 registers, spills 12
+    {"block_q": 8, "num_warps": 4, "block_k": 32, "num_stages": 4},
+    {"block_q": 8, "num_warps": 4, "block_k": 64, "num_stages": 3},  # spills 144
+    _Q8,
+]
 DEFAULT_SWEEP = {
     "512x8x4K": [
         {"num_stages": 3},  # ~166 registers, 49 KiB: three programs per SM, one K/V step in flight
         {"num_stages": 7},  # four K/V buffers
         {"block_k": 64, "num_stages": 3},
-        _Q8,
+        *_Q8_SWEEP,
     ],
     "512x1x4K": [{"num_stages": 5}],
     "1x8x32K": [{"num_splits": 8}, {"num_splits": 32}, {**_Q8, "num_splits": 16}],
@@ -606,7 +619,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--sizes", default=",".join(SIZES), help="comma-separated subset of " + ",".join(SIZES))
     p.add_argument("--dense-sizes", default="", help="sizes to run ragged_paged_attention at")
     p.add_argument("--sweep", action="store_true", help="also time the launch variants of DEFAULT_SWEEP")
-    p.add_argument("--noise", type=float, default=0.2)
+    p.add_argument(
+        "--noise",
+        default="0.2",
+        help="comma list of per-token noise levels (request agreement: 0 = every token of a request picks the "
+        "same blocks); 'independent' = each token ranks the blocks on its own; each level is a full run",
+    )
     p.add_argument("--no-reference", action="store_true")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--json", default=None, help="write rows and environment here")
@@ -620,18 +638,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
     hbm = bench_common.hbm_ceiling(bandwidths)
     env.update(bandwidths_Bps=bandwidths)
     print(f"# {env}  HBM copy ceiling {hbm / 1e12:.3f} TB/s", flush=True)
-    rows = run(
-        [s for s in a.sizes.split(",") if s],
-        DEFAULT_SWEEP if a.sweep else None,
-        dense_sizes=[s for s in a.dense_sizes.split(",") if s],
-        noise=a.noise,
-        reference=not a.no_reference,
-        reps=a.reps,
-        hbm_bytes_per_s=hbm,
-        baseline=_baseline(a.baseline, a.baseline_dense),
-        json_path=a.json,
-        environment=env,
-    )
+    try:
+        noises = [float("inf") if n.strip() == "independent" else float(n) for n in a.noise.split(",") if n.strip()]
+    except ValueError:
+        p.error(f"--noise: expected numbers or 'independent', got {a.noise!r}")
+    rows = []
+    for noise in noises:
+        rows += run(
+            [s for s in a.sizes.split(",") if s],
+            DEFAULT_SWEEP if a.sweep else None,
+            dense_sizes=[s for s in a.dense_sizes.split(",") if s],
+            noise=noise,
+            reference=not a.no_reference,
+            reps=a.reps,
+            hbm_bytes_per_s=hbm,
+            baseline=_baseline(a.baseline, a.baseline_dense),
+            json_path=None if a.json is None else a.json.replace(".json", f"_noise{noise}.json"),
+            environment=env,
+        )
     if a.json:
         bench_common.write_json(a.json, {"environment": env, "hbm_copy_bytes_per_s": hbm, "rows": rows})
     bench_common.print_table(rows, COLUMNS)
