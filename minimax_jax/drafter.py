@@ -324,7 +324,8 @@ class DSparkDrafter(nnx.Module):
         greedy = temps <= 0.0
         safe_t = jnp.where(greedy, 1.0, temps)[:, None]
         keys = normalise_keys(key, r)
-        u = self.logits(h)  # [R, K, V]
+        h_t = jnp.swapaxes(h, 0, 1)  # [K, R, d]: the scan runs over slots, so the logits come out slot-major
+        u = self.logits(h_t)  # [K, R, V] (transposing h, not a copy of the R x K x V fp32 logits)
         markov, conf_head = self.markov_head, self.confidence_head
         state0 = markov.init_state(r) if markov is not None else jnp.zeros((r, 1), jnp.float32)
 
@@ -358,7 +359,7 @@ class DSparkDrafter(nnx.Module):
                 ys["confidence_logits"] = conf_head(feats)
             return (tok, state), ys
 
-        xs = (jnp.swapaxes(u, 0, 1), jnp.swapaxes(h, 0, 1), jnp.arange(k, dtype=jnp.int32))
+        xs = (u, h_t, jnp.arange(k, dtype=jnp.int32))
         _, ys = jax.lax.scan(body, (anchors.astype(jnp.int32), state0), xs)
         ys = {name: jnp.swapaxes(val, 0, 1) for name, val in ys.items()}
         conf_logits = ys.get("confidence_logits")

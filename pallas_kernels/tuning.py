@@ -180,17 +180,19 @@ class GroupedGemmTable:
         return next((t for t in self.tiles if rows >= t.min_rows), self.tiles[-1])
 
 
-# Grouped GEMM, not measured yet (scripts/bench_moe.py --sweep is the tuning run). Decode-sized groups (tens
-# of rows per expert) are weight-read bound: a 16..32-row tile streams each expert's weights once, 4 stages
-# deep (the fused gate/up tile gets 64-deep steps from the budget, the down tile 128); larger groups move to
-# 64- and 128-row tiles where the tensor cores matter.
+# Grouped GEMM, from the H200 sweeps (scripts/bench_moe.py --sweep, M3 width, docs/BENCHMARKS.md). Decode-sized
+# groups (tens of rows per expert: 2,048 pairs over 128 experts) are weight-read bound: a 32-row tile streams
+# each expert's weights once, 4 stages deep (gate/up at 1.04x the weight-read floor). From 64 rows per expert
+# (16,384 pairs) the tensor cores matter: 128 x 128 tiles on 8 warps (two fp32 accumulators of 128 x 128 with
+# the fused gate/up: 128 registers a thread) took gate/up from 5.25 ms (64 x 128, 4 warps) to 3.54 ms, and
+# 128 x 64 tiles 3.96 ms; hence the 32K-element accumulator budget.
 _HOPPER_GEMM = GroupedGemmTable(
     tiles=(
-        GemmTile(min_rows=256, block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
-        GemmTile(min_rows=64, block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3),
+        GemmTile(min_rows=64, block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
         GemmTile(min_rows=1, block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=4),
     ),
     smem_bytes=160 * 1024,
+    max_acc_elems=32768,
 )
 
 

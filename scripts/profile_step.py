@@ -994,8 +994,8 @@ def build_draft_ops(
     fn, st = module_fn(drafter.norm, lambda m, a: m(a))
     hfin = add(Op("final_norm", fn, (st, x), *_rms_cost(m_rows, d, b), group="norm"))
 
-    def lm_head(w, a):
-        return jnp.dot(a.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    def lm_head(w, a):  # slot-major [K, R, V], as DSparkDrafter.sample_block computes it
+        return jnp.dot(jnp.swapaxes(a, 0, 1).astype(w.dtype), w, preferred_element_type=jnp.float32)
 
     u = add(
         Op(

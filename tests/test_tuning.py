@@ -71,6 +71,12 @@ def test_hopper_tables_keep_the_h200_measurements():
     assert hopper.paged_attention == WalkTable(tiles, smem_bytes=200 * 1024, max_splits=16, max_rows=128)
     assert hopper.prepass == PrepassTable(num_warps=4)
     assert hopper.merge == MergeTable(block_rows=32, num_warps=4)
+    # MoE experts (scripts/bench_moe.py --sweep): 32-row tiles at 2,048 pairs over 128 experts, 128 x 128 on 8 warps
+    # at 16,384 (both the fused gate/up and the down product)
+    gemm = [tuning.grouped_matmul_launch_config(num_rows=pairs, num_groups=128, k=k, n=3072 if fused else 6144,
+                                                fused=fused, chip="hopper")
+            for pairs in (2048, 16384) for fused, k in ((True, 6144), (False, 3072))]
+    assert [(c.block_m, c.block_n, c.num_warps) for c in gemm] == [(32, 128, 4)] * 2 + [(128, 128, 8)] * 2
 
 
 def test_rocm_tables_keep_the_compiled_resource_settings():
