@@ -70,6 +70,11 @@ SWEEP = [
     {"block_m": 64, "block_n": 64, "block_k": 64, "num_stages": 4},
     {"block_m": 128, "block_n": 64, "block_k": 64, "num_stages": 3, "num_warps": 8},
     {"block_m": 128, "block_n": 128, "block_k": 64, "num_stages": 3, "num_warps": 8},
+    {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 4},  # block_k from the shared-memory budget
+    {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "group_m": 4},
+    {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "group_m": 16},
+    {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 4},
+    {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 4, "group_m": 16},
     {"group_m": 1},
     {"group_m": 32},
 ]
