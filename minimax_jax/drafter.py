@@ -105,7 +105,7 @@ class DraftLayer(nnx.Module):
 
     def __call__(self, x, cos, sin, k_ctx, v_ctx, ctx_visible, *, attention=None) -> jax.Array:
         """``x [R, K, d]`` block hidden states; ``k_ctx, v_ctx [R, S, H_kv, D]``; ``ctx_visible bool[R, 1|K, S]``
-        (or whatever ``attention`` takes in their place: the Pallas kernel takes the whole cache and lengths)."""
+        (or whatever ``attention`` takes in their place: the Pallas kernel, the whole paged cache and lengths)."""
         attention = draft_attention if attention is None else attention
         r, k = x.shape[:2]
         q, kb, vb = self.self_attn.project_qkv(self.input_layernorm(x), cos, sin)

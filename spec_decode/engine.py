@@ -30,8 +30,8 @@ import numpy as np
 from flax import nnx
 
 from minimax_jax.cache import cache_bytes_per_page, page_size_for
-from minimax_jax.draft_cache import draft_cache_bytes_per_page
 from minimax_jax.decode import choose_implementation
+from minimax_jax.draft_cache import draft_cache_bytes_per_page
 from minimax_jax.model import check_input_ids
 from spec_decode.budget import choose_budget
 from spec_decode.cost_table import CostTable, time_callable
