@@ -109,15 +109,21 @@ def cache_bytes_per_page(cfg: MiniMaxM3Config, dtype=jnp.bfloat16) -> int:
 # ----------------------------------------------------------------------------------------------- slots
 def slot_mapping(block_tables: jax.Array, request_ids: jax.Array, positions: jax.Array, *, page_size: int,
                  num_pages: int) -> jax.Array:
-    """Flat cache slot of every packed token; padding tokens (``request_ids < 0``) get ``num_pages * page_size``.
+    """Flat cache slot (``page * page_size + offset``, the page read from ``block_tables``) of every packed token.
 
-    An out-of-range slot is dropped by :func:`write_tokens` (``mode="drop"``).
+    A token that names no page gets ``num_pages * page_size``, an out-of-range slot that :func:`write_tokens`
+    drops (``mode="drop"``): padding (``request_ids < 0``), a row outside the table, a position outside
+    ``[0, max_blocks * page_size)``, or a table entry outside ``[0, num_pages)``. So a write can only land on a
+    page the token's own row names.
     """
-    r = jnp.maximum(request_ids, 0)
-    p = jnp.maximum(positions, 0)
+    num_rows, max_blocks = block_tables.shape
+    ok = ((request_ids >= 0) & (request_ids < num_rows) & (positions >= 0)
+          & (positions < max_blocks * page_size))
+    r = jnp.clip(request_ids, 0, num_rows - 1)
+    p = jnp.clip(positions, 0, max_blocks * page_size - 1)
     page = block_tables[r, p // page_size]
-    slot = page * page_size + p % page_size
-    return jnp.where(request_ids >= 0, slot, num_pages * page_size).astype(jnp.int32)
+    ok = ok & (page >= 0) & (page < num_pages)
+    return jnp.where(ok, page * page_size + p % page_size, num_pages * page_size).astype(jnp.int32)
 
 
 def write_tokens(cache: jax.Array, values: jax.Array, slots: jax.Array) -> jax.Array:

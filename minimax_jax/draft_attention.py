@@ -5,9 +5,10 @@ keys and to every key of its own block (bidirectional inside the block), under o
 :func:`draft_attention_reference` is the same contract through the target's masked
 :func:`~minimax_jax.attention.grouped_attention`. The Pallas kernel is
 :func:`pallas_kernels.draft_attention.draft_attention`: the drafter's context mask is a length mask
-(``j < min(length, anchor position)``), so the kernel takes the lengths and reads each row's context only up
-to them, once per (row, KV head) for all ``K`` slots. :func:`choose_implementation` picks between the two the
-way ``decode.choose_implementation`` does for the target's kernels.
+(``j < min(length, anchor position)``), so the kernel takes the lengths and reads each row's paged context
+(through its block table) only up to them, once per (row, KV head) for all ``K`` slots.
+:func:`choose_implementation` picks between the two the way ``decode.choose_implementation`` does for the
+target's kernels.
 """
 
 from __future__ import annotations
@@ -22,16 +23,17 @@ from pallas_kernels.platform import resolve_auto
 IMPLEMENTATIONS = ("auto", "pallas", "reference")
 
 
-def choose_implementation(implementation: str, cfg, *, block_size: int, dtype,
+def choose_implementation(implementation: str, cfg, *, block_size: int, page_size: int, dtype,
                           interpret: bool | None = None) -> str:
     """Resolve the drafter's attention implementation: ``"pallas"`` (the kernel; Pallas interpret mode on CPU)
     or ``"reference"`` (the plain-jnp :func:`draft_attention`) pass through; ``"auto"`` (the default) is the
     compiled kernel on a GPU when it ``supports`` the draft layers' shapes (``cfg``: their
-    ``MiniMaxM3Config``), ``K`` and the cache ``dtype``, interpret mode with ``interpret=True``, and the jnp
+    ``MiniMaxM3Config``), ``K``, the draft cache's ``page_size`` and its ``dtype``, interpret mode with ``interpret=True``, and the jnp
     path otherwise (CPU)."""
     def supported():
         return _kernel.supports(head_dim=cfg.head_dim, num_q_heads=cfg.num_attention_heads,
-                                num_kv_heads=cfg.num_key_value_heads, block_size=block_size, dtype=dtype)
+                                num_kv_heads=cfg.num_key_value_heads, block_size=block_size, page_size=page_size,
+                                dtype=dtype)
 
     return resolve_auto(implementation, interpret=interpret, supported=supported, choices=IMPLEMENTATIONS)
 

@@ -77,12 +77,19 @@ def _state_dims(state) -> dict[str, int]:
 def _check_cache(dims, cache: DraftCache):
     if not isinstance(cache, DraftCache):
         raise TypeError(f"cache must be a DraftCache, got {type(cache).__name__}")
-    want = (dims["num_layers"], cache.num_requests, cache.capacity, dims["kv_heads"], dims["head_dim"])
+    want = (dims["num_layers"], dims["kv_heads"], cache.num_pages, cache.page_size, dims["head_dim"])
     if cache.k.shape != want or cache.v.shape != want:
-        raise ValueError(f"cache must be a DraftCache with k, v of shape [L, R, S, H_kv, D] = {list(want)}, got "
+        raise ValueError(f"cache must be a DraftCache with k, v of shape [L, H_kv, P, page, D] = {list(want)}, got "
                          f"{getattr(getattr(cache, 'k', None), 'shape', None)}")
-    if cache.lengths.shape != (cache.num_requests,):
-        raise ValueError(f"cache.lengths must be int32[R] with R = {cache.num_requests}, got {cache.lengths.shape}")
+    page = cache.page_size
+    if page < 1 or page & (page - 1):
+        raise ValueError(f"the draft cache's page size must be a power of 2, got {page}")
+    r = cache.num_requests
+    if cache.lengths.ndim != 1:
+        raise ValueError(f"cache.lengths must be int32[R], got shape {cache.lengths.shape}")
+    tables = cache.block_tables
+    if tables.ndim != 2 or tables.shape[0] != r or not jnp.issubdtype(tables.dtype, jnp.integer):
+        raise ValueError(f"cache.block_tables must be int32[R={r}, nb], got {tables.dtype}{list(tables.shape)}")
 
 
 def _check_draft_args(dims, cache: DraftCache, anchors, anchor_positions, temperature, key, validate: bool):
@@ -128,7 +135,7 @@ def draft_step(graphdef, state, cache: DraftCache, anchors, anchor_positions, te
 
     Args:
       graphdef, state: ``nnx.split(drafter)`` (split once, reuse: the state is passed as an argument).
-      cache: :class:`DraftCache` with ``R`` rows; row ``r`` sees its context slots
+      cache: :class:`DraftCache` with ``R`` rows; row ``r`` sees its context positions
         ``j < min(cache.lengths[r], anchor_positions[r])``.
       anchors: ``int32[R]`` the last emitted token of each row (any valid id for padding rows).
       anchor_positions: ``int32[R]`` the anchor's absolute position (normally ``== cache.lengths``).

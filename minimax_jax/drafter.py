@@ -6,8 +6,10 @@ Data flow of one speculative step, for ``R`` request rows (padding rows included
   per position into ``features [.., m*d]``, is projected once per context position:
   ``H_ctx = hidden_norm(fc(features))``. Every draft layer turns ``H_ctx`` into context keys/values
   (``k_norm(k_proj(H_ctx))`` rotated at the context position, and ``v_proj(H_ctx)``); those live in the
-  :class:`DraftCache`, a fixed-size per-request buffer ``[L, R, S, H_kv, D]`` plus ``lengths int32[R]``.
-  Slot ``j`` of a row holds absolute position ``j``. The cache only ever holds context entries.
+  :class:`DraftCache`, paged like the target's cache: ``[L, H_kv, P, page, D]`` plus ``lengths int32[R]`` and
+  ``block_tables int32[R, nb]``. Position ``j`` of row ``r`` lives on page ``block_tables[r, j // page]`` at
+  offset ``j % page`` (an engine installs the target's block tables, so a position's draft K/V sits on the
+  page id of its target K/V). The cache only ever holds context entries.
 * **Block.** Inputs ``[anchor, MASK x (K - 1)]`` (target embeddings, ``MASK = mask_token_id``) at positions
   ``anchor_pos + 0..K-1``. Each draft layer is the target's block shape (MiniMax-M3 attention with per-head
   Gemma q/k norm and partial RoPE, dense swigluoai MLP). Its keys/values are the cached context entries at
@@ -34,7 +36,7 @@ are conveniences around those entry points.
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -42,6 +44,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from minimax_jax.attention import Attention
+from minimax_jax.cache import slot_mapping, write_tokens
 from minimax_jax.calibration import apply_sts
 from minimax_jax.config import MiniMaxM3Config
 from minimax_jax.draft_attention import choose_implementation, draft_attention, draft_attention_reference
@@ -102,7 +105,7 @@ class DraftLayer(nnx.Module):
 
     def __call__(self, x, cos, sin, k_ctx, v_ctx, ctx_visible, *, attention=None) -> jax.Array:
         """``x [R, K, d]`` block hidden states; ``k_ctx, v_ctx [R, S, H_kv, D]``; ``ctx_visible bool[R, 1|K, S]``
-        (or whatever ``attention`` takes in their place: the Pallas kernel takes the whole cache and lengths)."""
+        (or whatever ``attention`` takes in their place: the Pallas kernel, the whole paged cache and lengths)."""
         attention = draft_attention if attention is None else attention
         r, k = x.shape[:2]
         q, kb, vb = self.self_attn.project_qkv(self.input_layernorm(x), cos, sin)
@@ -222,8 +225,12 @@ class DSparkDrafter(nnx.Module):
         """Store per-position STS temperatures (``None`` removes them) in the config."""
         self.cfg = self.cfg.replace(sts_temperatures=None if temperatures is None else tuple(temperatures))
 
-    def init_cache(self, num_requests: int, capacity: int, *, dtype=None) -> DraftCache:
-        return DraftCache.create(self.cfg, num_requests, capacity, dtype=self.dtype if dtype is None else dtype)
+    def init_cache(self, num_requests: int, capacity: int, *, dtype=None, page_size: int | None = None,
+                   num_pages: int | None = None) -> DraftCache:
+        """An empty :class:`DraftCache` (:meth:`DraftCache.create`): a private pool with the trivial block table,
+        or with ``num_pages`` a pool shared with the target whose block tables the caller installs."""
+        return DraftCache.create(self.cfg, num_requests, capacity, page_size=page_size, num_pages=num_pages,
+                                 dtype=self.dtype if dtype is None else dtype)
 
     def project_features(self, features) -> jax.Array:
         """``H_ctx = hidden_norm(fc(features))``: ``[..., m*d]`` (or a sequence of m ``[..., d]``) -> ``[..., d]``."""
@@ -258,34 +265,41 @@ class DSparkDrafter(nnx.Module):
                      interpret: bool | None = None) -> jax.Array:
         """Final-normed block hidden states ``h [R, K, d]`` using the cached context.
 
-        ``cache_rows int32[R]`` (optional): row ``r`` drafts from cache row ``cache_rows[r]`` (negative: no
-        context) instead of row ``r``. ``implementation``: the attention, ``"pallas"`` (the kernel: each row's
-        context read once per KV head, up to its length), ``"reference"`` (plain jnp over the whole capacity)
-        or ``"auto"`` (:func:`minimax_jax.draft_attention.choose_implementation`: the kernel on a GPU).
+        ``cache_rows int32[R]`` (optional): row ``r`` drafts from cache row ``cache_rows[r]`` (its block table
+        and length; negative: no context) instead of row ``r``. ``implementation``: the attention, ``"pallas"``
+        (the kernel: each row's pages read once per KV head, up to its length), ``"reference"`` (plain jnp: the
+        context gathered through the block tables over their whole width) or ``"auto"``
+        (:func:`minimax_jax.draft_attention.choose_implementation`: the kernel on a GPU).
         """
         impl = choose_implementation(implementation, self.cfg.layer_config, block_size=self.cfg.block_size,
-                                     dtype=cache.k.dtype, interpret=interpret)
+                                     page_size=cache.page_size, dtype=cache.k.dtype, interpret=interpret)
         x, (cos, sin) = self._block_inputs(anchors, anchor_positions)
         lengths = cache.lengths
         if cache_rows is not None:
             ok = (cache_rows >= 0) & (cache_rows < cache.num_requests)
             lengths = jnp.where(ok, lengths[jnp.clip(cache_rows, 0, cache.num_requests - 1)], 0)
-        end = jnp.minimum(lengths, anchor_positions.astype(jnp.int32))
+        end = jnp.clip(jnp.minimum(lengths, anchor_positions.astype(jnp.int32)), 0, cache.capacity)
         if impl == "pallas":
-            # The kernel reads the [L, R, S, H_kv, D] cache in place (layer and row chosen inside), up to end.
+            # The kernel reads the [L, H_kv, P, page, D] cache in place (layer, table row and pages chosen
+            # inside), up to end.
             for i, layer in enumerate(self.layers):
-                attention = functools.partial(draft_attention_kernel.draft_attention, layer=i,
-                                              cache_rows=cache_rows, implementation="pallas",
-                                              interpret=interpret)
+                def attention(q, k_cache, v_cache, ctx_end, kb, vb, *, scale, i=i):
+                    return draft_attention_kernel.draft_attention(
+                        q, k_cache, v_cache, cache.block_tables, ctx_end, kb, vb, scale=scale, layer=i,
+                        cache_rows=cache_rows, implementation="pallas", interpret=interpret)
+
                 x = layer(x, cos, sin, cache.k, cache.v, end, attention=attention)
             return self.norm(x)
-        k_all, v_all = cache.k, cache.v
+        tables = cache.block_tables
         if cache_rows is not None:
-            rows = jnp.clip(cache_rows, 0, cache.num_requests - 1)
-            k_all, v_all = k_all[:, rows], v_all[:, rows]
+            tables = tables[jnp.clip(cache_rows, 0, cache.num_requests - 1)]
         visible = (jnp.arange(cache.capacity, dtype=jnp.int32)[None, :] < end[:, None])[:, None, :]  # [R, 1, S]
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, k_all[i], v_all[i], visible)
+            k_ctx = draft_attention_kernel.paged_context(cache.k[i], tables)  # [R, S, H_kv, D]
+            # invisible entries are other rows' (or never written) pages: zero them so they cannot leak as NaN
+            v_ctx = jnp.where(visible[:, 0, :, None, None], draft_attention_kernel.paged_context(cache.v[i], tables),
+                              0)
+            x = layer(x, cos, sin, k_ctx, v_ctx, visible)
         return self.norm(x)
 
     def block_hidden_reference(self, features, anchors: jax.Array, anchor_positions: jax.Array) -> jax.Array:
@@ -376,19 +390,20 @@ class DSparkDrafter(nnx.Module):
 
     def write_context(self, cache: DraftCache, features, rows: jax.Array, positions: jax.Array,
                       new_lengths: jax.Array) -> DraftCache:
-        """Core cache write: feature row ``i`` goes to ``(rows[i], positions[i])``; rows ``< 0`` are skipped.
+        """Core cache write: feature row ``i`` goes to ``(rows[i], positions[i])``, i.e. to slot
+        ``page * page_size + positions[i] % page_size`` of page ``block_tables[rows[i], positions[i] // page]``.
 
-        ``features [N, m*d]``, ``rows int32[N]``, ``positions int32[N]``, ``new_lengths int32[R]``.
-        Positions outside ``[0, capacity)`` are dropped.
+        ``features [N, m*d]``, ``rows int32[N]``, ``positions int32[N]``, ``new_lengths int32[R]``. A row
+        outside ``[0, R)`` (padding: -1), a position outside ``[0, capacity)`` or a table entry outside the pool
+        is dropped (``cache.slot_mapping``): a write never lands on a page its row's table does not name.
         """
         h_ctx = self.project_features(features)
-        k_new, v_new = self.context_kv(h_ctx, jnp.maximum(positions, 0))
-        keep = (rows >= 0) & (positions >= 0) & (positions < cache.capacity)
-        rows_w = jnp.where(keep, rows, cache.num_requests)  # out of bounds -> dropped
-        pos_w = jnp.where(keep, positions, cache.capacity)
-        k = cache.k.at[:, rows_w, pos_w].set(k_new.astype(cache.k.dtype), mode="drop")
-        v = cache.v.at[:, rows_w, pos_w].set(v_new.astype(cache.v.dtype), mode="drop")
-        return DraftCache(k, v, jnp.asarray(new_lengths, jnp.int32))
+        k_new, v_new = self.context_kv(h_ctx, jnp.maximum(positions, 0))  # [L, N, H_kv, D]
+        slots = slot_mapping(cache.block_tables, rows, positions, page_size=cache.page_size,
+                             num_pages=cache.num_pages)
+        write = jax.vmap(write_tokens, in_axes=(0, 0, None))  # over the layers
+        return dataclasses.replace(cache, k=write(cache.k, k_new, slots), v=write(cache.v, v_new, slots),
+                                   lengths=jnp.asarray(new_lengths, jnp.int32))
 
     def append_context_impl(self, cache: DraftCache, features, start: jax.Array, num_new: jax.Array) -> DraftCache:
         """Traceable body of :meth:`append_context` (padded per-request layout)."""

@@ -286,19 +286,20 @@ def _moe_ffn_call(batch: Batch, *, experts: int | None = None) -> KernelCall:
 
 
 def _draft_attention_call(batch: Batch) -> KernelCall | None:
-    """The DSpark drafter's context attention (K = 7, M3-width draft layer, the batch's context) at decode and
-    verify sizes (one draft step per request)."""
+    """The DSpark drafter's context attention (K = 7, M3-width draft layer, the batch's context on pages of the
+    target's page size, read through block tables) at decode and verify sizes (one draft step per request)."""
     from pallas_kernels.draft_attention import draft_attention
 
     if batch.kind == "prefill":
         return None
     cfg = _m3()
-    s = jax.ShapeDtypeStruct
+    s, page = jax.ShapeDtypeStruct, _page(cfg)
+    pages, (tables, _, _) = _ragged(batch, page)
     r, k, layers = batch.requests, 7, 1
     h, g, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    cache = s((layers, r, batch.context, g, hd), jnp.bfloat16)
-    args = (s((r, k, h, hd), jnp.bfloat16), cache, cache, s((r,), jnp.int32), s((r, k, g, hd), jnp.bfloat16),
-            s((r, k, g, hd), jnp.bfloat16))
+    cache = s((layers, g, pages, page, hd), jnp.bfloat16)
+    args = (s((r, k, h, hd), jnp.bfloat16), cache, cache, tables, s((r,), jnp.int32),
+            s((r, k, g, hd), jnp.bfloat16), s((r, k, g, hd), jnp.bfloat16))
     return KernelCall(draft_attention, args, {"scale": hd**-0.5, "layer": 0, "implementation": "pallas"})
 
 

@@ -1,24 +1,28 @@
-"""DSpark draft-block attention as a Pallas (Triton) kernel: each request row's context read once per KV head.
+"""DSpark draft-block attention as a Pallas (Triton) kernel: each request row's paged context read once per KV head.
 
 Contract (the drafter's attention, SPEC section 6; ``minimax_jax.draft_attention.draft_attention`` with a
 length mask). ``q: [R, K, H_q, D]`` the block's queries (``K`` draft slots); the context caches ``k_cache,
-v_cache: [R_c, S, H_kv, D]``, or the whole draft cache ``[L, R_c, S, H_kv, D]`` with a ``layer``;
+v_cache: [H_kv, P, page, D]`` (the target's paged layout), or the whole draft cache ``[L, H_kv, P, page, D]``
+with a ``layer``; ``block_tables: int32[R_c, nb]`` (logical block ``b`` of cache row ``c`` is physical page
+``block_tables[c, b]``: position ``j`` lives on page ``block_tables[c, j // page]`` at offset ``j % page``);
 ``ctx_lengths: int32[R]``; ``k_blk, v_blk: [R, K, H_kv, D]`` the block's own keys and values. Slot ``k`` of
 row ``r`` and query head ``qh`` of KV group ``g = qh // (H_q / H_kv)`` attend, under ONE softmax (scale
 ``scale``, fp32), to the context keys ``j < ctx_lengths[r]`` of cache row ``r`` (or ``cache_rows[r]``; a
 negative entry reads nothing) and to all ``K`` block keys (bidirectional inside the block). The output has q's
-dtype. Lengths are clamped to ``[0, S]``; entries at or past a row's length are never read (they may hold
-anything, NaN included), so the bytes read follow the lengths, not the capacity.
+dtype. Lengths are clamped to ``[0, nb * page]``; block-table entries and pages at or past a row's length are
+never read (they may hold anything, NaN included), so the bytes read follow the lengths, not the capacity.
 
 Algorithm. One program per (request row, KV head, head chunk, split): its query tile is the ``K`` slots x
 ``block_h`` heads of the group (row = slot * block_h + head, padded to a power of 2 >= 16; at M3, K = 7 -> 8
 slots x 16 heads = 128 rows), so every context key and value is loaded once per (row, KV head) for all of
-them. The context is walked in ``block_s``-key steps (unmasked full steps, one masked tail step) with an
-online softmax in the log2 domain; the last split then adds the block's ``K`` keys (padded to 16 and masked).
-With ``num_splits > 1`` the splits write fp32 partial outputs and a base-2 log-sum-exp and the split-K merge
-kernel of ``attention_walk`` combines them. The layer is a kernel input (a value, not a block index), so
-one compiled kernel serves every layer of the cache. Every in-kernel shape is a power of 2 and every dot 2-D.
-Launch settings: ``tuning.draft_attention_launch_config`` (per chip).
+them. The context is walked in ``block_s``-key steps, ``page / block_s`` steps per page (``block_s`` divides
+the page); each step loads its page id from the row's block-table entry (one scalar load, as the target's
+paged walk in ``attention_walk`` does) and a ``block_s``-key slice of that page (unmasked full steps, one
+masked tail step), with an online softmax in the log2 domain; the last split then adds the block's ``K`` keys
+(padded to 16 and masked). With ``num_splits > 1`` the splits write fp32 partial outputs and a base-2
+log-sum-exp and the split-K merge kernel of ``attention_walk`` combines them. The layer is a kernel input (a
+value, not a block index), so one compiled kernel serves every layer of the cache. Every in-kernel shape is a
+power of 2 and every dot 2-D. Launch settings: ``tuning.draft_attention_launch_config`` (per chip).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from pallas_kernels.tuning import (
     resolve_chip,
 )
 
-__all__ = ["draft_attention", "draft_attention_pallas", "draft_attention_reference", "supports"]
+__all__ = ["draft_attention", "draft_attention_pallas", "draft_attention_reference", "paged_context", "supports"]
 
 _LOG2E = math.log2(math.e)
 
@@ -65,8 +69,9 @@ def _dot(a, b, *, contract_b: int):
 def _draft_attention_kernel(
     layer_ref,  # [1] int32: the layer of the cache to read
     len_ref,  # [R] int32 context lengths
-    *refs,  # [rows_ref [R] when has_rows], q_ref [R*K*H_q, D], k_ref / v_ref [L, R_c, S, D] (this KV head),
-    #         kb_ref / vb_ref [R*K*H_kv, D], then the outputs (o_ref, or o_ref f32 + lse_ref f32 for split-K)
+    *refs,  # [rows_ref [R] when has_rows], bt_ref [R_c, nb] int32, q_ref [R*K*H_q, D],
+    #         k_ref / v_ref [L, P, page, D] (this KV head), kb_ref / vb_ref [R*K*H_kv, D],
+    #         then the outputs (o_ref, or o_ref f32 + lse_ref f32 for split-K)
     has_rows: bool,
     block_size: int,
     group: int,
@@ -80,18 +85,19 @@ def _draft_attention_kernel(
     scale: float,
 ):
     if has_rows:
-        rows_ref, q_ref, k_ref, v_ref, kb_ref, vb_ref, *out_refs = refs
+        rows_ref, bt_ref, q_ref, k_ref, v_ref, kb_ref, vb_ref, *out_refs = refs
     else:
-        q_ref, k_ref, v_ref, kb_ref, vb_ref, *out_refs = refs
+        bt_ref, q_ref, k_ref, v_ref, kb_ref, vb_ref, *out_refs = refs
     r = pl.program_id(0)
     chunks = cdiv(group, block_h)
     g = pl.program_id(1) // chunks
     chunk = pl.program_id(1) % chunks
     split = pl.program_id(2)
-    _, num_cache_rows, capacity, head_dim = k_ref.shape
+    _, num_pages, page, head_dim = k_ref.shape
+    num_cache_rows, max_blocks = bt_ref.shape
     layer = layer_ref[0]  # a value, not a block index: one compiled kernel serves every layer
 
-    length = jnp.clip(len_ref[r], 0, capacity)
+    length = jnp.clip(len_ref[r], 0, max_blocks * page)
     if has_rows:
         crow = rows_ref[r]
         length = jnp.where((crow >= 0) & (crow < num_cache_rows), length, 0)
@@ -109,18 +115,26 @@ def _draft_attention_kernel(
     q = plgpu.load(q_ref.at[q_rows[:, None], d[None, :]], mask=row_ok[:, None], other=0)  # [rows, D]
     qk_scale = scale * _LOG2E
 
-    # The context walk: steps [lo, hi) of cdiv(length, block_s); the first n_full need no mask.
+    # The context walk: steps [lo, hi) of cdiv(length, block_s), page / block_s steps per page; the first
+    # n_full need no mask. Step ``step`` reads block-table entry step // parts (< cdiv(length, page)).
+    parts = page // block_s
     n_steps = (length + block_s - 1) // block_s
     n_full = length // block_s
     lo = (split * n_steps) // num_splits
     hi = ((split + 1) * n_steps) // num_splits
     key_iota = jax.lax.broadcasted_iota(jnp.int32, (block_s,), 0)
 
+    def kv_slice(ref, step):
+        """This step's ``[block_s, D]`` slice of its page (the page id: one scalar load of the table)."""
+        u, part = (step, 0) if parts == 1 else (step // parts, step % parts)
+        page_id = jnp.clip(bt_ref[crow, u], 0, num_pages - 1)
+        off = pl.multiple_of(part * block_s, block_s)
+        return ref.at[layer, page_id, pl.ds(off, block_s), :]
+
     def full_step(step, carry):
         acc, m_prev, l_prev = carry
-        start = pl.multiple_of(step * block_s, block_s)
-        kb = k_ref[layer, crow, pl.ds(start, block_s), :]  # [block_s, D]
-        vb = v_ref[layer, crow, pl.ds(start, block_s), :]
+        kb = kv_slice(k_ref, step)[...]  # [block_s, D]
+        vb = kv_slice(v_ref, step)[...]
         s = _dot(q, kb, contract_b=1) * qk_scale  # [rows, block_s]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         p = jnp.exp2(s - m_next[:, None])
@@ -131,10 +145,9 @@ def _draft_attention_kernel(
 
     def tail_step(step, carry):
         acc, m_prev, l_prev = carry
-        start = pl.multiple_of(step * block_s, block_s)
-        visible = start + key_iota < length  # never read at or past the length
-        kb = plgpu.load(k_ref.at[layer, crow, pl.ds(start, block_s), :], mask=visible[:, None], other=0)
-        vb = plgpu.load(v_ref.at[layer, crow, pl.ds(start, block_s), :], mask=visible[:, None], other=0)
+        visible = step * block_s + key_iota < length  # never read at or past the length
+        kb = plgpu.load(kv_slice(k_ref, step), mask=visible[:, None], other=0)
+        vb = plgpu.load(kv_slice(v_ref, step), mask=visible[:, None], other=0)
         s = jnp.where(visible[None, :], _dot(q, kb, contract_b=1) * qk_scale, MASK_VALUE)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         p = jnp.where(visible[None, :], jnp.exp2(s - m_next[:, None]), 0.0)
@@ -148,10 +161,8 @@ def _draft_attention_kernel(
         jnp.full((rows,), MASK_VALUE, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
-    if block_s <= capacity:  # (a step longer than the cache is never full: every step is masked)
-        carry = jax.lax.fori_loop(lo, jnp.minimum(hi, n_full), full_step, carry)
-        lo = jnp.maximum(lo, n_full)
-    acc, m_i, l_i = jax.lax.fori_loop(lo, hi, tail_step, carry)
+    carry = jax.lax.fori_loop(lo, jnp.minimum(hi, n_full), full_step, carry)
+    acc, m_i, l_i = jax.lax.fori_loop(jnp.maximum(lo, n_full), hi, tail_step, carry)
 
     # The block's own keys (every slot sees all K of them), in the last split only.
     j = jax.lax.broadcasted_iota(jnp.int32, (blk_rows,), 0)
@@ -178,12 +189,14 @@ def _draft_attention_kernel(
 
 
 def _unsupported(
-    *, head_dim: int, num_q_heads: int, num_kv_heads: int, block_size: int, dtype, interpret: bool
+    *, head_dim: int, num_q_heads: int, num_kv_heads: int, block_size: int, page_size: int, dtype,
+    interpret: bool
 ) -> str | None:
     if num_kv_heads < 1 or num_q_heads < 1 or num_q_heads % num_kv_heads:
         return f"H_q={num_q_heads} must be a positive multiple of H_kv={num_kv_heads}"
-    if head_dim < 1 or head_dim & (head_dim - 1):
-        return f"head_dim must be a power of 2, got {head_dim}"
+    for name, n in (("head_dim", head_dim), ("page size", page_size)):
+        if n < 1 or n & (n - 1):
+            return f"{name} must be a power of 2, got {n}"
     if block_size < 1 or next_pow2(block_size) > 128:
         return f"the block size K={block_size} must be in [1, 128]"
     if not jnp.issubdtype(dtype, jnp.floating):
@@ -192,8 +205,9 @@ def _unsupported(
         return None
     if jnp.dtype(dtype).name not in COMPILED_DTYPES:
         return f"compiled kernels take {', '.join(COMPILED_DTYPES)}, got {jnp.dtype(dtype).name}"
-    if head_dim < MIN_DOT_DIM:
-        return f"compiled Triton dots need K >= {MIN_DOT_DIM}: head_dim {head_dim}"
+    if min(head_dim, page_size) < MIN_DOT_DIM:
+        return (f"compiled Triton dots need N and K >= {MIN_DOT_DIM}: head_dim {head_dim}, page {page_size} "
+                f"(a context step is part of a page)")
     return None
 
 
@@ -203,14 +217,15 @@ def supports(
     num_q_heads: int,
     num_kv_heads: int,
     block_size: int,
+    page_size: int,
     dtype,
     chip: str | None = None,
     interpret: bool = False,
 ) -> bool:
     """Whether :func:`draft_attention` runs these shapes, compiled for ``chip`` (``None``: the default
-    device's) or in interpret mode: head_dim a power of 2, ``H_q`` a multiple of ``H_kv``, ``K <= 128``;
-    compiled, also a dtype of ``tuning.COMPILED_DTYPES`` and head_dim >= 16. Every chip has the same limits
-    today."""
+    device's) or in interpret mode: head_dim and the page size powers of 2, ``H_q`` a multiple of ``H_kv``,
+    ``K <= 128``; compiled, also a dtype of ``tuning.COMPILED_DTYPES`` and head_dim and page >= 16. Every chip
+    has the same limits today."""
     resolve_chip(chip)
     return (
         _unsupported(
@@ -218,6 +233,7 @@ def supports(
             num_q_heads=num_q_heads,
             num_kv_heads=num_kv_heads,
             block_size=block_size,
+            page_size=page_size,
             dtype=dtype,
             interpret=interpret,
         )
@@ -225,7 +241,8 @@ def supports(
     )
 
 
-def _check_inputs(q, k_cache, v_cache, ctx_lengths, k_blk, v_blk, layer, cache_rows):
+def _check_inputs(q, k_cache, v_cache, block_tables, ctx_lengths, k_blk, v_blk, layer, cache_rows):
+    """Static shape/dtype checks (ValueErrors naming the shapes)."""
     if q.ndim != 4:
         raise ValueError(f"q must be [R, K, H_q, D], got shape {q.shape}")
     r, kq, h, d = q.shape
@@ -236,15 +253,15 @@ def _check_inputs(q, k_cache, v_cache, ctx_lengths, k_blk, v_blk, layer, cache_r
     if k_cache.ndim == 5:
         if layer is None or not 0 <= layer < k_cache.shape[0]:
             raise ValueError(
-                f"a [L, R, S, H_kv, D] cache {k_cache.shape} needs a static layer in [0, "
+                f"a [L, H_kv, P, page, D] cache {k_cache.shape} needs a static layer in [0, "
                 f"{k_cache.shape[0]}), got {layer!r}"
             )
     elif k_cache.ndim != 4 or layer is not None:
         raise ValueError(
-            f"k_cache must be [R, S, H_kv, D] (layer=None) or [L, R, S, H_kv, D] with a layer, got "
+            f"k_cache must be paged, [H_kv, P, page, D] (layer=None) or [L, H_kv, P, page, D] with a layer, got "
             f"shape {k_cache.shape} and layer={layer!r}"
         )
-    r_c, _, g, dk = k_cache.shape[-4:]
+    g, _, _, dk = k_cache.shape[-4:]
     if dk != d or g < 1 or h % g:
         raise ValueError(f"q {q.shape} and the cache {k_cache.shape} do not fit (head_dim, H_q % H_kv)")
     if k_blk.shape != (r, kq, g, d) or v_blk.shape != k_blk.shape:
@@ -255,9 +272,17 @@ def _check_inputs(q, k_cache, v_cache, ctx_lengths, k_blk, v_blk, layer, cache_r
         raise ValueError(
             f"ctx_lengths must be int32[R={r}], got {ctx_lengths.dtype}{list(ctx_lengths.shape)}"
         )
+    if (block_tables.ndim != 2 or block_tables.shape[0] < 1 or block_tables.shape[1] < 1
+            or not jnp.issubdtype(block_tables.dtype, jnp.integer)):
+        raise ValueError(
+            f"block_tables must be int32[R_c, nb] with R_c, nb >= 1, got "
+            f"{block_tables.dtype}{list(block_tables.shape)}"
+        )
     if cache_rows is None:
-        if r_c != r:
-            raise ValueError(f"without cache_rows the cache must hold R={r} rows, got {r_c}")
+        if block_tables.shape[0] != r:
+            raise ValueError(
+                f"without cache_rows the block tables must hold R={r} rows, got {block_tables.shape[0]}"
+            )
     elif cache_rows.shape != (r,) or not jnp.issubdtype(cache_rows.dtype, jnp.integer):
         raise ValueError(f"cache_rows must be int32[R={r}], got {cache_rows.dtype}{list(cache_rows.shape)}")
 
@@ -272,6 +297,7 @@ def draft_attention_pallas(
     q,
     k_cache,
     v_cache,
+    block_tables,
     ctx_lengths,
     k_blk,
     v_blk,
@@ -285,12 +311,14 @@ def draft_attention_pallas(
 ):
     """The kernel (and the split-K merge) with an explicit launch ``config``. ``poison`` (tests only): the
     float output buffers start as NaN, so a row the kernels fail to write shows up."""
-    _check_inputs(q, k_cache, v_cache, ctx_lengths, k_blk, v_blk, layer, cache_rows)
+    _check_inputs(q, k_cache, v_cache, block_tables, ctx_lengths, k_blk, v_blk, layer, cache_rows)
+    page = k_cache.shape[-2]
     reason = _unsupported(
         head_dim=q.shape[3],
         num_q_heads=q.shape[2],
         num_kv_heads=k_blk.shape[2],
         block_size=q.shape[1],
+        page_size=page,
         dtype=k_cache.dtype,
         interpret=interpret,
     )
@@ -302,25 +330,28 @@ def draft_attention_pallas(
     block_h, block_s, num_splits = config.block_h, config.block_s, config.num_splits
     if block_h < 1 or block_s < 1 or block_s & (block_s - 1) or num_splits < 1:
         raise ValueError(f"bad launch config {config}")
+    if page % block_s:
+        raise ValueError(f"block_s ({block_s}) must divide the page size ({page}): a context step is part of a page")
     if not interpret and block_s < MIN_DOT_DIM:
         raise ValueError(f"compiled Triton dots need N >= {MIN_DOT_DIM}: context keys per step {block_s}")
     rows = draft_attention_rows(kq, block_h)
     blk_rows = max(MIN_DOT_DIM, next_pow2(kq))
     chunks = cdiv(group, block_h)
-    num_cache_rows, capacity = k_cache.shape[-4], k_cache.shape[-3]
+    num_cache_rows, max_blocks = block_tables.shape
     flat_rows = r * kq * h
     grid = (r, g * chunks, num_splits)
 
-    if k_cache.ndim == 4:  # one layer: a free reshape to the [L, R_c, S, H_kv, D] form
+    if k_cache.ndim == 4:  # one layer: a free reshape to the [L, H_kv, P, page, D] form
         k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
-    cache_spec = pl.BlockSpec((k_cache.shape[0], num_cache_rows, capacity, None, d),
-                              lambda i, c, s: (0, 0, 0, c // chunks, 0))
+    num_layers, _, num_pages, _, _ = k_cache.shape
+    cache_spec = pl.BlockSpec((num_layers, None, num_pages, page, d), lambda i, c, s: (0, c // chunks, 0, 0, 0))
     full_1d = pl.BlockSpec((r,), lambda i, c, s: (0,))
     has_rows = cache_rows is not None
     in_specs = (
         [pl.BlockSpec((1,), lambda i, c, s: (0,)), full_1d]
         + ([full_1d] if has_rows else [])
         + [
+            pl.BlockSpec((num_cache_rows, max_blocks), lambda i, c, s: (0, 0)),
             pl.BlockSpec((flat_rows, d), lambda i, c, s: (0, 0)),
             cache_spec,
             cache_spec,
@@ -332,6 +363,7 @@ def draft_attention_pallas(
         [jnp.full((1,), layer, jnp.int32), ctx_lengths.astype(jnp.int32)]
         + ([cache_rows.astype(jnp.int32)] if has_rows else [])
         + [
+            block_tables.astype(jnp.int32),
             q.reshape(flat_rows, d),
             k_cache,
             v_cache,
@@ -403,6 +435,7 @@ def draft_attention(
     q: jax.Array,
     k_cache: jax.Array,
     v_cache: jax.Array,
+    block_tables: jax.Array,
     ctx_lengths: jax.Array,
     k_blk: jax.Array,
     v_blk: jax.Array,
@@ -419,17 +452,19 @@ def draft_attention(
     num_stages: int | None = None,
     chip: str | None = None,
 ) -> jax.Array:
-    """Draft-block attention over each row's context (``j < ctx_lengths[r]``) and the block's own keys.
+    """Draft-block attention over each row's paged context (``j < ctx_lengths[r]``) and the block's own keys.
 
     Args:
       q: ``[R, K, H_q, D]`` block queries.
-      k_cache, v_cache: ``[R_c, S, H_kv, D]``, or ``[L, R_c, S, H_kv, D]`` with ``layer`` (static; the draft
+      k_cache, v_cache: ``[H_kv, P, page, D]``, or ``[L, H_kv, P, page, D]`` with ``layer`` (static; the draft
         cache is read in place, no per-layer slice copy).
-      ctx_lengths: ``int32[R]`` visible context of each row (clamped to ``[0, S]``).
+      block_tables: ``int32[R_c, nb]`` logical block -> physical page of each cache row (entries at or past a
+        row's length are never read).
+      ctx_lengths: ``int32[R]`` visible context of each row (clamped to ``[0, nb * page]``).
       k_blk, v_blk: ``[R, K, H_kv, D]`` the block's keys (normed, rotated) and values.
       scale: softmax scale.
-      cache_rows: optional ``int32[R]``: row ``r`` reads cache row ``cache_rows[r]`` (negative: no context)
-        instead of row ``r`` (what an engine's slot map needs without gathering the cache).
+      cache_rows: optional ``int32[R]``: row ``r`` reads through block-table row ``cache_rows[r]`` (negative:
+        no context) instead of row ``r`` (what an engine's slot map needs without gathering the tables).
       implementation: ``"pallas"`` (Triton; interpret mode on CPU) or ``"reference"`` (plain jnp).
       interpret: ``None``: interpret mode on CPU, compiled Triton on a GPU.
       block_h, block_s, num_splits, num_warps, num_stages: launch overrides; ``None`` asks the chip's policy
@@ -438,10 +473,11 @@ def draft_attention(
     Returns:
       ``[R, K, H_q, D]`` in q's dtype.
     """
-    _check_inputs(q, k_cache, v_cache, ctx_lengths, k_blk, v_blk, layer, cache_rows)
+    _check_inputs(q, k_cache, v_cache, block_tables, ctx_lengths, k_blk, v_blk, layer, cache_rows)
     if implementation == "reference":
         return draft_attention_reference(
-            q, k_cache, v_cache, ctx_lengths, k_blk, v_blk, scale=scale, layer=layer, cache_rows=cache_rows
+            q, k_cache, v_cache, block_tables, ctx_lengths, k_blk, v_blk, scale=scale, layer=layer,
+            cache_rows=cache_rows
         )
     if implementation != "pallas":
         raise ValueError(f"implementation must be 'pallas' or 'reference', got {implementation!r}")
@@ -450,7 +486,8 @@ def draft_attention(
         block_size=q.shape[1],
         num_q_heads=q.shape[2],
         num_kv_heads=k_blk.shape[2],
-        capacity=k_cache.shape[-3],
+        capacity=block_tables.shape[1] * k_cache.shape[-2],
+        page_size=k_cache.shape[-2],
         head_dim=q.shape[3],
         itemsize=k_cache.dtype.itemsize,
         chip=chip,
@@ -464,6 +501,7 @@ def draft_attention(
         q,
         k_cache,
         v_cache,
+        block_tables,
         ctx_lengths,
         k_blk,
         v_blk,
@@ -475,10 +513,21 @@ def draft_attention(
     )
 
 
+def paged_context(cache: jax.Array, block_tables: jax.Array) -> jax.Array:
+    """Each row's context in position order through its block table, in plain jnp: ``cache [H_kv, P, page,
+    D]``, ``block_tables int32[R, nb]`` -> ``[R, nb * page, H_kv, D]`` (a gather of every table entry; the
+    caller masks by length, and entries outside ``[0, P)`` read a clamped page)."""
+    h, num_pages, page, d = cache.shape
+    r, nb = block_tables.shape
+    pages = cache[:, jnp.clip(block_tables, 0, num_pages - 1)]  # [H_kv, R, nb, page, D]
+    return jnp.moveaxis(pages, 0, 3).reshape(r, nb * page, h, d)
+
+
 def draft_attention_reference(
     q,
     k_cache,
     v_cache,
+    block_tables,
     ctx_lengths,
     k_blk,
     v_blk,
@@ -489,18 +538,22 @@ def draft_attention_reference(
     **ignored,
 ) -> jax.Array:
     """Plain jnp, same contract as :func:`draft_attention` (launch arguments are accepted and ignored): the
-    row's context and the block's keys concatenated, one masked fp32 softmax per (slot, head)."""
+    row's context gathered through its block table (:func:`paged_context`) and the block's keys concatenated,
+    one masked fp32 softmax per (slot, head)."""
     del ignored
-    _check_inputs(q, k_cache, v_cache, ctx_lengths, k_blk, v_blk, layer, cache_rows)
+    _check_inputs(q, k_cache, v_cache, block_tables, ctx_lengths, k_blk, v_blk, layer, cache_rows)
     kc = k_cache if layer is None else k_cache[layer]
     vc = v_cache if layer is None else v_cache[layer]
     r, kq, h, d = q.shape
-    capacity, g = kc.shape[1], kc.shape[2]
+    g = kc.shape[0]
+    capacity = block_tables.shape[1] * kc.shape[2]
     lengths = jnp.clip(ctx_lengths.astype(jnp.int32), 0, capacity)
+    tables = block_tables.astype(jnp.int32)
     if cache_rows is not None:
-        ok = (cache_rows >= 0) & (cache_rows < kc.shape[0])
-        idx = jnp.clip(cache_rows, 0, kc.shape[0] - 1)
-        kc, vc, lengths = kc[idx], vc[idx], jnp.where(ok, lengths, 0)
+        ok = (cache_rows >= 0) & (cache_rows < tables.shape[0])
+        tables = tables[jnp.clip(cache_rows, 0, tables.shape[0] - 1)]
+        lengths = jnp.where(ok, lengths, 0)
+    kc, vc = paged_context(kc, tables), paged_context(vc, tables)  # [R, S, G, D]
     keys = jnp.concatenate([kc, k_blk.astype(kc.dtype)], axis=1).astype(jnp.float32)  # [R, S + K, G, D]
     values = jnp.concatenate([vc, v_blk.astype(vc.dtype)], axis=1).astype(jnp.float32)
     visible = jnp.concatenate(

@@ -713,6 +713,7 @@ def draft_attention_launch_config(
     num_q_heads: int,
     num_kv_heads: int,
     capacity: int,
+    page_size: int,
     head_dim: int = 128,
     itemsize: int = 2,
     chip: str | None = None,
@@ -727,7 +728,8 @@ def draft_attention_launch_config(
     ``block_h``: the group's heads, halved while the ``K x block_h`` tile exceeds the table's ``max_rows``
     (M3, K = 7: all 16 heads, 128 rows). ``num_warps``: the table's for a full tile, half of it (at least 4)
     below. ``block_s``: the table's, halved (down to 16) until the query tile and ``num_stages`` K/V steps fit
-    ``smem_bytes``, and at most the capacity (or 16). ``num_splits``: 1 when ``R x H_kv x head chunks``
+    ``smem_bytes``, at most the capacity (or 16) and at most the page (a step is part of one page:
+    ``page_size``, a power of 2, the draft cache's page). ``num_splits``: 1 when ``R x H_kv x head chunks``
     programs reach ``programs_per_core`` per core, else enough to get there, at most ``max_splits`` and the
     context's steps (the lengths are not static: the capacity bounds them).
     """
@@ -750,6 +752,7 @@ def draft_attention_launch_config(
         kv_step = 2 * head_dim * itemsize  # one key and one value
         while block_s > MIN_DOT_DIM and q_bytes + max(num_stages, 1) * block_s * kv_step > pol.smem_bytes:
             block_s //= 2
+        block_s = min(block_s, page_size)
     if num_splits is None:
         programs = num_rows * num_kv_heads * cdiv(group, block_h)
         target = core_count(chip) * pol.programs_per_core

@@ -3,13 +3,15 @@
     PYTHONPATH=. python3 scripts/bench_draft_attention.py --out $OUT/draft_attention.json
     PYTHONPATH=. python3 scripts/bench_draft_attention.py --quick    # tiny shapes, CPU interpret smoke run
 
-Shapes: K = 7 draft slots, 64 query / 4 KV heads of 128, bf16, a 2-layer draft cache of ``--context`` + 16
-slots per row read in place at layer 1, every row at ``--context`` visible tokens; R = 64 and 512 rows. Per
-launch variant (the policy's default first, then ``SWEEP`` overrides): the time (median of back-to-back calls,
-two cache copies rotated), the bytes any implementation must read (each row's visible context K and V once per
-KV head, plus q, the block's K/V and the output), % of ``--hbm`` and the max abs error against the jnp
-reference (bf16 output). The plain-jnp path the drafter used before
-(``minimax_jax.draft_attention.draft_attention`` with a length mask, which reads the whole capacity and
+Shapes: K = 7 draft slots, 64 query / 4 KV heads of 128, bf16, a 2-layer paged draft cache (``--page``-token
+pages, 128: M3's MSA block) of ``--context`` + 16 positions per row read in place at layer 1, every row at
+``--context`` visible tokens on SHUFFLED pages (the block tables are a random permutation of the pool, so no
+row's pages are contiguous, as in a long-running engine); R = 64 and 512 rows. Per launch variant (the policy's
+default first, then ``SWEEP`` overrides): the time (median of back-to-back calls, two cache copies rotated),
+the bytes any implementation must read (each row's visible context K and V once per KV head, the block-table
+entries, q, the block's K/V and the output), % of ``--hbm`` and the max abs error against the jnp path (bf16
+output). The drafter's plain-jnp path (the context gathered through the block tables,
+``minimax_jax.draft_attention.draft_attention`` with a length mask: it reads the whole table width and
 materialises fp32 scores) is timed beside it.
 """
 
@@ -23,6 +25,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import draft_attention as da
 from pallas_kernels.tuning import draft_attention_launch_config
@@ -42,35 +45,41 @@ SWEEP = [
 ]
 
 
-def make(rows, context, *, layers=2, k=7, heads=64, kv_heads=4, dim=128, copies=2, seed=0):
-    """Random inputs made on the device (``profile_step.normal_arrays``); ``layers`` cache layers (the kernel
-    reads the last one in place: its access pattern does not depend on how many there are)."""
-    cap = context + 16
-    cache = (layers, rows, cap, kv_heads, dim)
+def make(rows, context, *, page=128, layers=2, k=7, heads=64, kv_heads=4, dim=128, copies=2, seed=0):
+    """Random inputs made on the device (``profile_step.normal_arrays``): ``layers`` layers of pages (the kernel
+    reads the last one in place: its access pattern does not depend on how many there are) and shuffled block
+    tables, ``cdiv(context + 16, page)`` pages per row."""
+    nb = -(-(context + 16) // page)
+    num_pages = rows * nb
+    cache = (layers, kv_heads, num_pages, page, dim)
     specs = [((rows, k, heads, dim), jnp.bfloat16)] + [((rows, k, kv_heads, dim), jnp.bfloat16)] * 2
     q, kb, vb, *flat = normal_arrays(specs + [(cache, jnp.bfloat16)] * (2 * copies), seed)
     caches = [(flat[2 * c], flat[2 * c + 1]) for c in range(copies)]
+    tables = jnp.asarray(np.random.default_rng(seed + 1).permutation(num_pages).reshape(rows, nb), jnp.int32)
     lengths = jnp.full((rows,), context, jnp.int32)
-    floor = rows * kv_heads * context * dim * 2 * 2 + (2 * q.size + 2 * kb.size) * 2
-    return q, caches, lengths, kb, vb, floor
+    floor = rows * kv_heads * context * dim * 2 * 2 + (2 * q.size + 2 * kb.size) * 2 + rows * -(-context // page) * 4
+    return q, caches, tables, lengths, kb, vb, floor
 
 
-def jnp_path(q, kc, vc, lengths, kb, vb, *, layer, scale):
+def jnp_path(q, kc, vc, tables, lengths, kb, vb, *, layer, scale):
     from minimax_jax.draft_attention import draft_attention
 
-    visible = (jnp.arange(kc.shape[2])[None, :] < lengths[:, None])[:, None, :]
-    return draft_attention(q, kc[layer], vc[layer], visible, kb, vb, scale=scale)
+    capacity = tables.shape[1] * kc.shape[3]
+    visible = (jnp.arange(capacity)[None, :] < lengths[:, None])[:, None, :]
+    k_ctx = da.paged_context(kc[layer], tables)
+    v_ctx = jnp.where(visible[:, 0, :, None, None], da.paged_context(vc[layer], tables), 0)
+    return draft_attention(q, k_ctx, v_ctx, visible, kb, vb, scale=scale)
 
 
 M3 = {"heads": 64, "kv_heads": 4, "dim": 128}
 
 
-def run(rows_list, context, *, hbm, sweep, reps, shape=M3, interpret=False, log=print):
+def run(rows_list, context, *, hbm, sweep, reps, page=128, shape=M3, interpret=False, log=print):
     out = []
     for rows in rows_list:
-        q, caches, lengths, kb, vb, floor = make(rows, context, **shape)
+        q, caches, tables, lengths, kb, vb, floor = make(rows, context, page=page, **shape)
         scale = shape["dim"] ** -0.5
-        arg_sets = [(q, kc, vc, lengths, kb, vb) for kc, vc in caches]
+        arg_sets = [(q, kc, vc, tables, lengths, kb, vb) for kc, vc in caches]
         ref = jax.jit(functools.partial(jnp_path, layer=1, scale=scale))
         want = ref(*arg_sets[0]).astype(jnp.float32)
         t_ref = bench_common.time_fn_batched(ref, arg_sets, reps=max(3, reps // 4))
@@ -79,7 +88,8 @@ def run(rows_list, context, *, hbm, sweep, reps, shape=M3, interpret=False, log=
             block_size=7,
             num_q_heads=shape["heads"],
             num_kv_heads=shape["kv_heads"],
-            capacity=caches[0][0].shape[2],
+            capacity=tables.shape[1] * page,
+            page_size=page,
             head_dim=shape["dim"],
         )
         for variant in [{}] + list(sweep):
@@ -87,6 +97,7 @@ def run(rows_list, context, *, hbm, sweep, reps, shape=M3, interpret=False, log=
             row = {
                 "rows": rows,
                 "context": context,
+                "page": page,
                 "variant": ",".join(f"{k}={v}" for k, v in variant.items()) or "default",
                 **{f"cfg_{k}": v for k, v in dataclasses.asdict(config).items()},
                 "floor_bytes": floor,
@@ -113,6 +124,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="64,512")
     p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--page", type=int, default=128, help="draft cache page size (the target's: M3's MSA block)")
     p.add_argument("--hbm", type=float, default=4.3e12, help="bytes/s the %% column is quoted against")
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--reps", type=int, default=20)
@@ -125,8 +137,9 @@ def main(argv=None):
             [2],
             40,
             hbm=a.hbm,
-            sweep=[{"block_s": 16, "block_h": 1}, {"num_splits": 2}],
+            sweep=[{"block_s": 8, "block_h": 1}, {"num_splits": 2}],
             reps=1,
+            page=16,
             shape=tiny,
             interpret=True,
         )
@@ -139,6 +152,7 @@ def main(argv=None):
         hbm=a.hbm,
         sweep=[] if a.no_sweep else SWEEP,
         reps=a.reps,
+        page=a.page,
     )
     if a.out:
         bench_common.write_json(a.out, {"environment": env, "hbm_bytes_per_s": a.hbm, "rows": rows})

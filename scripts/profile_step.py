@@ -19,15 +19,17 @@ one run of the whole chain (so the routing, the selections and the union of sele
 real step); the chain's logits are compared with the whole step's (``chain_vs_step_rel_err``).
 
 **Draft step.** A DSpark drafter of ``--draft-layers`` M3-width draft layers (the target's attention shape,
-dense MLP of 12288) on a dense draft cache of ``--context`` tokens per row, block size ``--draft-k``, the
+dense MLP of 12288) on a paged draft cache (the target's page size) of ``--context`` tokens per row on SHUFFLED
+pages (a random permutation of the pool: no row owns a contiguous run), block size ``--draft-k``, the
 target's full-vocabulary LM head over ``R x K`` rows: block inputs, per layer norm / q,k,v / draft attention
 (``--draft-attention`` implementations, each its own row: the Pallas kernel and the jnp path) / ``o_proj`` /
 norm / MLP, final norm, LM head, sampling (greedy, or temperature 1 with probabilities: ``--draft-sampling``).
 Beside the step (not in its sum): the context write after verification (feature projection ``fc`` +
-``hidden_norm``, every layer's context K/V, the scatter into the cache; ``R x (1 + K)`` feature rows) and the
-engine's slot view (``spec_decode/step.py`` gathers ``dc.k[:, slot]``, the whole draft cache, before
-drafting). Whole steps: ``draft_step`` per implementation, the engine's form with that view, and the same
-with ``block_hidden(..., cache_rows=slot)`` (the kernel reads the slots in place, no view).
+``hidden_norm``, every layer's context K/V, the scatter into the cache's pages; ``R x (1 + K)`` feature rows)
+and the engine's table install (``spec_decode/step.py`` writes the step's block tables into the draft cache's
+rows of its slots, ``DraftCache.with_block_tables``). Whole steps: ``draft_step`` per implementation and the
+engine's form (the table install, then ``block_hidden(..., cache_rows=slot)``: the kernel reads the slots'
+pages in place).
 
 **Timing.** Per op: ``--warmup`` calls, then the median of ``--iters`` calls each synchronised with
 ``block_until_ready``. Ops that update a cache donate it (on GPU) and get their output back as the next call's
@@ -66,7 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from minimax_jax.cache import PagedCache, slot_mapping, write_tokens
+from minimax_jax.cache import PagedCache, page_size_for, slot_mapping, write_tokens
 from minimax_jax.config import DENSE_MLP, FULL_ATTENTION, MOE_MLP, SPARSE_ATTENTION, MiniMaxM3Config
 from minimax_jax.decode import RaggedBatch, choose_implementation, forward_ragged
 from minimax_jax.draft_attention import draft_attention
@@ -203,14 +205,14 @@ class PagedRef(Ref):
 
 
 class DraftRef(Ref):
-    """A :class:`DraftCache` from state entries ``dk``, ``dv`` and fixed ``lengths`` (an op's new lengths are
-    dropped: every op sees the same context)."""
+    """A :class:`DraftCache` from state entries ``dk``, ``dv`` and fixed ``lengths`` and ``block_tables`` (an
+    op's new lengths are dropped: every op sees the same context)."""
 
-    def __init__(self, lengths):
-        self.lengths = lengths
+    def __init__(self, lengths, block_tables):
+        self.lengths, self.block_tables = lengths, block_tables
 
     def get(self, state):
-        return DraftCache(state["dk"], state["dv"], self.lengths)
+        return DraftCache(state["dk"], state["dv"], self.lengths, self.block_tables)
 
     def set(self, state, cache):
         state["dk"], state["dv"] = cache.k, cache.v
@@ -817,12 +819,22 @@ class DraftInputs:
     start: jax.Array
     num_new: jax.Array
     slots: jax.Array  # the engine's slot of each row (a permutation)
+    block_tables: jax.Array  # int32[R, nb] each row's pages: a shuffled share of the pool
+
+
+def draft_pages(drafter: DSparkDrafter, num_rows: int, capacity: int) -> tuple[int, int, int]:
+    """``(page, blocks per row, pool pages)`` of the profiled draft cache: the target's page size (the draft
+    layers' MSA block), ``cdiv(capacity, page)`` blocks per row, one pool page per row block."""
+    page = page_size_for(drafter.cfg.layer_config)
+    nb = -(-capacity // page)
+    return page, nb, num_rows * nb
 
 
 def make_draft_inputs(
-    drafter: DSparkDrafter, num_rows: int, context: int, *, sampling: str, seed: int
+    drafter: DSparkDrafter, num_rows: int, context: int, capacity: int, *, sampling: str, seed: int
 ) -> DraftInputs:
     cfg = drafter.cfg
+    _, nb, num_pages = draft_pages(drafter, num_rows, capacity)
     k = cfg.block_size
     rng = np.random.default_rng(seed + 2)  # small integer arrays: host-made
     t = num_rows * (1 + k)
@@ -839,20 +851,24 @@ def make_draft_inputs(
         start=jnp.full((num_rows,), context, jnp.int32),
         num_new=jnp.full((num_rows,), 1 + k, jnp.int32),
         slots=jnp.asarray(rng.permutation(num_rows), jnp.int32),
+        block_tables=jnp.asarray(rng.permutation(num_pages).reshape(num_rows, nb), jnp.int32),
     )
 
 
 def make_draft_state(drafter: DSparkDrafter, num_rows: int, capacity: int, *, seed: int) -> dict:
+    """The draft cache's pages ``dk, dv [L, H_kv, P, page, D]``, random."""
     c = drafter.cfg.layer_config
-    shape = (c.num_hidden_layers, num_rows, capacity, c.num_key_value_heads, c.head_dim)
+    page, _, num_pages = draft_pages(drafter, num_rows, capacity)
+    shape = (c.num_hidden_layers, c.num_key_value_heads, num_pages, page, c.head_dim)
     return random_arrays({"dk": shape, "dv": shape}, drafter.dtype, seed + 3)
 
 
 def _draft_attention_fn(implementation: str):
-    """``f(q, k_cache, v_cache, lengths, kb, vb, *, layer, scale)`` for one implementation: ``"pallas"`` is
-    the kernel (``pallas_kernels.draft_attention``: the whole cache in place, reads up to each length),
-    ``"reference"`` the drafter's jnp :func:`minimax_jax.draft_attention.draft_attention` on ``cache[layer]``
-    with a length mask (reads the whole capacity)."""
+    """``f(q, k_cache, v_cache, block_tables, lengths, kb, vb, *, layer, scale)`` for one implementation:
+    ``"pallas"`` is the kernel (``pallas_kernels.draft_attention``: the whole paged cache in place, reads each
+    row's pages up to its length), ``"reference"`` the drafter's jnp path (``block_hidden``'s: the context of
+    ``cache[layer]`` gathered through the tables, :func:`minimax_jax.draft_attention.draft_attention` with a
+    length mask; reads the whole table width)."""
     if implementation == "pallas":
         return functools.partial(draft_attention_kernel.draft_attention, implementation="pallas")
     if implementation != "reference":
@@ -860,9 +876,12 @@ def _draft_attention_fn(implementation: str):
             f"draft attention implementation must be pallas or reference, got {implementation!r}"
         )
 
-    def f(q, kc, vc, lengths, kb, vb, *, layer, scale):
-        visible = (jnp.arange(kc.shape[2], dtype=jnp.int32)[None, :] < lengths[:, None])[:, None, :]
-        return draft_attention(q, kc[layer], vc[layer], visible, kb, vb, scale=scale)
+    def f(q, kc, vc, tables, lengths, kb, vb, *, layer, scale):
+        capacity = tables.shape[1] * kc.shape[3]
+        visible = (jnp.arange(capacity, dtype=jnp.int32)[None, :] < lengths[:, None])[:, None, :]
+        k_ctx = draft_attention_kernel.paged_context(kc[layer], tables)
+        v_ctx = jnp.where(visible[:, 0, :, None, None], draft_attention_kernel.paged_context(vc[layer], tables), 0)
+        return draft_attention(q, k_ctx, v_ctx, visible, kb, vb, scale=scale)
 
     return f
 
@@ -879,7 +898,7 @@ def draft_attention_impls(spec: str) -> list[str]:
 def build_draft_ops(
     drafter: DSparkDrafter, state: dict, inp: DraftInputs, *, attention_impls: list[str], sampling: str
 ) -> tuple[list[Op], dict]:
-    """The ops of one draft step (then, not in the step's sum, the context write and the engine's slot view),
+    """The ops of one draft step (then, not in the step's sum, the context write and the engine's table install),
     each run once in order. Returns ``(ops, chain outputs)``."""
     cfg = drafter.cfg
     c = cfg.layer_config
@@ -894,7 +913,8 @@ def build_draft_ops(
         c.vocab_size,
     )
     b = jnp.dtype(drafter.dtype).itemsize
-    capacity = state["dk"].shape[2]
+    page = state["dk"].shape[3]
+    capacity = inp.block_tables.shape[1] * page
     n_layers = c.num_hidden_layers
     ops: list[Op] = []
 
@@ -920,6 +940,7 @@ def build_draft_ops(
         )
     )
     ctx_len = float(np.sum(np.asarray(end)))
+    ctx_pages = float(np.sum(-(-np.asarray(end) // page)))
     scale = hd**-0.5
     for li, layer in enumerate(drafter.layers):
         tag = f"D{li}"
@@ -951,21 +972,22 @@ def build_draft_ops(
             "proj",
         )
         att_flops = 4.0 * (ctx_len * k + r_rows * k * k) * h * hd
-        att_bytes = (ctx_len * g * hd * 2 + m_rows * g * hd * 2 + 2 * m_rows * h * hd) * b + r_rows * 4
+        att_bytes = (ctx_len * g * hd * 2 + m_rows * g * hd * 2 + 2 * m_rows * h * hd) * b + r_rows * 4 \
+            + ctx_pages * 4  # lengths, and the block-table entries of the pages read
         o = None
         for impl in attention_impls:
             fn = _jit(functools.partial(_draft_attention_fn(impl), layer=li, scale=scale))
             out = op(
                 f"draft_attention[{impl}]",
                 fn,
-                (q, Ref("dk"), Ref("dv"), end, kb, vb),
+                (q, Ref("dk"), Ref("dv"), inp.block_tables, end, kb, vb),
                 att_flops,
                 att_bytes,
                 "attention",
                 in_sum=o is None,
-                note="context K/V up to each row's length once per KV head + the block's own keys"
+                note="context K/V up to each row's length (its shuffled pages) once per KV head + the block's keys"
                 + ("" if o is None else " (alternative implementation: not in the sum)"),
-                detail={"capacity": capacity, "mean_context": ctx_len / max(r_rows, 1)},
+                detail={"capacity": capacity, "page": page, "mean_context": ctx_len / max(r_rows, 1)},
             )
             o = out if o is None else o
         fn, st = module_fn(layer.self_attn, lambda m, x_, o_: x_ + m.o_proj(o_.reshape(*o_.shape[:2], -1)))
@@ -1042,7 +1064,7 @@ def build_draft_ops(
         )
     )
 
-    # ---- beside the step: context write after verification, the engine's slot view
+    # ---- beside the step: context write after verification, the engine's table install
     t_ctx = inp.features.shape[0]
     m_feat = cfg.num_target_features
     fn, st = module_fn(drafter, lambda m, f_: m.project_features(f_))
@@ -1081,44 +1103,39 @@ def build_draft_ops(
         )
     )
 
-    def scatter(kc, vc, k_, v_, rows, p):
-        keep = (rows >= 0) & (p >= 0) & (p < kc.shape[2])
-        rows_w = jnp.where(keep, rows, kc.shape[1])
-        pos_w = jnp.where(keep, p, kc.shape[2])
-        return (
-            kc.at[:, rows_w, pos_w].set(k_.astype(kc.dtype), mode="drop"),
-            vc.at[:, rows_w, pos_w].set(v_.astype(vc.dtype), mode="drop"),
-        )
+    def scatter(kc, vc, tables, k_, v_, rows, p):
+        slots = slot_mapping(tables, rows, p, page_size=kc.shape[3], num_pages=kc.shape[2])
+        write = jax.vmap(write_tokens, in_axes=(0, 0, None))  # over the layers
+        return write(kc, k_, slots), write(vc, v_, slots)
 
     donate = (0, 1) if _donate() else ()
     add(
         Op(
             "ctx.scatter",
             _jit(scatter, donate_argnums=donate),
-            (Ref("dk"), Ref("dv"), k_new, v_new, req, positions),
+            (Ref("dk"), Ref("dv"), inp.block_tables, k_new, v_new, req, positions),
             flops=0.0,
-            bytes=float(2 * 2 * t_ctx * g * hd * n_layers * b),
+            bytes=float(2 * 2 * t_ctx * g * hd * n_layers * b + t_ctx * 4),
             group="context",
             in_sum=False,
             feedback={0: 0, 1: 1},
-            note="the scatter of DSparkDrafter.write_context (cache donated)",
+            note="the page scatter of DSparkDrafter.write_context (cache donated)",
         )
     )
 
-    def view(kc, vc, slots):
-        return kc[:, slots], vc[:, slots]
+    def install(cache_tables, tables, slots):
+        return cache_tables.at[slots].set(tables)
 
-    cache_bytes = _nbytes(state["dk"], state["dv"])
     add(
         Op(
-            "engine.slot_view",
-            _jit(view),
-            (Ref("dk"), Ref("dv"), inp.slots),
+            "engine.install_tables",
+            _jit(install),
+            (inp.block_tables, inp.block_tables, inp.slots),
             flops=0.0,
-            bytes=float(2 * cache_bytes),
+            bytes=float(3 * inp.block_tables.size * 4),
             group="engine",
             in_sum=False,
-            note="spec_decode/step.py's dc.k[:, slot] / dc.v[:, slot]: a copy of the whole draft cache",
+            note="spec_decode/step.py's with_block_tables: the step's tables into its slots' rows (int32)",
         )
     )
     return ops, {"h": hfin, "tokens": out.tokens}
@@ -1298,12 +1315,12 @@ def profile_verify(
 
 def _draft_step_wholes(drafter, inp: DraftInputs, *, sampling: str, impls: list[str]) -> list[Op]:
     """The whole draft step as the engine can run it: ``draft_step`` (the public entry point) per attention
-    implementation; then, with the first implementation, the engine's form (``spec_decode/step.py``: a
-    ``dc.k[:, slot]`` view of the cache, ``block_hidden``, ``sample_block``) and the same without the view
-    (``block_hidden(..., cache_rows=slot)``: the kernel reads the slots in place)."""
+    implementation; then, with the first implementation, the engine's form (``spec_decode/step.py``: the step's
+    block tables installed into its slots' rows, ``block_hidden(..., cache_rows=slot)`` reading the slots'
+    pages in place, ``sample_block``)."""
     graphdef, dstate = nnx.split(drafter)
     sample = sampling == "sample"
-    cache = DraftRef(inp.lengths)
+    cache = DraftRef(inp.lengths, inp.block_tables)
     ops = []
     for impl in impls:
 
@@ -1331,21 +1348,17 @@ def _draft_step_wholes(drafter, inp: DraftInputs, *, sampling: str, impls: list[
             )
         )
 
-    @functools.partial(_jit, static_argnames="view")
-    def engine(st, cache_, slots, anchors, pos, temps, keys, *, view):
+    @_jit
+    def engine(st, cache_, tables, slots, anchors, pos, temps, keys):
         dr = nnx.merge(graphdef, st)
-        if view:
-            c = dataclasses.replace(
-                cache_, k=cache_.k[:, slots], v=cache_.v[:, slots], lengths=cache_.lengths[slots]
-            )
-            hh = dr.block_hidden(c, anchors, pos, implementation=impls[0])
-        else:
-            hh = dr.block_hidden(cache_, anchors, pos, cache_rows=slots, implementation=impls[0])
+        c = cache_.with_block_tables(tables, slots)
+        c = dataclasses.replace(c, lengths=c.lengths.at[slots].set(cache_.lengths))
+        hh = dr.block_hidden(c, anchors, pos, cache_rows=slots, implementation=impls[0])
         return dr.sample_block(hh, anchors, temps, keys, return_probs=sample)
 
-    args = (dstate, cache, inp.slots, inp.anchors, inp.anchor_positions, inp.temperature, inp.keys)
-    ops.append(Op("whole_engine_draft_view", functools.partial(engine, view=True), args, 0.0, 0.0))
-    ops.append(Op("whole_engine_draft_rows", functools.partial(engine, view=False), args, 0.0, 0.0))
+    args = (dstate, cache, inp.block_tables, inp.slots, inp.anchors, inp.anchor_positions, inp.temperature,
+            inp.keys)
+    ops.append(Op("whole_engine_draft_rows", engine, args, 0.0, 0.0))
     return ops
 
 
@@ -1372,7 +1385,7 @@ def profile_draft(
         f"(capacity {capacity}), {sampling}"
     )
     state = make_draft_state(drafter, num_rows, capacity, seed=seed)
-    inp = make_draft_inputs(drafter, num_rows, context, sampling=sampling, seed=seed)
+    inp = make_draft_inputs(drafter, num_rows, context, capacity, sampling=sampling, seed=seed)
     t0 = time.perf_counter()
     ops, chain = build_draft_ops(drafter, state, inp, attention_impls=attention_impls, sampling=sampling)
     build_s = time.perf_counter() - t0
@@ -1397,7 +1410,7 @@ def profile_draft(
     app = Op(
         "append_context",
         _jit(append, donate_argnums=(1,) if _donate() else ()),
-        (dstate, DraftRef(inp.lengths), inp.features, inp.feature_qsl, inp.start, inp.num_new),
+        (dstate, DraftRef(inp.lengths, inp.block_tables), inp.features, inp.feature_qsl, inp.start, inp.num_new),
         0.0,
         0.0,
         feedback={1: None},
@@ -1421,7 +1434,7 @@ def profile_draft(
     }
     log(
         f"# draft {name}: draft_step {wholes['whole_draft_step_ms']:.3f} ms (engine form "
-        f"{wholes['whole_engine_draft_view_ms']:.3f} ms), sum of ops {summary['sum_of_ops_ms']:.3f} ms, "
+        f"{wholes['whole_engine_draft_rows_ms']:.3f} ms), sum of ops {summary['sum_of_ops_ms']:.3f} ms, "
         f"floor {summary['floor']['serial_ms']:.3f} ms serial; append_context "
         f"{wholes['whole_append_context_ms']:.3f} ms"
     )
@@ -1435,6 +1448,7 @@ def profile_draft(
         "draft_layers": n_layers,
         "context": context,
         "capacity": capacity,
+        "page": page_size_for(cfg.layer_config),
         "sampling": sampling,
         "markov_rank": cfg.markov_rank,
         "attention_implementations": attention_impls,

@@ -47,7 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minimax_jax.cache import cache_bytes_per_page
+from minimax_jax.cache import cache_bytes_per_page, page_size_for
+from minimax_jax.draft_cache import draft_cache_bytes_per_page
 from spec_decode.budget import DEFAULT_MIN_PREDICTED_GAIN, choose_budget_device
 from spec_decode.cost_table import CostTable, CostTableArrays, time_callable
 from spec_decode.scheduler import Request, RequestStatus, next_pow2
@@ -61,9 +62,9 @@ __all__ = ["LoopConfig", "LoopControls", "LoopInputs", "LoopOutputs", "OfflineBa
 class LoopConfig:
     """Static shape and settings of one compiled loop program (its compilation key).
 
-    ``rows`` (R, a power of two) request rows; ``num_pages`` the page pool; ``capacity`` the drafter context
-    capacity (``max_blocks x page``); ``prefill_tokens`` the packed tokens of one prefill step and
-    ``max_prefill_steps`` the (padded) number of them; ``output_len`` (W) the output buffer width, also the bound
+    ``rows`` (R, a power of two) request rows; ``num_pages`` the page pool (the target's and the drafter
+    context's: the draft cache lives on the same pages); ``capacity`` a row's reach (``max_blocks x page``);
+    ``prefill_tokens`` the packed tokens of one prefill step and ``max_prefill_steps`` the (padded) number of them; ``output_len`` (W) the output buffer width, also the bound
     on decode steps (every step emits at least one token per unfinished row); ``token_buckets`` the verify
     sizes, ascending; ``max_total_logit_rows`` the verify-logits bound.
     """
@@ -375,10 +376,8 @@ def _bytes_needed(config: LoopConfig, target, drafter, cache_dtype) -> int:
     """Device memory the program allocates beyond the weights: caches, drafter context, verify logits, outputs."""
     cfg = target.cfg
     total = config.num_pages * cache_bytes_per_page(cfg, cache_dtype)
-    if drafter is not None and config.step.num_speculative_tokens:
-        c = drafter.cfg.layer_config
-        total += 2 * c.num_hidden_layers * config.rows * config.capacity * c.num_key_value_heads * c.head_dim \
-            * cache_dtype.itemsize
+    if drafter is not None and config.step.num_speculative_tokens:  # the draft cache shares the target's pages
+        total += config.num_pages * draft_cache_bytes_per_page(drafter.cfg, page_size_for(cfg), cache_dtype)
     total += config.logit_rows(config.token_buckets[-1]) * cfg.vocab_size * 4 * 2  # logits + filtered copy
     total += config.rows * config.output_len * 4 * 2
     return int(total)

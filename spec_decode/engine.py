@@ -31,6 +31,7 @@ from flax import nnx
 
 from minimax_jax.cache import cache_bytes_per_page, page_size_for
 from minimax_jax.decode import choose_implementation
+from minimax_jax.draft_cache import draft_cache_bytes_per_page
 from minimax_jax.model import check_input_ids
 from spec_decode.budget import choose_budget
 from spec_decode.cost_table import CostTable, time_callable
@@ -84,8 +85,9 @@ class Engine:
       max_num_seqs: slots: requests decoded concurrently (more prompts than slots are admitted as slots free).
       max_model_len: longest sequence (prompt + output); default the target's ``max_position_embeddings``
         capped at 4096.
-      num_pages / memory_fraction: the KV page pool: an explicit page count, or a fraction of the accelerator's
-        free memory; default: enough pages for every slot at ``max_model_len`` (no preemption).
+      num_pages / memory_fraction: the KV page pool (the target's K/V and the drafter's context K/V share it:
+        one page id holds both): an explicit page count, or a fraction of the accelerator's free memory;
+        default: enough pages for every slot at ``max_model_len`` (no preemption).
       max_num_batched_tokens: prefill tokens per step (chunked prefill).
       max_total_logit_rows: bound on the verify-logits rows per step (``rows x V`` float32); the planner and
         the fixed mode respect it at any concurrency (fixed K verifies fewer drafts, evenly, when it binds).
@@ -190,12 +192,20 @@ class Engine:
             if "bytes_limit" not in stats:
                 raise ValueError("memory_fraction needs a device that reports its memory (a GPU); pass num_pages")
             free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-            pages = int(free * memory_fraction) // cache_bytes_per_page(self.target.cfg, self.cache_dtype)
+            pages = int(free * memory_fraction) // self._bytes_per_page()
             if pages < per_request:
                 raise ValueError(f"memory_fraction={memory_fraction} gives {pages} pages, fewer than one request "
                                  f"of max_model_len={self.max_model_len} needs ({per_request})")
             return pages
         return self.max_num_seqs * per_request
+
+    def _bytes_per_page(self) -> int:
+        """Device bytes of one page of the pool: the target's K/V (and index keys) plus, when drafting, the draft
+        cache's K/V on the same page id (the draft cache shares the target's pool)."""
+        per_page = cache_bytes_per_page(self.target.cfg, self.cache_dtype)
+        if self.drafter is not None:
+            per_page += draft_cache_bytes_per_page(self.drafter.cfg, self.page_size, self.cache_dtype)
+        return per_page
 
     def _set_cost_table(self, cost_table) -> None:
         if cost_table is None or cost_table == "flat":

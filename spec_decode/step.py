@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from minimax_jax.cache import PagedCache, init_cache
+from minimax_jax.cache import PagedCache, init_cache, page_size_for
 from minimax_jax.decode import RaggedBatch, forward_ragged
 from pallas_kernels.metadata import token_to_request
 from spec_decode.allocator import allocate_drafts
@@ -88,7 +88,8 @@ class DecodeState:
     """
 
     cache: PagedCache
-    draft_cache: object  # minimax_jax DraftCache (k, v [L, N, S, H_kv, D], lengths [N]) or None (mode "none")
+    draft_cache: object  # minimax_jax DraftCache on the target's pages (k, v [L, H_kv, P, page, D], lengths [N],
+    #                      block_tables [N, B]: the target's tables of each slot's latest step) or None ("none")
     num_cached: jax.Array  # int32[N]
     last_token: jax.Array  # int32[N]
     prev_confidences: jax.Array  # f32[N, K]
@@ -138,13 +139,18 @@ class StepOutput:
 
 def init_state(target, drafter, *, num_slots: int, num_pages: int, max_model_len: int, num_speculative_tokens: int,
                use_estimator: bool, cache_dtype=None) -> DecodeState:
-    """A fresh :class:`DecodeState`: empty caches, every slot empty (confidences 1.0)."""
+    """A fresh :class:`DecodeState`: empty caches, every slot empty (confidences 1.0).
+
+    The drafter's context cache shares the target's page pool: ``num_pages`` pages of the target's page size,
+    block tables ``[num_slots, cdiv(max_model_len, page)]`` (the plans' width) that each step fills with the
+    target's tables of its slots, so no second allocator exists."""
     cfg = target.cfg
     dtype = target.dtype if cache_dtype is None else cache_dtype
     k = num_speculative_tokens
     draft_cache = None
     if drafter is not None and k > 0:
-        draft_cache = drafter.init_cache(num_slots, max_model_len, dtype=dtype)
+        draft_cache = drafter.init_cache(num_slots, max_model_len, dtype=dtype, page_size=page_size_for(cfg),
+                                         num_pages=num_pages)
     return DecodeState(
         cache=init_cache(cfg, num_pages, dtype=dtype),
         draft_cache=draft_cache,
@@ -174,6 +180,21 @@ def _stop(tokens, num_emitted, stop_ids, max_emit):
     count = jnp.clip(jnp.minimum(num_emitted, first_stop + 1), 0, jnp.maximum(max_emit, 0))
     finished = (num_emitted > 0) & ((first_stop < count) | (count >= max_emit))
     return count, finished
+
+
+def _draft_cache_for(state: DecodeState, plan: StepPlan, slots: jax.Array):
+    """The draft cache with the plan's block tables installed for the step's ``slots`` (-1: padding rows).
+
+    Static checks name the mismatch: the draft pool must be the target's (same page size and page count) and
+    the plan's tables as wide as the draft cache's."""
+    dc, cache = state.draft_cache, state.cache
+    if (dc.page_size, dc.num_pages) != (cache.page_size, cache.num_pages):
+        raise ValueError(f"the draft cache ({dc.num_pages} pages of {dc.page_size}) must share the target's page "
+                         f"pool ({cache.num_pages} pages of {cache.page_size}): build it with init_state")
+    if plan.block_tables.shape[1] != dc.max_blocks:
+        raise ValueError(f"plan.block_tables has width {plan.block_tables.shape[1]}, the draft cache's tables "
+                         f"{dc.max_blocks} (cdiv(max_model_len, page)): both come from the same max_model_len")
+    return dc.with_block_tables(plan.block_tables, slots)
 
 
 def _estimator_feature(scaled_logits: jax.Array) -> jax.Array:
@@ -215,9 +236,11 @@ def make_step_fn(target, drafter, config: StepConfig):
         # ---- 1. draft
         if k > 0:
             drafter = nnx.merge(dgraph, drafter_params)
+            # the draft cache lives on the target's pages: this step's slots take the plan's block tables
+            dc = _draft_cache_for(state, plan, jnp.where(valid, slot, -1))
             # each decode row drafts from its slot's context, read in place (no per-step copy of the cache);
             # other rows see no context
-            h = drafter.block_hidden(state.draft_cache, anchor, num_cached,
+            h = drafter.block_hidden(dc, anchor, num_cached,
                                      cache_rows=jnp.where(is_decode, slot, -1),
                                      implementation="reference" if config.implementation == "reference" else "auto",
                                      interpret=config.interpret)
@@ -312,7 +335,6 @@ def make_step_fn(target, drafter, config: StepConfig):
             tr = jnp.maximum(treq, 0)
             ti = jnp.arange(t, dtype=jnp.int32) - qsl[tr]
             write = (treq >= 0) & (ti < num_new[tr])
-            dc = state.draft_cache
             lengths = _scatter(dc.lengths, slot, num_cached + num_new, commit)
             new_state["draft_cache"] = drafter.write_context(dc, features_cat, jnp.where(write, slot[tr], -1),
                                                              num_cached[tr] + ti, lengths)

@@ -22,8 +22,8 @@ from pallas_kernels.tuning import DraftAttentionLaunchConfig, draft_attention_la
 
 
 def oracle(q, kc, vc, lengths, kb, vb, scale, cache_rows=None):
-    """One (row, slot, head) at a time in float64: context keys j < length of the row's cache row, then the
-    block's K keys, one softmax."""
+    """One (row, slot, head) at a time in float64: context keys j < length of the row's cache row (``kc, vc
+    [R_c, S, H_kv, D]``, in position order), then the block's K keys, one softmax."""
     q, kc, vc, kb, vb = (np.asarray(a, np.float64) for a in (q, kc, vc, kb, vb))
     r_rows, k_slots, h, d = q.shape
     g = kb.shape[2]
@@ -42,67 +42,95 @@ def oracle(q, kc, vc, lengths, kb, vb, scale, cache_rows=None):
     return out
 
 
-def inputs(rng, *, rows, cache_rows, k, h, g, d, capacity, layers=None, dtype=np.float32):
-    lead = () if layers is None else (layers,)
+def inputs(rng, *, rows, k, h, g, d, dtype=np.float32):
+    """Block queries and the block's own keys and values."""
     q = rng.standard_normal((rows, k, h, d)).astype(dtype)
-    kc = rng.standard_normal((*lead, cache_rows, capacity, g, d)).astype(dtype)
-    vc = rng.standard_normal((*lead, cache_rows, capacity, g, d)).astype(dtype)
     kb = rng.standard_normal((rows, k, g, d)).astype(dtype)
     vb = rng.standard_normal((rows, k, g, d)).astype(dtype)
-    return q, kc, vc, kb, vb
+    return q, kb, vb
 
 
-def poison_past(cache, lengths_by_cache_row):
-    """NaN at and past each cache row's length: the kernel must never read there."""
-    cache = np.array(cache)
+def paged_cache(rng, *, cache_rows, max_blocks, page, g, d, layers=None, spare=3, dtype=np.float32):
+    """Random paged K/V ``[L?, H_kv, P, page, D]`` with ``P = cache_rows * max_blocks + spare`` pages and SHUFFLED
+    block tables ``int32[cache_rows, max_blocks]`` (a random permutation: no row owns a contiguous run, and
+    ``spare`` pages belong to nobody)."""
+    num_pages = cache_rows * max_blocks + spare
+    lead = () if layers is None else (layers,)
+    kc = rng.standard_normal((*lead, g, num_pages, page, d)).astype(dtype)
+    vc = rng.standard_normal((*lead, g, num_pages, page, d)).astype(dtype)
+    tables = rng.permutation(num_pages)[: cache_rows * max_blocks].reshape(cache_rows, max_blocks)
+    return kc, vc, tables.astype(np.int32)
+
+
+def poison_unowned(cache, tables, lengths_by_cache_row):
+    """NaN everywhere except each cache row's positions below its length: pages of other rows, spare pages and
+    the tails of partly filled pages. The kernel must never read there."""
+    page = cache.shape[-2]
+    live = np.zeros(cache.shape[-4:-1], bool)[0]  # [P, page]
     for row, n in enumerate(lengths_by_cache_row):
-        cache[..., row, n:, :, :] = np.nan
-    return cache
+        for j in range(int(n)):
+            live[tables[row, j // page], j % page] = True
+    return np.where(live[:, :, None], cache, np.nan).astype(cache.dtype)
 
 
-def test_kernel_against_oracle_reference_and_jnp():
-    """fp32, K = 7 (not a power of 2), the whole [L, R, S, H_kv, D] cache with a layer, a row map with a
-    padding row (-1), lengths 0 / 1 / a step / a step + 1 / the capacity (37, not a multiple of the 16-key
-    step), NaN past every length, NaN-initialised outputs."""
-    rng = np.random.default_rng(0)
-    k, h, g, d, cap, layers = 7, 4, 2, 16, 37, 2
-    q, kc, vc, kb, vb = inputs(rng, rows=6, cache_rows=6, k=k, h=h, g=g, d=d, capacity=cap, layers=layers)
-    cache_rows = np.array([2, 0, -1, 5, 4, 3], np.int32)
-    lengths = np.array([0, 1, 30, 16, 37, 17], np.int32)
-    q[2] = 30.0  # the padding row: large queries, no context
-    by_cache_row = np.zeros(6, np.int64)
+def dense_view(cache, tables):
+    """``[H_kv, P, page, D]`` through ``tables [R_c, nb]`` -> ``[R_c, nb * page, H_kv, D]`` (numpy)."""
+    g, _, page, d = cache.shape
+    pages = cache[:, tables]  # [G, R_c, nb, page, D]
+    return np.moveaxis(pages, 0, 3).reshape(tables.shape[0], -1, g, d)
+
+
+def by_cache_row(cache_rows, lengths, num_cache_rows):
+    n = np.zeros(num_cache_rows, np.int64)
     for r, row in enumerate(cache_rows):
         if row >= 0:
-            by_cache_row[row] = lengths[r]
-    clean_k, clean_v = kc[1].copy(), vc[1].copy()
-    kc, vc = poison_past(kc, by_cache_row), poison_past(vc, by_cache_row)
-    config = DraftAttentionLaunchConfig(block_h=2, block_s=16, num_splits=1, num_warps=4, num_stages=2)
-    args = (
-        jnp.asarray(q),
-        jnp.asarray(kc),
-        jnp.asarray(vc),
-        jnp.asarray(lengths),
-        jnp.asarray(kb),
-        jnp.asarray(vb),
-        jnp.asarray(cache_rows),
-    )
-    out = np.asarray(
-        da.draft_attention_pallas(*args, scale=0.3, layer=1, config=config, interpret=True, poison=True)
-    )
-    want = oracle(q, kc[1], vc[1], lengths, kb, vb, 0.3, cache_rows)
-    assert np.isfinite(out).all()
-    np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
-    reference = jax.jit(lambda *a: da.draft_attention_reference(*a[:6], scale=0.3, layer=1, cache_rows=a[6]))
-    ref = reference(*args)
-    np.testing.assert_allclose(np.asarray(ref), want, atol=2e-5, rtol=2e-5)
-    # The drafter's jnp path (a length mask over the gathered rows; it reads the capacity, so no NaN there).
-    rows = np.maximum(cache_rows, 0)
+            n[row] = max(n[row], lengths[r])
+    return n
+
+
+@pytest.mark.parametrize(
+    "block_s, num_splits, seed",
+    [(8, 1, 0), (4, 3, 1)],  # one step per page; two steps per page with split-K
+)
+def test_paged_kernel_against_oracle_and_reference(block_s, num_splits, seed):
+    """fp32, K = 7 (not a power of 2), the whole [L, H_kv, P, page, D] cache read at two of its three layers,
+    SHUFFLED block tables, a row map with a padding row (-1) and rows in another order, lengths 0 / 1 /
+    page - 1 / page / page + 1 / full / random; every page position a row does not own up to its length is NaN;
+    outputs poisoned (NaN) before the run; fresh random inputs per case."""
+    rng = np.random.default_rng(seed)
+    k, h, g, d, page, nb, layers, rows = 7, 4, 2, 16, 8, 5, 3, 8
+    full = nb * page
+    q, kb, vb = inputs(rng, rows=rows, k=k, h=h, g=g, d=d)
+    kc, vc, tables = paged_cache(rng, cache_rows=rows, max_blocks=nb, page=page, g=g, d=d, layers=layers)
+    cache_rows = rng.permutation(rows).astype(np.int32)
+    cache_rows[3] = -1  # a padding row: no context
+    lengths = np.array([0, 1, page - 1, 30, page, page + 1, full, rng.integers(1, full)], np.int32)
+    q[3] = 30.0  # the padding row: large queries, no context
+    n_by_row = by_cache_row(cache_rows, lengths, rows)
+    clean = (kc.copy(), vc.copy())
+    kc = np.stack([poison_unowned(kc[li], tables, n_by_row) for li in range(layers)])
+    vc = np.stack([poison_unowned(vc[li], tables, n_by_row) for li in range(layers)])
+    config = DraftAttentionLaunchConfig(block_h=2, block_s=block_s, num_splits=num_splits, num_warps=4,
+                                        num_stages=2)
+    args = [jnp.asarray(a) for a in (q, kc, vc, tables, lengths, kb, vb, cache_rows)]
+    for layer in (0, 2):
+        out = np.asarray(da.draft_attention_pallas(*args, scale=0.3, layer=layer, config=config, interpret=True,
+                                                   poison=True))
+        want = oracle(q, dense_view(clean[0][layer], tables), dense_view(clean[1][layer], tables), lengths, kb, vb,
+                      0.3, cache_rows)
+        assert np.isfinite(out).all()
+        np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5, err_msg=f"layer {layer}")
+        ref = da.draft_attention_reference(*args[:7], scale=0.3, layer=layer, cache_rows=args[7])
+        np.testing.assert_allclose(np.asarray(ref), want, atol=2e-5, rtol=2e-5, err_msg=f"layer {layer}")
+    # The drafter's jnp path (a length mask over the rows gathered through the tables; clean pages).
+    layer = 2
+    safe_rows = np.maximum(cache_rows, 0)
     ends = np.where(cache_rows >= 0, lengths, 0)
-    visible = (np.arange(cap)[None, :] < ends[:, None])[:, None, :]
+    visible = (np.arange(full)[None, :] < ends[:, None])[:, None, :]
     jnp_out = jax.jit(jnp_draft_attention, static_argnames="scale")(
         jnp.asarray(q),
-        jnp.asarray(clean_k[rows]),
-        jnp.asarray(clean_v[rows]),
+        da.paged_context(jnp.asarray(clean[0][layer]), jnp.asarray(tables[safe_rows])),
+        da.paged_context(jnp.asarray(clean[1][layer]), jnp.asarray(tables[safe_rows])),
         jnp.asarray(visible),
         jnp.asarray(kb),
         jnp.asarray(vb),
@@ -112,21 +140,23 @@ def test_kernel_against_oracle_reference_and_jnp():
 
 
 def test_split_k_head_chunks_bf16():
-    """bf16, a [R, S, H_kv, D] cache without a row map, 3 query heads per KV head in chunks of 2 (one masked
-    head), the context split 3 ways (a split with no context step, the block keys in the last split only),
-    lengths 0 / 1 / the capacity."""
+    """bf16, a one-layer [H_kv, P, page, D] cache on shuffled pages without a row map, 3 query heads per KV
+    head in chunks of 2 (one masked head), the context split 3 ways (a split with no context step, the block
+    keys in the last split only), lengths 0 / 1 / full / a partial page; NaN on every unowned position."""
     rng = np.random.default_rng(1)
-    k, h, g, d, cap = 7, 6, 2, 16, 40
-    q, kc, vc, kb, vb = inputs(rng, rows=4, cache_rows=4, k=k, h=h, g=g, d=d, capacity=cap)
-    lengths = np.array([0, 1, 40, 23], np.int32)
-    kc, vc = poison_past(kc, lengths), poison_past(vc, lengths)
+    k, h, g, d, page, nb = 7, 6, 2, 16, 16, 3
+    q, kb, vb = inputs(rng, rows=4, k=k, h=h, g=g, d=d)
+    kc, vc, tables = paged_cache(rng, cache_rows=4, max_blocks=nb, page=page, g=g, d=d)
+    lengths = np.array([0, 1, nb * page, 23], np.int32)
+    kc, vc = poison_unowned(kc, tables, lengths), poison_unowned(vc, tables, lengths)
     q, kc, vc, kb, vb = (jnp.asarray(a, jnp.bfloat16) for a in (q, kc, vc, kb, vb))
-    args = (q, kc, vc, jnp.asarray(lengths), kb, vb)
+    args = (q, kc, vc, jnp.asarray(tables), jnp.asarray(lengths), kb, vb)
     config = DraftAttentionLaunchConfig(block_h=2, block_s=16, num_splits=3, num_warps=4, num_stages=2)
     out = da.draft_attention_pallas(*args, scale=0.25, layer=None, config=config, interpret=True, poison=True)
     assert out.dtype == jnp.bfloat16
-    rounded = [np.asarray(a.astype(jnp.float32)) for a in (args[0], args[1], args[2], args[4], args[5])]
-    want = oracle(rounded[0], rounded[1], rounded[2], lengths, rounded[3], rounded[4], 0.25)
+    f32 = [np.asarray(a.astype(jnp.float32)) for a in (q, kc, vc, kb, vb)]
+    want = oracle(f32[0], np.nan_to_num(dense_view(f32[1], tables)), np.nan_to_num(dense_view(f32[2], tables)),
+                  lengths, f32[3], f32[4], 0.25)
     got = np.asarray(out.astype(jnp.float32))
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2)  # bf16 p and output rounding
@@ -134,15 +164,18 @@ def test_split_k_head_chunks_bf16():
 
 @pytest.mark.parametrize("chip", ["hopper", "cdna3"])
 def test_lowers_for_gpu(chip):
-    """Deviceless Triton lowering at M3 draft shapes: K = 7, 64 query / 4 KV heads of 128, 4K context in a
-    5-layer bf16 draft cache, R = 512 (one split) and R = 64 (split-K and the merge kernel)."""
+    """Deviceless Triton lowering at M3 draft shapes: K = 7, 64 query / 4 KV heads of 128, 4K context on
+    128-token pages of a 5-layer bf16 draft cache read through block tables, R = 512 (one split) and R = 64
+    (split-K and the merge kernel)."""
     s = jax.ShapeDtypeStruct
+    page, nb = 128, 33
     for rows in (512, 64):
-        cache = s((5, rows, 4112, 4, 128), jnp.bfloat16)
+        cache = s((5, 4, rows * nb + 1, page, 128), jnp.bfloat16)
         shapes = (
             s((rows, 7, 64, 128), jnp.bfloat16),
             cache,
             cache,
+            s((rows, nb), jnp.int32),
             s((rows,), jnp.int32),
             s((rows, 7, 4, 128), jnp.bfloat16),
             s((rows, 7, 4, 128), jnp.bfloat16),
@@ -158,13 +191,15 @@ def test_lowers_for_gpu(chip):
         )
         assert "triton" in text.lower() and "draft_attention_rows128_bs" in text
         config = draft_attention_launch_config(
-            num_rows=rows, block_size=7, num_q_heads=64, num_kv_heads=4, capacity=4112, chip=chip
+            num_rows=rows, block_size=7, num_q_heads=64, num_kv_heads=4, capacity=nb * page, page_size=page,
+            chip=chip
         )
         assert ("draft_attention_merge_splits" in text) == (config.num_splits > 1)
 
 
 def test_launch_policy():
-    m3 = {"block_size": 7, "num_q_heads": 64, "num_kv_heads": 4, "capacity": 4112, "head_dim": 128}
+    m3 = {"block_size": 7, "num_q_heads": 64, "num_kv_heads": 4, "capacity": 4224, "page_size": 128,
+          "head_dim": 128}
     big = draft_attention_launch_config(num_rows=512, chip="hopper", **m3)
     assert (big.block_h, big.block_s, big.num_splits, big.num_warps) == (16, 64, 1, 8)
     assert tuning.draft_attention_rows(7, big.block_h) == 128
@@ -172,47 +207,59 @@ def test_launch_policy():
     for chip in tuning.CHIPS:
         pol = tuning.TABLES[chip].draft_attention
         for rows in (1, 64, 512):
-            c = draft_attention_launch_config(num_rows=rows, chip=chip, **m3)
-            assert c.block_s >= tuning.MIN_DOT_DIM and not c.block_s & (c.block_s - 1)
-            assert c.num_warps <= 8 and not c.num_warps & (c.num_warps - 1)
-            assert 1 <= c.num_splits <= pol.max_splits
-            assert 128 * 128 * 2 + c.num_stages * 2 * c.block_s * 128 * 2 <= pol.smem_bytes
-    # A large group is cut into head chunks that fit max_rows; a short capacity shrinks the step.
+            for page in (16, 128):
+                c = draft_attention_launch_config(num_rows=rows, chip=chip, **{**m3, "page_size": page})
+                assert c.block_s >= tuning.MIN_DOT_DIM and not c.block_s & (c.block_s - 1)
+                assert page % c.block_s == 0  # a step never crosses a page
+                assert c.num_warps <= 8 and not c.num_warps & (c.num_warps - 1)
+                assert 1 <= c.num_splits <= pol.max_splits
+                assert 128 * 128 * 2 + c.num_stages * 2 * c.block_s * 128 * 2 <= pol.smem_bytes
+    # A large group is cut into head chunks that fit max_rows; a short capacity or a small page shrinks the step.
     wide = draft_attention_launch_config(
-        num_rows=8, block_size=7, num_q_heads=64, num_kv_heads=1, capacity=20
+        num_rows=8, block_size=7, num_q_heads=64, num_kv_heads=1, capacity=20, page_size=128
     )
     assert tuning.draft_attention_rows(7, wide.block_h) <= 128 and wide.block_s == 16
+    assert draft_attention_launch_config(num_rows=8, chip="hopper", **{**m3, "page_size": 4}).block_s == 4
 
 
 def test_supports_and_errors():
-    m3 = {"head_dim": 128, "num_q_heads": 64, "num_kv_heads": 4, "block_size": 7}
+    m3 = {"head_dim": 128, "num_q_heads": 64, "num_kv_heads": 4, "block_size": 7, "page_size": 128}
     assert da.supports(dtype=jnp.bfloat16, **m3) and da.supports(dtype=jnp.float32, chip="cdna3", **m3)
     assert not da.supports(dtype=jnp.float16, **{**m3, "head_dim": 8})
     assert da.supports(dtype=jnp.float16, interpret=True, **{**m3, "head_dim": 8})
+    assert not da.supports(dtype=jnp.bfloat16, **{**m3, "page_size": 8})  # a compiled step is >= 16 keys
+    assert da.supports(dtype=jnp.bfloat16, interpret=True, **{**m3, "page_size": 4})
+    assert not da.supports(dtype=jnp.bfloat16, interpret=True, **{**m3, "page_size": 24})
     assert not da.supports(dtype=jnp.int8, interpret=True, **m3)
     assert not da.supports(dtype=jnp.bfloat16, **{**m3, "num_q_heads": 63})
     s = jax.ShapeDtypeStruct
     q, kb = s((2, 7, 4, 16), jnp.float32), s((2, 7, 2, 16), jnp.float32)
-    cache5, lens = s((3, 2, 9, 2, 16), jnp.float32), s((2,), jnp.int32)
+    cache5, lens, bt = s((3, 2, 9, 8, 16), jnp.float32), s((2,), jnp.int32), s((2, 4), jnp.int32)
+
+    def call(*a, **kw):
+        return jax.eval_shape(lambda *x: da.draft_attention(*x, scale=1.0, **kw), *a)
+
     with pytest.raises(ValueError, match="layer"):
-        jax.eval_shape(lambda *a: da.draft_attention(*a, scale=1.0), q, cache5, cache5, lens, kb, kb)
+        call(q, cache5, cache5, bt, lens, kb, kb)
     with pytest.raises(ValueError, match="k_blk"):
-        jax.eval_shape(lambda *a: da.draft_attention(*a, scale=1.0, layer=0), q, cache5, cache5, lens, q, q)
+        call(q, cache5, cache5, bt, lens, q, q, layer=0)
     with pytest.raises(ValueError, match="implementation"):
-        jax.eval_shape(
-            lambda *a: da.draft_attention(*a, scale=1.0, layer=0, implementation="triton"),
-            q,
-            cache5,
-            cache5,
-            lens,
-            kb,
-            kb,
-        )
+        call(q, cache5, cache5, bt, lens, kb, kb, layer=0, implementation="triton")
+    with pytest.raises(ValueError, match="block_tables must be int32"):
+        call(q, cache5, cache5, s((2,), jnp.int32), lens, kb, kb, layer=0)
+    with pytest.raises(ValueError, match="block tables must hold R=2 rows"):
+        call(q, cache5, cache5, s((3, 4), jnp.int32), lens, kb, kb, layer=0)
+    with pytest.raises(ValueError, match="k_cache must be paged"):
+        call(q, s((2, 9, 2, 16), jnp.float32), s((2, 9, 2, 16), jnp.float32), bt, lens, kb, kb, layer=0)
+    config = DraftAttentionLaunchConfig(block_h=2, block_s=16, num_splits=1, num_warps=4, num_stages=2)
+    with pytest.raises(ValueError, match="must divide the page size"):
+        jax.eval_shape(lambda *x: da.draft_attention_pallas(*x, scale=1.0, layer=0, config=config, interpret=True),
+                       q, cache5, cache5, bt, lens, kb, kb)
 
 
 def test_choose_implementation():
     cfg = MiniMaxM3Config.tiny()
-    kw = {"block_size": 7, "dtype": jnp.bfloat16}
+    kw = {"block_size": 7, "page_size": 16, "dtype": jnp.bfloat16}
     assert choose_implementation("auto", cfg, **kw) == "reference"  # no GPU here
     assert choose_implementation("auto", cfg, interpret=True, **kw) == "pallas"
     assert choose_implementation("pallas", cfg, **kw) == "pallas"
@@ -221,26 +268,30 @@ def test_choose_implementation():
 
 
 def test_drafter_block_hidden_with_the_kernel():
-    """block_hidden through the kernel (interpret mode) equals the jnp path, also with a row map (padding row
-    -1, rows in another order) that the jnp path serves by gathering the cache."""
+    """block_hidden through the kernel (interpret mode) equals the jnp path on a paged cache with shuffled
+    tables, also with a row map (padding row -1, rows in another order) that the jnp path serves by gathering
+    the tables; and both equal a cache whose rows were laid out by hand in that order on the trivial table."""
     from scripts.profile_step import make_random, normal_arrays
 
     target = MiniMaxM3Config.tiny()
     cfg = DSparkConfig.for_target(
-        target, mask_token_id=3, block_size=7, num_draft_layers=1, target_layer_ids=(1, 3)
+        target, mask_token_id=3, block_size=7, num_draft_layers=2, target_layer_ids=(1, 3)
     )
     drafter = make_random(DSparkDrafter, cfg, dtype=jnp.float32, seed=0, stddev=0.2)
     c = cfg.layer_config
-    rows, cap = 4, 12  # a capacity under the 16-key step: every step is a masked one
-    kc, vc = normal_arrays([((1, rows, cap, c.num_key_value_heads, c.head_dim), jnp.float32)] * 2, seed=1)
-    cache = DraftCache(kc, vc, jnp.asarray([5, 0, 12, 9], jnp.int32))
+    rows, page, nb = 4, 4, 3  # the tiny config's 4-token pages: 12 positions per row
+    num_pages = rows * nb + 2
+    kc, vc = normal_arrays([((2, c.num_key_value_heads, num_pages, page, c.head_dim), jnp.float32)] * 2, seed=1)
+    tables = np.random.default_rng(2).permutation(num_pages)[: rows * nb].reshape(rows, nb).astype(np.int32)
+    lengths = jnp.asarray([5, 0, 12, 9], jnp.int32)
+    cache = DraftCache(kc, vc, lengths, jnp.asarray(tables))
     anchors = jnp.asarray([5, 9, 1, 100], jnp.int32)
     positions = jnp.asarray([5, 3, 12, 7], jnp.int32)  # row 3 drafts before its cached length
     cache_rows = jnp.asarray([2, -1, 0, 3], jnp.int32)
 
     # The row map by hand: row 1 (-1) has no context, row 0 reads cache row 2 (length 12, capped at anchor 5).
-    plain = DraftCache(kc[:, jnp.asarray([2, 0, 0, 3])], vc[:, jnp.asarray([2, 0, 0, 3])],
-                       jnp.asarray([12, 0, 5, 9], jnp.int32))
+    order = np.array([2, 0, 0, 3])
+    plain = DraftCache(kc, vc, jnp.asarray([12, 0, 5, 9], jnp.int32), jnp.asarray(tables[order]))
 
     @jax.jit  # one program: both paths, with and without the row map
     def run(cache, plain, anchors, positions, cache_rows):

@@ -1,4 +1,7 @@
-"""DSpark drafter: config, attention masking, cache vs from-scratch drafting, Markov sampling order, jit."""
+"""DSpark drafter: config, attention masking, cache vs from-scratch drafting, the paged cache, Markov sampling
+order, jit."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -337,6 +340,85 @@ def test_draft_compiles_once_per_shape(drafter, sequences):
 
     np.testing.assert_array_equal(np.asarray(engine_step(state, cache, anchors, pos)),
                                   np.asarray(drafter.draft(cache, anchors, pos).tokens))
+
+
+# ----------------------------------------------------------------------------------------------- paged layout
+def shuffled_cache(d, num_pages, seed, fill=0.0):
+    """A cache on a shared pool of ``num_pages`` pages (filled with ``fill``) whose rows own shuffled pages."""
+    cache = d.init_cache(R, CAP, num_pages=num_pages)
+    tables = np.random.default_rng(seed).permutation(num_pages)[: R * cache.max_blocks].reshape(R, -1)
+    cache = cache.with_block_tables(jnp.asarray(tables, jnp.int32))
+    return dataclasses.replace(cache, k=jnp.full_like(cache.k, fill), v=jnp.full_like(cache.v, fill)), tables
+
+
+def test_shuffled_pages_equal_the_trivial_table(drafter, sequences):
+    """The same context appended (padded, then packed) through shuffled block tables on a larger shared pool
+    and through the trivial table of a private pool: identical hidden states and draft tokens."""
+    ids, feats = sequences
+    page = TCFG.index_block_size
+    trivial = drafter.init_cache(R, CAP)
+    assert trivial.page_size == page and trivial.capacity == CAP and trivial.num_pages == R * CAP // page
+    np.testing.assert_array_equal(np.asarray(trivial.block_tables), np.arange(R * CAP // page).reshape(R, -1))
+    shuffled, _ = shuffled_cache(drafter, R * CAP // page + 5, seed=3)
+    caches = []
+    for cache in (trivial, shuffled):
+        cache = drafter.append_context(cache, feats[:, :9], ZERO, jnp.array([9, 4, 7]))
+        packed = jnp.concatenate([feats[0, 9:14], feats[1, 4:6], feats[2, 7:8]])
+        cache = drafter.append_context_packed(cache, packed, jnp.array([0, 5, 7, 8], jnp.int32),
+                                              jnp.array([9, 4, 7]), jnp.array([5, 2, 1]))
+        caches.append(cache)
+    assert caches[1].lengths.tolist() == [14, 6, 8]
+    pos = jnp.array([14, 6, 8])
+    anchors = ids[ROWS, pos]
+    h = [hidden(drafter, c, anchors, pos) for c in caches]
+    np.testing.assert_array_equal(np.asarray(h[0]), np.asarray(h[1]))
+    np.testing.assert_allclose(np.asarray(h[1]), np.asarray(hidden_reference(drafter, feats, anchors, pos)),
+                               atol=2e-5, rtol=2e-5)
+    toks = [drafter.draft(c, anchors, pos, temperature=0.8, key=jax.random.key(2)).tokens for c in caches]
+    np.testing.assert_array_equal(np.asarray(toks[0]), np.asarray(toks[1]))
+
+
+def test_writes_stay_on_their_rows_pages(drafter, sequences):
+    """A pool poisoned with NaN: a write lands only at (own page, offset) of a live row's positions; padding
+    rows (-1), a row past R, negative positions, positions past the table and rows whose table names no page
+    (-1) write nothing. Reading back through the tables gives exactly the written keys."""
+    _, feats = sequences
+    page = TCFG.index_block_size
+    num_pages = R * CAP // page + 4
+    cache, tables = shuffled_cache(drafter, num_pages, seed=5, fill=np.nan)
+    tables = tables.copy()
+    tables[2, 1:] = -1  # row 2 owns only its first page
+    cache = cache.with_block_tables(jnp.asarray(tables, jnp.int32))
+    n = 8
+    rows = jnp.array([0, 0, 0, -1, 3, 1, 1, 2, 2, 2, 1, 0], jnp.int32)
+    positions = jnp.array([0, 5, CAP - 1, 2, 1, 3, -1, 0, 3, page, CAP, 6], jnp.int32)
+    f = jnp.concatenate([feats[0, :n], feats[1, :4]])
+    out = drafter.write_context(cache, f, rows, positions, jnp.array([7, 4, 4]))
+    k = np.asarray(out.k)
+    written = {(0, 0), (0, 5), (0, CAP - 1), (1, 3), (2, 0), (2, 3), (0, 6)}
+    live = np.zeros((num_pages, page), bool)
+    for r, p in written:
+        live[tables[r, p // page], p % page] = True
+    assert np.isfinite(k[:, :, live]).all()
+    assert np.isnan(k[:, :, ~live]).all() and np.isnan(np.asarray(out.v)[:, :, ~live]).all()
+    want_k, _ = nnx.jit(lambda m, x, p: m.context_kv(m.project_features(x), p))(drafter, f, jnp.maximum(positions, 0))
+    for i, (r, p) in enumerate(zip(rows.tolist(), positions.tolist())):
+        if (r, p) in written:
+            np.testing.assert_allclose(k[:, :, tables[r, p // page], p % page], np.asarray(want_k[:, i]),
+                                       atol=1e-6)
+
+
+def test_paged_cache_errors(drafter):
+    cache = drafter.init_cache(R, CAP)
+    with pytest.raises(ValueError, match="block_tables must be int32\\[3, nb=8\\]"):
+        cache.with_block_tables(jnp.zeros((R, 4), jnp.int32))
+    with pytest.raises(ValueError, match="block_tables must be int32\\[2, nb=8\\]"):
+        cache.with_block_tables(jnp.zeros((3, 8), jnp.int32), rows=jnp.array([0, 1]))
+    with pytest.raises(ValueError, match="page size must be a power of 2, got 6"):
+        drafter.init_cache(R, CAP, page_size=6)
+    bad = dataclasses.replace(cache, block_tables=jnp.zeros((R + 1, 8), jnp.int32))
+    with pytest.raises(ValueError, match="cache.block_tables must be int32\\[R=3, nb\\]"):
+        drafter.draft(bad, jnp.array([1, 2, 3]), ZERO)
 
 
 # ----------------------------------------------------------------------------------------------- Markov head

@@ -1,7 +1,10 @@
 """The speculative engine: greedy outputs equal target-only decoding, continuous batching, preemption, stats,
 compilation count, the logits cap, bad input (CPU, f32, reference kernels)."""
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -10,6 +13,7 @@ from minimax_jax import DSparkDrafter, init_drafter
 from minimax_jax.drafter_config import DSparkConfig
 from spec_decode import Engine, SamplingParams
 from spec_decode.cost_table import CostTable
+from spec_decode.step import StepConfig, StepPlan, init_state, make_step_fn
 from tests.engine_models import (
     EOS,
     VOCAB,
@@ -221,3 +225,34 @@ def test_logits_cap_holds_in_fixed_mode(target, drafters, prompts, references):
     assert [r.token_ids for r in res] == references
     assert max(res.stats["verified_drafts_per_step"]) <= 10 - 2
     assert max(v for r in res for v in r.stats["verified_drafts_per_step"]) == 7  # alone, a request gets all 7
+
+
+def test_draft_cache_shares_the_target_pool(target, drafters):
+    """init_state puts the draft cache on the target's pool (same page size and count, tables as wide as the
+    plans'); a step refuses, while tracing (before any device work), a draft pool of another size or plan tables
+    of another width."""
+    drafter = drafters[7]
+    state = init_state(target, drafter, num_slots=2, num_pages=10, max_model_len=32, num_speculative_tokens=3,
+                       use_estimator=False, cache_dtype=jnp.float32)
+    dc = state.draft_cache
+    assert (dc.num_pages, dc.page_size) == (state.cache.num_pages, state.cache.page_size) == (10, 4)
+    assert dc.block_tables.shape == (2, 8) and (np.asarray(dc.block_tables) == -1).all()
+    step = make_step_fn(target, drafter, StepConfig(num_speculative_tokens=3, mode="fixed",
+                                                    implementation="reference"))
+    r, t = 2, 8
+
+    def plan(width):
+        z = jnp.zeros((r,), jnp.int32)
+        return StepPlan(rows=jnp.arange(r, dtype=jnp.int32), prefill_tokens=jnp.zeros((t,), jnp.int32),
+                        prefill_len=z, prefill_start=z, prefill_last=jnp.zeros((r,), bool), resume_token=z - 1,
+                        block_tables=jnp.zeros((r, width), jnp.int32), scheduled=z, budget=jnp.int32(0),
+                        temperature=jnp.zeros((r,)), top_k=z, top_p=jnp.ones((r,)), seed=z, max_emit=z + 1,
+                        stop_ids=jnp.full((r, 1), -1, jnp.int32), commit=jnp.bool_(False))
+
+    params = (nnx.state(target), nnx.state(drafter))
+    with pytest.raises(ValueError, match="plan.block_tables has width 5, the draft cache's tables 8"):
+        jax.eval_shape(step, *params, state, plan(5))
+    private = dataclasses.replace(state, draft_cache=drafter.init_cache(2, 32, dtype=jnp.float32))
+    with pytest.raises(ValueError, match=r"draft cache \(16 pages of 4\) must share the target's page pool "
+                                         r"\(10 pages of 4\)"):
+        jax.eval_shape(step, *params, private, plan(8))

@@ -209,36 +209,43 @@ def test_moe_ffn_compiled_default_policy(num_tokens):
 )
 def test_draft_attention_compiled(dtype, heads, kv_heads, dim, block_h, block_s, num_splits, num_warps,
                                   num_stages):
-    """The compiled draft-attention kernel against the float64 oracle: K = 7, the whole [L, R, S, H_kv, D] cache
-    with a layer, a row map with a padding row, lengths 0 / 1 / a step / a step - 1 / the capacity (300, not a
-    multiple of the step), NaN past every length, NaN-poisoned outputs."""
+    """The compiled draft-attention kernel against the float64 oracle: K = 7, the whole [L, H_kv, P, page, D]
+    cache with a layer, 64-token pages behind shuffled block tables, a row map with a padding row, lengths 0 /
+    1 / a step / a step - 1 / a page + 1 / the capacity (320), NaN on every position a row does not own below its
+    length, NaN-poisoned outputs."""
     from pallas_kernels import draft_attention as da
-    from tests.test_draft_attention import inputs, oracle, poison_past
+    from tests.test_draft_attention import (
+        by_cache_row,
+        dense_view,
+        inputs,
+        oracle,
+        paged_cache,
+        poison_unowned,
+    )
 
     rng = np.random.default_rng(7)
-    cap = 300
-    q, kc, vc, kb, vb = inputs(rng, rows=6, cache_rows=6, k=7, h=heads, g=kv_heads, d=dim, capacity=cap,
-                               layers=2)
+    page, nb = 64, 5
+    q, kb, vb = inputs(rng, rows=6, k=7, h=heads, g=kv_heads, d=dim)
+    kc, vc, tables = paged_cache(rng, cache_rows=6, max_blocks=nb, page=page, g=kv_heads, d=dim, layers=2)
     cache_rows = np.array([2, 0, -1, 5, 4, 3], np.int32)
-    lengths = np.array([0, 1, 150, block_s, cap, block_s - 1], np.int32)
-    by_row = np.zeros(6, np.int64)
-    for r, row in enumerate(cache_rows):
-        if row >= 0:
-            by_row[row] = lengths[r]
-    kc, vc = poison_past(kc, by_row), poison_past(vc, by_row)
+    lengths = np.array([0, 1, page + 1, block_s, nb * page, block_s - 1], np.int32)
+    by_row = by_cache_row(cache_rows, lengths, 6)
+    clean = (kc[1].copy(), vc[1].copy())
+    kc = np.stack([poison_unowned(kc[i], tables, by_row) for i in range(2)])
+    vc = np.stack([poison_unowned(vc[i], tables, by_row) for i in range(2)])
     jdt = {"f32": jnp.float32, "bf16": jnp.bfloat16}[dtype]
-    args = [jnp.asarray(a, jdt) for a in (q, kc, vc)] + [jnp.asarray(lengths)]
+    args = [jnp.asarray(a, jdt) for a in (q, kc, vc)] + [jnp.asarray(tables), jnp.asarray(lengths)]
     args += [jnp.asarray(a, jdt) for a in (kb, vb)] + [jnp.asarray(cache_rows)]
     config = tuning.DraftAttentionLaunchConfig(block_h=block_h, block_s=block_s, num_splits=num_splits,
                                                num_warps=num_warps, num_stages=num_stages)
     out = da.draft_attention_pallas(*args, scale=dim**-0.5, layer=1, config=config, interpret=False, poison=True)
-    rounded = [np.asarray(a.astype(jnp.float32)) for a in args]
-    want = oracle(rounded[0], rounded[1][1], rounded[2][1], lengths, rounded[4], rounded[5], dim**-0.5,
-                  cache_rows)
+    f32 = [np.asarray(jnp.asarray(a, jdt).astype(jnp.float32)) for a in (q, clean[0], clean[1], kb, vb)]
+    want = oracle(f32[0], dense_view(f32[1], tables), dense_view(f32[2], tables), lengths, f32[3], f32[4],
+                  dim**-0.5, cache_rows)
     got = np.asarray(out.astype(jnp.float32))
     assert np.isfinite(got).all()
     tol = 1e-4 if dtype == "f32" else 3e-2
     np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
     # The policy's own launch (no overrides) gives the same result.
-    auto = da.draft_attention(*args[:6], scale=dim**-0.5, layer=1, cache_rows=args[6])
+    auto = da.draft_attention(*args[:7], scale=dim**-0.5, layer=1, cache_rows=args[7])
     np.testing.assert_allclose(np.asarray(auto.astype(jnp.float32)), want, atol=tol, rtol=tol)

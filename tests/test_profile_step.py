@@ -135,9 +135,9 @@ def test_verify_profile(tmp_path):
 
 
 def test_draft_profile(tmp_path):
-    """A 1-layer drafter at R = 4, K = 7: the draft-step ops, the context write and the engine's slot view
-    beside it (not in the sum), the chain's tokens equal draft_step's, the floor is the context read plus the
-    LM head."""
+    """A 1-layer drafter at R = 4, K = 7 on a paged cache with shuffled pages: the draft-step ops, the context
+    write and the engine's table install beside it (not in the sum), the chain's tokens equal draft_step's, the
+    floor is the context read plus the LM head."""
     out = tmp_path / "d.json"
     result = ps.main(
         [
@@ -170,24 +170,26 @@ def test_draft_profile(tmp_path):
         "lm_head",
         "sampling",
     ]
-    beside = ["ctx.feature_proj", "ctx.context_kv", "ctx.scatter", "engine.slot_view"]
+    beside = ["ctx.feature_proj", "ctx.context_kv", "ctx.scatter", "engine.install_tables"]
     assert names == step + beside
     assert [r["op"] for r in prof["rows"] if r["in_sum"]] == step
     check_rows(prof)
     s = prof["summary"]
     assert s["chain_tokens_match"] == 1.0
-    for key in ("whole_draft_step_ms", "whole_draft_step[reference]_ms", "whole_engine_draft_view_ms",
-                "whole_engine_draft_rows_ms", "whole_append_context_ms"):
+    for key in ("whole_draft_step_ms", "whole_draft_step[reference]_ms", "whole_engine_draft_rows_ms",
+                "whole_append_context_ms"):
         assert s[key] > 0
     assert prof["attention_implementations"] == ["reference"]  # auto on CPU
     rows = {r["op"]: r for r in prof["rows"]}
     assert s["floor"]["bytes"] == rows["D0.draft_attention[reference]"]["bytes"] + rows["lm_head"]["bytes"]
     assert s["floor"]["flops"] == rows["lm_head"]["flops"]
     # Hand count of the draft attention: 4 rows x 7 slots x 4 heads x (128 context + 7 block keys) x 16 x 4;
-    # bytes: context K/V of 4 rows x 128 x 2 KV heads x 16, block K/V, q and out (fp32 in the tiny run).
+    # bytes: context K/V of 4 rows x 128 x 2 KV heads x 16, block K/V, q and out (fp32 in the tiny run), the
+    # lengths and the 4 x 128 / 16 block-table entries of the 16-token pages read.
     att = rows["D0.draft_attention[reference]"]
+    assert prof["page"] == 16 and att["page"] == 16
     assert att["flops"] == 4 * 7 * 4 * (128 + 7) * 16 * 4
-    assert att["bytes"] == (4 * 128 * 2 * 16 * 2 + 28 * 2 * 16 * 2 + 2 * 28 * 4 * 16) * 4 + 4 * 4
+    assert att["bytes"] == (4 * 128 * 2 * 16 * 2 + 28 * 2 * 16 * 2 + 2 * 28 * 4 * 16) * 4 + 4 * 4 + 4 * 8 * 4
     assert json.loads(out.read_text())["profiles"][0]["shape"] == "R4xK7xL1"
 
 
