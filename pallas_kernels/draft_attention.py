@@ -126,9 +126,10 @@ def _draft_attention_kernel(
 
     def kv_slice(ref, step):
         """This step's ``[block_s, D]`` slice of its page (the page id: one scalar load of the table)."""
-        u, part = (step, 0) if parts == 1 else (step // parts, step % parts)
-        page_id = jnp.clip(bt_ref[crow, u], 0, num_pages - 1)
-        off = pl.multiple_of(part * block_s, block_s)
+        if parts == 1:  # (no multiple_of on a constant offset: jax 0.11's Triton lowering rejects it)
+            return ref.at[layer, jnp.clip(bt_ref[crow, step], 0, num_pages - 1)]
+        page_id = jnp.clip(bt_ref[crow, step // parts], 0, num_pages - 1)
+        off = pl.multiple_of((step % parts) * block_s, block_s)
         return ref.at[layer, page_id, pl.ds(off, block_s), :]
 
     def full_step(step, carry):

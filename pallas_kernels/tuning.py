@@ -211,11 +211,16 @@ class DraftAttentionTable:
     smem_bytes: int  # budget for the query tile + num_stages K/V buffers
 
 
-# Hopper: not measured yet (issue 15: scripts/profile_step.py --draft-attention pallas,reference measures it).
-# A 128-row tile (8 slots x 16 heads at M3) with 8 warps reads each row's context once per KV head; 64-key
-# steps, 3 stages (3 x 2 x 64 x 256 B = 96 KiB + 32 KiB of queries).
-_HOPPER_DRAFT = DraftAttentionTable(num_warps=8, num_stages=3, block_s=64, max_rows=128, programs_per_core=2,
-                                    max_splits=8, smem_bytes=200 * 1024)
+# Hopper, from the H200 sweep (scripts/bench_draft_attention.py, M3 draft shapes on the paged cache, K = 7, 4K
+# context; docs/BENCHMARKS.md): a 128-row tile (8 slots x 16 heads at M3) reads each row's context once per KV
+# head. Whole-page steps (128 keys) cut 512 rows from 2.08 to 1.76 ms (64-key steps) and 64 rows from 0.32 to
+# 0.27 ms: one page-id load per page. 8 warps, 3 stages (219 registers, 161 KiB of shared memory, no spills in the
+# sm_90 compile). 4 warps with 64-key steps ran faster still (1.48 ms) but spill (255 registers), which the compile
+# gate forbids; 4 warps with 32-key steps do not spill and took 1.93 ms.
+# The budget is the block's 227 KiB: the model (queries + 3 stages of K and V, 224 KiB) is above what Triton
+# allocates (161 KiB).
+_HOPPER_DRAFT = DraftAttentionTable(num_warps=8, num_stages=3, block_s=128, max_rows=128, programs_per_core=2,
+                                    max_splits=8, smem_bytes=227 * 1024)
 # CDNA3 / CDNA4: untuned guesses in the spirit of the walk tables (2 stages, 32-key steps, 64 KiB LDS).
 _CDNA3_DRAFT = DraftAttentionTable(num_warps=8, num_stages=2, block_s=32, max_rows=128, programs_per_core=2,
                                    max_splits=8, smem_bytes=64 * 1024)

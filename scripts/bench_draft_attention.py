@@ -37,7 +37,9 @@ SWEEP = [
     {"block_s": 128},
     {"num_stages": 2},
     {"num_stages": 4},
-    {"num_warps": 4},
+    {"num_warps": 4},  # 255 registers in the sm_90 compile, spills (compile_check)
+    {"num_warps": 4, "block_s": 32},  # 227 registers, no spills
+    {"num_warps": 4, "block_s": 32, "num_stages": 4},
     {"block_h": 8},
     {"block_h": 8, "num_warps": 4, "block_s": 64},
     {"num_splits": 2},

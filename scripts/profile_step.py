@@ -1404,16 +1404,19 @@ def profile_draft(
     wholes["chain_tokens_match"] = wholes[f"chain_tokens_match[{attention_impls[0]}]"]
     graphdef, dstate = nnx.split(drafter)
 
-    def append(st, cache, feats, qsl, start, num_new):
-        return append_context_packed_step(graphdef, st, cache, feats, qsl, start, num_new, validate=False)
+    def append(st, k, v, lengths, tables, feats, qsl, start, num_new):
+        cache = DraftCache(k, v, lengths, tables)
+        out = append_context_packed_step(graphdef, st, cache, feats, qsl, start, num_new, validate=False)
+        return out.k, out.v
 
-    app = Op(
+    app = Op(  # only the K/V pools are donated: every call sees the same lengths and tables
         "append_context",
-        _jit(append, donate_argnums=(1,) if _donate() else ()),
-        (dstate, DraftRef(inp.lengths, inp.block_tables), inp.features, inp.feature_qsl, inp.start, inp.num_new),
+        _jit(append, donate_argnums=(1, 2) if _donate() else ()),
+        (dstate, Ref("dk"), Ref("dv"), inp.lengths, inp.block_tables, inp.features, inp.feature_qsl, inp.start,
+         inp.num_new),
         0.0,
         0.0,
-        feedback={1: None},
+        feedback={1: 0, 2: 1},
     )
     t = time_call(functools.partial(call_op, app, state), warmup=max(warmup, 1), iters=iters)
     wholes["whole_append_context_ms"] = 1e3 * t["median"]

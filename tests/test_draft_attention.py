@@ -201,7 +201,7 @@ def test_launch_policy():
     m3 = {"block_size": 7, "num_q_heads": 64, "num_kv_heads": 4, "capacity": 4224, "page_size": 128,
           "head_dim": 128}
     big = draft_attention_launch_config(num_rows=512, chip="hopper", **m3)
-    assert (big.block_h, big.block_s, big.num_splits, big.num_warps) == (16, 64, 1, 8)
+    assert (big.block_h, big.block_s, big.num_splits, big.num_warps) == (16, 128, 1, 8)  # the H200 sweep: whole pages
     assert tuning.draft_attention_rows(7, big.block_h) == 128
     assert draft_attention_launch_config(num_rows=64, chip="hopper", **m3).num_splits == 2
     for chip in tuning.CHIPS:
