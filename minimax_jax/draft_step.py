@@ -92,6 +92,35 @@ def _check_cache(dims, cache: DraftCache):
         raise ValueError(f"cache.block_tables must be int32[R={r}, nb], got {tables.dtype}{list(tables.shape)}")
 
 
+def _check_pages(cache: DraftCache, first, end, action: str) -> None:
+    """Host-side check (validated calls) that row ``r``'s positions ``[first[r], end[r])`` lie on pages of the
+    pool, through its block table, and (``action == "write"``) that no two rows write to one page: a ``-1`` or
+    out-of-pool entry would drop the write or read another page, and a page shared between rows would let one
+    request overwrite another's context."""
+    if isinstance(cache.block_tables, jax.core.Tracer):
+        return
+    tables = np.asarray(cache.block_tables)
+    page, pool = cache.page_size, cache.num_pages
+    owner: dict[int, int] = {}
+    for r, (lo, hi) in enumerate(zip(np.asarray(first).tolist(), np.asarray(end).tolist())):
+        if hi <= lo:
+            continue
+        blocks = range(lo // page, (hi - 1) // page + 1)
+        ids = tables[r, blocks.start:blocks.stop]
+        bad = np.flatnonzero((ids < 0) | (ids >= pool))
+        if bad.size:
+            b = blocks.start + int(bad[0])
+            raise ValueError(f"row {r}: block {b} (positions {b * page}..{(b + 1) * page - 1}, to {action}) has "
+                             f"block-table entry {int(tables[r, b])}, not a page of the pool [0, {pool}): install "
+                             f"the row's pages first (DraftCache.with_block_tables)")
+        if action == "write":
+            for b, pid in zip(blocks, ids.tolist()):
+                other = owner.setdefault(pid, r)
+                if other != r:
+                    raise ValueError(f"rows {other} and {r} both write to page {pid} (row {r}'s block {b}): a "
+                                     f"page belongs to one request")
+
+
 def _check_draft_args(dims, cache: DraftCache, anchors, anchor_positions, temperature, key, validate: bool):
     anchors = jnp.asarray(anchors)
     anchor_positions = jnp.asarray(anchor_positions)
@@ -116,6 +145,9 @@ def _check_draft_args(dims, cache: DraftCache, anchors, anchor_positions, temper
         raise ValueError("anchor_positions must be >= 0")
     if key is None and not isinstance(t, jax.core.Tracer) and bool(jnp.any(t > 0)):
         raise ValueError("temperature > 0 needs a PRNG key")
+    if not isinstance(anchor_positions, jax.core.Tracer) and not isinstance(cache.lengths, jax.core.Tracer):
+        visible = np.minimum(np.asarray(cache.lengths), np.asarray(anchor_positions))
+        _check_pages(cache, np.zeros_like(visible), visible, "read")
     return anchors.astype(jnp.int32), anchor_positions.astype(jnp.int32)
 
 
@@ -210,6 +242,7 @@ def _check_append_args(dims, cache, start, num_new, max_new: int, what: str, val
             bad = int(np.argmax(s + n))
             raise ValueError(f"row {bad}: start + num_new = {int(s[bad] + n[bad])} exceeds the cache capacity "
                              f"{cache.capacity}")
+        _check_pages(cache, s, s + n, "write")
     return start.astype(jnp.int32), num_new.astype(jnp.int32)
 
 

@@ -421,6 +421,33 @@ def test_paged_cache_errors(drafter):
         drafter.draft(bad, jnp.array([1, 2, 3]), ZERO)
 
 
+def test_paged_cache_page_ownership_errors(drafter, sequences):
+    """Validated calls refuse, before any device work, writes or reads through a table entry that names no page of
+    the pool, and two rows writing to one page; the cache is left as it was."""
+    _, feats = sequences
+    page = drafter.init_cache(R, CAP).page_size
+    shared = drafter.init_cache(R, CAP, num_pages=3 * 8)  # a pool shared with a target: no tables installed yet
+    with pytest.raises(ValueError, match="row 0: block 0 .* has block-table entry -1, not a page of the pool"):
+        drafter.append_context(shared, feats, ZERO, jnp.array([2, 0, 0]))
+    tables = np.arange(3 * 8, dtype=np.int32).reshape(3, 8)
+    tables[1, 1] = tables[0, 0]  # row 1's second block on row 0's first page
+    clash = shared.with_block_tables(jnp.asarray(tables))
+    with pytest.raises(ValueError, match="rows 0 and 1 both write to page 0 \\(row 1's block 1\\)"):
+        drafter.append_context(clash, feats, ZERO, jnp.array([1, page + 1, 0]))
+    tables[1, 1] = 99  # outside the 24-page pool
+    with pytest.raises(ValueError, match="row 1: block 1 .* has block-table entry 99"):
+        drafter.append_context(shared.with_block_tables(jnp.asarray(tables)), feats, ZERO, jnp.array([0, 2 * page, 0]))
+    tables[1, 1] = 9
+    ok = drafter.append_context(shared.with_block_tables(jnp.asarray(tables)), feats, ZERO,
+                                jnp.array([page, 2 * page, 0]))
+    assert ok.lengths.tolist() == [page, 2 * page, 0]
+    # reads: a visible block whose entry was taken away
+    holes = np.asarray(ok.block_tables).copy()
+    holes[1, 1] = -1
+    with pytest.raises(ValueError, match="row 1: block 1 .* to read"):
+        drafter.draft(ok.with_block_tables(jnp.asarray(holes)), jnp.array([1, 2, 3]), ok.lengths)
+
+
 # ----------------------------------------------------------------------------------------------- Markov head
 def check_teacher_forced(d, cache, anchors, pos, temps, key):
     """Each slot's returned distribution is softmax((U_k + B_k(x_{k-1})) / T) with x_{k-1} the DRAWN token, and
