@@ -45,19 +45,25 @@ from pallas_kernels._common import (
 from pallas_kernels.tuning import COMPILED_DTYPES, MIN_DOT_DIM, AttentionLaunchConfig
 
 __all__ = [
+    "LOG2E",
     "Walk",
     "attention_unsupported",
     "check_attention_inputs",
     "check_walk_config",
+    "dot_f32",
+    "merge_splits",
+    "online_softmax_step",
     "pallas_call",
     "run_walk",
+    "split_outputs",
+    "store_walk_output",
     "tile_prepass",
     "write_tile_row",
 ]
 
 # Subtracted instead of a row's max when the row skips a block: exp2(score - _SKIP_ROW) is exactly 0.
 _SKIP_ROW = 0.5 * float(np.finfo(np.float32).max)
-_LOG2E = math.log2(math.e)
+LOG2E = math.log2(math.e)
 
 
 class Walk(Protocol):
@@ -86,7 +92,7 @@ class Walk(Protocol):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _dot(a, b, *, contract_b: int):
+def dot_f32(a, b, *, contract_b: int):
     """2-D ``a @ b`` (``contract_b=0``) or ``a @ b.T`` (``contract_b=1``) with an fp32 accumulator.
 
     fp32 operands are multiplied in full fp32 (IEEE), as in the indexer: an fp32 cache asks for accuracy, and
@@ -95,6 +101,36 @@ def _dot(a, b, *, contract_b: int):
     precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
     return jax.lax.dot_general(
         a, b, (((1,), (contract_b,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )
+
+
+def online_softmax_step(carry, s, v, visible=None):
+    """One online-softmax step (in-kernel, base 2): fold the scores ``s [rows, keys]`` (already in the log2
+    domain, ``MASK_VALUE`` where not ``visible``) and their values ``v [keys, D]`` into ``carry = (acc [rows, D],
+    m [rows], l [rows])``. ``visible`` (broadcastable to ``s``) zeroes masked probabilities: a row with no visible
+    key yet has ``m == MASK_VALUE``, where ``exp2(s - m)`` would be 1."""
+    acc, m_prev, l_prev = carry
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+    p = jnp.exp2(s - m_next[:, None])
+    if visible is not None:
+        p = jnp.where(visible, p, 0.0)
+    alpha = jnp.exp2(m_prev - m_next)
+    l_next = l_prev * alpha + jnp.sum(p, axis=1)
+    return acc * alpha[:, None] + dot_f32(p.astype(v.dtype), v, contract_b=0), m_next, l_next
+
+
+def split_outputs(rows: int, head_dim: int, dtype, num_splits: int):
+    """``(out_shape, out_specs)`` of a walk over a grid whose last axis is the split: the ``[rows, D]`` output in
+    ``dtype``, or with split-K the fp32 partials ``[S, rows, D]`` and their log-sum-exps ``[S, rows]`` that
+    :func:`merge_splits` combines."""
+    if num_splits == 1:
+        return ([jax.ShapeDtypeStruct((rows, head_dim), dtype)],
+                [pl.BlockSpec((rows, head_dim), lambda *_: (0, 0))])
+    return (
+        [jax.ShapeDtypeStruct((num_splits, rows, head_dim), jnp.float32),
+         jax.ShapeDtypeStruct((num_splits, rows), jnp.float32)],
+        [pl.BlockSpec((None, rows, head_dim), lambda *idx: (idx[-1], 0, 0)),
+         pl.BlockSpec((None, rows), lambda *idx: (idx[-1], 0))],
     )
 
 
@@ -175,7 +211,7 @@ def _walk_kernel(
     hi = ((split + 1) * n_steps) // num_splits
     mid = jnp.clip(n_past * parts, lo, hi)
     key_iota = jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-    qk_scale = scale * _LOG2E  # scores in the log2 domain
+    qk_scale = scale * LOG2E  # scores in the log2 domain
 
     def load_kv(step):
         u, part = (step, 0) if parts == 1 else (step // parts, step % parts)
@@ -188,7 +224,7 @@ def _walk_kernel(
     def past_step(step, carry):
         acc, m_prev, l_prev = carry
         u, _, kb, vb = load_kv(step)
-        s = _dot(q, kb, contract_b=1)  # [rows, block_k]
+        s = dot_f32(q, kb, contract_b=1)  # [rows, block_k]
         m_blk = jnp.maximum(m_prev, jnp.max(s, axis=1) * qk_scale)
         picked = walk.picked_rows(index_refs, u, tok_local)
         if picked is None:
@@ -201,24 +237,17 @@ def _walk_kernel(
         p = jnp.exp2(s * qk_scale - m_exp[:, None])  # one multiply-add per score
         alpha = jnp.exp2(m_prev - m_next)
         l_next = l_prev * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.astype(vb.dtype), vb, contract_b=0)
+        acc = acc * alpha[:, None] + dot_f32(p.astype(vb.dtype), vb, contract_b=0)
         return acc, m_next, l_next
 
     def causal_step(step, carry):
-        acc, m_prev, l_prev = carry
         u, off, kb, vb = load_kv(step)
         b = walk.block_id(index_refs, u)
         picked = walk.picked_rows(index_refs, u, tok_local)
         limit = row_pos if picked is None else jnp.where(picked, row_pos, -1)
         visible = (b * page + off + key_iota)[None, :] <= limit[:, None]  # [rows, block_k]
-        s = jnp.where(visible, _dot(q, kb, contract_b=1) * qk_scale, MASK_VALUE)
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        # A row with no visible key so far has m_next == MASK_VALUE, where exp2(s - m_next) would be 1.
-        p = jnp.where(visible, jnp.exp2(s - m_next[:, None]), 0.0)
-        alpha = jnp.exp2(m_prev - m_next)
-        l_next = l_prev * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.astype(vb.dtype), vb, contract_b=0)
-        return acc, m_next, l_next
+        s = jnp.where(visible, dot_f32(q, kb, contract_b=1) * qk_scale, MASK_VALUE)
+        return online_softmax_step(carry, s, vb, visible)
 
     acc = jnp.zeros((rows, head_dim), jnp.float32)
     m_i = jnp.full((rows,), MASK_VALUE, jnp.float32)
@@ -484,18 +513,7 @@ def run_walk(
         *index_specs,
     ]
     args = [tiles, q.reshape(flat_rows, head_dim), k_cache, v_cache, *index_args]
-    if num_splits == 1:
-        out_shape = [jax.ShapeDtypeStruct((flat_rows, head_dim), q.dtype)]
-        out_specs = [pl.BlockSpec((flat_rows, head_dim), lambda i, h, s: (0, 0))]
-    else:
-        out_shape = [
-            jax.ShapeDtypeStruct((num_splits, flat_rows, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((num_splits, flat_rows), jnp.float32),
-        ]
-        out_specs = [
-            pl.BlockSpec((None, flat_rows, head_dim), lambda i, h, s: (s, 0, 0)),
-            pl.BlockSpec((None, flat_rows), lambda i, h, s: (s, 0)),
-        ]
+    out_shape, out_specs = split_outputs(flat_rows, head_dim, q.dtype, num_splits)
     kernel = functools.partial(
         _walk_kernel,
         walk=walk,

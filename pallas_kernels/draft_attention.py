@@ -28,7 +28,6 @@ power of 2 and every dot 2-D. Launch settings: ``tuning.draft_attention_launch_c
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +35,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import MASK_VALUE, cdiv, next_pow2
-from pallas_kernels.attention_walk import merge_splits, pallas_call, store_walk_output
+from pallas_kernels.attention_walk import (
+    LOG2E,
+    dot_f32,
+    merge_splits,
+    online_softmax_step,
+    pallas_call,
+    split_outputs,
+    store_walk_output,
+)
 from pallas_kernels.platform import resolve_interpret
 from pallas_kernels.tuning import (
     COMPILED_DTYPES,
@@ -49,16 +56,6 @@ from pallas_kernels.tuning import (
 
 __all__ = ["draft_attention", "draft_attention_pallas", "draft_attention_reference", "paged_context", "supports"]
 
-_LOG2E = math.log2(math.e)
-
-
-def _dot(a, b, *, contract_b: int):
-    """2-D ``a @ b`` (``contract_b=0``) or ``a @ b.T`` (``contract_b=1``), fp32 accumulator; fp32 operands in
-    IEEE fp32 (Triton's default would be TF32), bf16 on the tensor cores."""
-    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return jax.lax.dot_general(
-        a, b, (((1,), (contract_b,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
-    )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -113,7 +110,7 @@ def _draft_attention_kernel(
     q_rows = jnp.where(row_ok, (r * block_size + slot) * num_q_heads + g * group + head, 0)
     d = jax.lax.broadcasted_iota(jnp.int32, (head_dim,), 0)
     q = plgpu.load(q_ref.at[q_rows[:, None], d[None, :]], mask=row_ok[:, None], other=0)  # [rows, D]
-    qk_scale = scale * _LOG2E
+    qk_scale = scale * LOG2E
 
     # The context walk: steps [lo, hi) of cdiv(length, block_s), page / block_s steps per page; the first
     # n_full need no mask. Step ``step`` reads block-table entry step // parts (< cdiv(length, page)).
@@ -133,29 +130,16 @@ def _draft_attention_kernel(
         return ref.at[layer, page_id, pl.ds(off, block_s), :]
 
     def full_step(step, carry):
-        acc, m_prev, l_prev = carry
         kb = kv_slice(k_ref, step)[...]  # [block_s, D]
         vb = kv_slice(v_ref, step)[...]
-        s = _dot(q, kb, contract_b=1) * qk_scale  # [rows, block_s]
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        p = jnp.exp2(s - m_next[:, None])
-        alpha = jnp.exp2(m_prev - m_next)
-        l_next = l_prev * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.astype(vb.dtype), vb, contract_b=0)
-        return acc, m_next, l_next
+        return online_softmax_step(carry, dot_f32(q, kb, contract_b=1) * qk_scale, vb)  # scores [rows, block_s]
 
     def tail_step(step, carry):
-        acc, m_prev, l_prev = carry
         visible = step * block_s + key_iota < length  # never read at or past the length
         kb = plgpu.load(kv_slice(k_ref, step), mask=visible[:, None], other=0)
         vb = plgpu.load(kv_slice(v_ref, step), mask=visible[:, None], other=0)
-        s = jnp.where(visible[None, :], _dot(q, kb, contract_b=1) * qk_scale, MASK_VALUE)
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        p = jnp.where(visible[None, :], jnp.exp2(s - m_next[:, None]), 0.0)
-        alpha = jnp.exp2(m_prev - m_next)
-        l_next = l_prev * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.astype(vb.dtype), vb, contract_b=0)
-        return acc, m_next, l_next
+        s = jnp.where(visible[None, :], dot_f32(q, kb, contract_b=1) * qk_scale, MASK_VALUE)
+        return online_softmax_step(carry, s, vb, visible[None, :])
 
     carry = (
         jnp.zeros((rows, head_dim), jnp.float32),
@@ -163,7 +147,7 @@ def _draft_attention_kernel(
         jnp.zeros((rows,), jnp.float32),
     )
     carry = jax.lax.fori_loop(lo, jnp.minimum(hi, n_full), full_step, carry)
-    acc, m_i, l_i = jax.lax.fori_loop(jnp.maximum(lo, n_full), hi, tail_step, carry)
+    carry = jax.lax.fori_loop(jnp.maximum(lo, n_full), hi, tail_step, carry)
 
     # The block's own keys (every slot sees all K of them), in the last split only.
     j = jax.lax.broadcasted_iota(jnp.int32, (blk_rows,), 0)
@@ -172,13 +156,8 @@ def _draft_attention_kernel(
     kb = plgpu.load(kb_ref.at[blk_idx[:, None], d[None, :]], mask=j_ok[:, None], other=0)  # [blk_rows, D]
     vb = plgpu.load(vb_ref.at[blk_idx[:, None], d[None, :]], mask=j_ok[:, None], other=0)
     take = j_ok & (split == num_splits - 1)
-    s = jnp.where(take[None, :], _dot(q, kb, contract_b=1) * qk_scale, MASK_VALUE)
-    m_next = jnp.maximum(m_i, jnp.max(s, axis=1))
-    p = jnp.where(take[None, :], jnp.exp2(s - m_next[:, None]), 0.0)
-    alpha = jnp.exp2(m_i - m_next)
-    l_i = l_i * alpha + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + _dot(p.astype(vb.dtype), vb, contract_b=0)
-    m_i = m_next
+    s = jnp.where(take[None, :], dot_f32(q, kb, contract_b=1) * qk_scale, MASK_VALUE)
+    acc, m_i, l_i = online_softmax_step(carry, s, vb, take[None, :])
 
     store_walk_output(out_refs, acc, m_i, l_i, q_rows=q_rows, row_ok=row_ok, num_rows=q_ref.shape[0],
                       num_splits=num_splits)
@@ -372,18 +351,7 @@ def draft_attention_pallas(
             v_blk.reshape(r * kq * g, d),
         ]
     )
-    if num_splits == 1:
-        out_shape = [jax.ShapeDtypeStruct((flat_rows, d), q.dtype)]
-        out_specs = [pl.BlockSpec((flat_rows, d), lambda i, c, s: (0, 0))]
-    else:
-        out_shape = [
-            jax.ShapeDtypeStruct((num_splits, flat_rows, d), jnp.float32),
-            jax.ShapeDtypeStruct((num_splits, flat_rows), jnp.float32),
-        ]
-        out_specs = [
-            pl.BlockSpec((None, flat_rows, d), lambda i, c, s: (s, 0, 0)),
-            pl.BlockSpec((None, flat_rows), lambda i, c, s: (s, 0)),
-        ]
+    out_shape, out_specs = split_outputs(flat_rows, d, q.dtype, num_splits)
     kernel = functools.partial(
         _draft_attention_kernel,
         has_rows=has_rows,

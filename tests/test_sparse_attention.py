@@ -518,7 +518,7 @@ def test_kernel_dots_are_full_fp32_for_fp32_inputs(dtype):
     cache gives fp32 attention on a GPU, and leave bf16 dots on the bf16 tensor-core path."""
     a = jax.ShapeDtypeStruct((16, 32), dtype)
     with jax.default_matmul_precision("default"):  # JAX's own default, not the suite's "highest"
-        (eqn,) = jax.make_jaxpr(lambda x, y: attention_walk._dot(x, y, contract_b=1))(a, a).eqns
+        (eqn,) = jax.make_jaxpr(lambda x, y: attention_walk.dot_f32(x, y, contract_b=1))(a, a).eqns
     highest = (jax.lax.Precision.HIGHEST,) * 2
     assert (eqn.params["precision"] == highest) == (dtype == jnp.float32)
 
