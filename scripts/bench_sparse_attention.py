@@ -28,6 +28,7 @@ import functools
 import importlib.util
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -653,7 +654,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             reps=a.reps,
             hbm_bytes_per_s=hbm,
             baseline=_baseline(a.baseline, a.baseline_dense),
-            json_path=None if a.json is None else a.json.replace(".json", f"_noise{noise}.json"),
+            # rows so far, per noise level (a run cut short keeps them); all levels go to --json at the end
+            json_path=None if a.json is None else str(Path(a.json).with_suffix(f".noise{noise}.json")),
             environment=env,
         )
     if a.json:

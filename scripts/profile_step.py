@@ -242,6 +242,17 @@ COMPILER_OPTIONS: dict = {}
 FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
+def layer_op(add: Callable, tag: str) -> Callable:
+    """``op(name, fn, args, flops, bytes, group, **kw)``: ``add`` an :class:`Op` of layer ``tag`` named
+    ``"{tag}.{name}"`` (the per-layer ops of the verify and the draft step)."""
+
+    def op(name, fn, args, flops, nbytes, group, **kw):
+        return add(Op(f"{tag}.{name}", fn, args, flops=float(flops), bytes=float(nbytes), layer=tag, group=group,
+                      **kw))
+
+    return op
+
+
 def _jit(fn, **kw):
     return jax.jit(fn, compiler_options=COMPILER_OPTIONS or None, **kw)
 
@@ -523,19 +534,7 @@ def build_verify_ops(
             + ("moe" if isinstance(layer.mlp, MoE) else "mlp")
         )
 
-        def op(name, fn, args, flops, nbytes, group, tag=tag, **kw):
-            return add(
-                Op(
-                    f"{tag}.{name}",
-                    fn,
-                    args,
-                    flops=float(flops),
-                    bytes=float(nbytes),
-                    layer=tag,
-                    group=group,
-                    **kw,
-                )
-            )
+        op = layer_op(add, tag)
 
         fn, st = module_fn(layer.input_layernorm, lambda m, a: m(a))
         xn = op("input_norm", fn, (st, x), *_rms_cost(t, d, b), "norm")
@@ -945,19 +944,7 @@ def build_draft_ops(
     for li, layer in enumerate(drafter.layers):
         tag = f"D{li}"
 
-        def op(name, fn, args, flops, nbytes, group, tag=tag, **kw):
-            return add(
-                Op(
-                    f"{tag}.{name}",
-                    fn,
-                    args,
-                    flops=float(flops),
-                    bytes=float(nbytes),
-                    layer=tag,
-                    group=group,
-                    **kw,
-                )
-            )
+        op = layer_op(add, tag)
 
         fn, st = module_fn(layer.input_layernorm, lambda m, a: m(a))
         xn = op("input_norm", fn, (st, x), *_rms_cost(m_rows, d, b), "norm")
