@@ -1,25 +1,36 @@
-"""The speculative generation engine: continuous batching over one jitted step per shape bucket.
+"""The speculative generation engine: continuous batching over a closed set of compiled steps.
 
-``Engine(target, drafter).generate(prompts)`` runs DSpark speculative decoding with adaptive verification:
+``Engine(target, drafter).generate(prompts)`` runs DSpark speculative decoding with adaptive verification. The
+host loop reads top to bottom (``docs/ENGINE.md`` draws it):
 
-* the device part of a step is :func:`spec_decode.step.make_step_fn` (draft -> allocate -> pack -> verify ->
-  rejection sampling -> stop -> commit -> drafter context -> estimator), compiled once per bucket
-  ``(rows, packed tokens, logit rows, sampling, filtering)`` and cached; the state is donated;
-* the host part is :class:`spec_decode.scheduler.Scheduler` (admission, chunked prefill, pages, buckets,
-  preemption) plus the budget planner :func:`spec_decode.budget.choose_budget`, which reads the confidences of
-  the *previous* step (one read-back per step: emitted tokens, counts and those confidences);
-* ``verification="adaptive"`` verifies the budget's worth of drafts with the best survival, ``"fixed"`` verifies
-  ``K`` per request, ``"none"`` decodes one token per step through the same paged path (no drafter).
+1. :meth:`Engine.warmup` (the first call does it) compiles every program the engine can run, a closed set derived
+   from its settings (:mod:`spec_decode.buckets`, :mod:`spec_decode.programs`), and profiles the cost table the
+   :class:`~spec_decode.planner.Planner` plans from. Nothing compiles after it, whatever the prompts.
+2. Each step: the :class:`~spec_decode.scheduler.Scheduler` plans it (admission, prefix cache, chunked prefill,
+   pages, preemption, the planner's budget) into a host :class:`~spec_decode.step.StepPlan`; the program of its
+   :class:`~spec_decode.buckets.StepKey` runs it on the device (draft -> allocate -> pack -> verify -> rejection
+   sampling -> stop -> commit -> drafter context -> estimator), the state donated; its small
+   :class:`~spec_decode.step.StepOutput` is copied back asynchronously.
+3. With ``async_scheduling`` (default) the host plans and launches step ``n + 1`` before it reads step ``n``
+   back, from upper bounds (the device holds the truth); then it folds step ``n`` into the requests
+   (``Scheduler.commit``) and hands its tokens to ``stream`` consumers.
 
-Bad input (empty or over-long prompts, ids outside the vocabulary, unknown modes, K out of range, a drafter built
-for another target, bad sampling settings) raises ``ValueError`` naming the problem before any device work.
+``verification="adaptive"`` verifies the budget's worth of drafts with the best survival, ``"fixed"`` verifies
+``K`` per request, ``"none"`` decodes one token per step through the same paged path (no drafter).
+
+One engine is one device state: callers are serialised. A second ``generate``/``stream`` from another thread
+waits for the running one; one from the thread whose ``stream`` is still open is refused with a RuntimeError
+(it would reuse that stream's slots). Bad input raises ``ValueError`` naming the problem before any device work,
+and a refused call leaves the engine as it was.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
-import math
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -33,43 +44,20 @@ from minimax_jax.cache import cache_bytes_per_page, page_size_for
 from minimax_jax.decode import choose_implementation
 from minimax_jax.draft_cache import draft_cache_bytes_per_page
 from minimax_jax.model import check_input_ids
-from spec_decode.budget import choose_budget
-from spec_decode.cost_table import CostTable, time_callable
+from spec_decode import compilation_cache
+from spec_decode.buckets import StepKey, logit_rows, step_keys
+from spec_decode.cost_table import CostTable
+from spec_decode.device_loop import LoopConfig, fill_requests, loop_inputs, make_loop_fn
+from spec_decode.page_pool import PagePool
+from spec_decode.planner import Planner
+from spec_decode.programs import CompileReport, StepPrograms, compile_counter, compile_in_pool
+from spec_decode.request import Request
+from spec_decode.results import GenerationResult, GenerationResults, request_result, run_stats
 from spec_decode.sampling_params import SamplingParams
-from spec_decode.scheduler import Request, ScheduledStep, Scheduler, next_pow2
-from spec_decode.step import MODES, DecodeState, StepConfig, StepPlan, init_state, make_step_fn
+from spec_decode.scheduler import ScheduledStep, Scheduler
+from spec_decode.step import MODES, DecodeState, StepConfig, StepPlan, init_state
 
-__all__ = ["Engine", "GenerationResult", "GenerationResults"]
-
-
-@dataclasses.dataclass
-class GenerationResult:
-    """One request's output: ``token_ids`` (the prompt excluded), ``text`` (when a tokenizer is known) and stats.
-
-    ``stats`` keys: ``emitted_tokens`` (= ``len(token_ids)``, the token sampled at prefill included),
-    ``target_steps`` (verify steps, prefill excluded), ``acceptance_length`` (tokens emitted per verify step,
-    bonus included), ``accepted_per_position`` (K counts), ``verified_drafts_per_step`` (list),
-    ``finish_reason`` (``"stop"`` or ``"length"``), ``prompt_tokens``, ``preemptions``.
-    """
-
-    token_ids: list[int]
-    text: str | None
-    stats: dict
-    prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
-
-    @property
-    def finish_reason(self) -> str:
-        return self.stats["finish_reason"]
-
-
-class GenerationResults(list):
-    """``list[GenerationResult]`` in prompt order, with the run-level statistics in ``.stats``."""
-
-    stats: dict
-
-    def __init__(self, results, stats):
-        super().__init__(results)
-        self.stats = stats
+__all__ = ["Engine", "GenerationResult", "GenerationResults", "generate_offline"]
 
 
 class Engine:
@@ -82,7 +70,8 @@ class Engine:
       num_speculative_tokens: K, drafts per request and step (1..the drafter's block size; 0 with ``"none"``).
       verification: ``"adaptive"`` (the confidence head, or the online estimator for a drafter without one),
         ``"fixed"`` (every request verifies its K drafts) or ``"none"`` (plain decoding, one token per step).
-      max_num_seqs: slots: requests decoded concurrently (more prompts than slots are admitted as slots free).
+      max_num_seqs: slots: requests decoded concurrently (more prompts than slots are admitted as slots free;
+        the device loop decodes in waves of at most this many).
       max_model_len: longest sequence (prompt + output); default the target's ``max_position_embeddings``
         capped at 4096.
       num_pages / memory_fraction: the KV page pool (the target's K/V and the drafter's context K/V share it:
@@ -91,14 +80,19 @@ class Engine:
       max_num_batched_tokens: prefill tokens per step (chunked prefill).
       max_total_logit_rows: bound on the verify-logits rows per step (``rows x V`` float32); the planner and
         the fixed mode respect it at any concurrency (fixed K verifies fewer drafts, evenly, when it binds).
-      cost_table: what adaptive verification trades acceptance against: ``"profile"`` (default: each row bucket's
-        step is timed at every packed-token bucket it can reach, the first time it is reached), a ``{rows:
-        CostTable}`` mapping, one :class:`CostTable` for every row bucket, or ``None`` (flat: verify everything).
+      cost_table: what adaptive verification trades acceptance against: ``"profile"`` (default: every program
+        of the closed set is timed at warm-up), a :class:`CostTable`, or ``None`` (flat: verify everything).
       tokenizer: encodes string prompts and decodes outputs (``encode(str) -> list[int]``, ``decode(ids)``).
       implementation / interpret: the kernels (``decode.choose_implementation``).
-      min_token_bucket: the smallest packed-token bucket (fewer compiled programs; padding slots cost little).
+      min_token_bucket: the smallest packed-token bucket of the closed set.
       device_loop_token_buckets: verify sizes compiled into the device loop (``loop="device"``): the largest
-        (every row's 1 + K) and the next smaller powers of two; each is one branch of the loop's program.
+        decode buckets of the closed set; each is one branch of the loop's program.
+      max_stop_token_ids: stop ids a request may have (EOS included); part of every program's shape.
+      enable_prefix_caching: requests that share a prompt prefix share its full pages (``docs/ENGINE.md``).
+      async_scheduling: plan and launch each step before the previous one is read back (default); ``False``
+        reads every step back before planning the next.
+      precompile: compile the whole closed set now (else the first ``generate`` / ``stream`` does).
+      compilation_cache: keep compiled programs on disk (:mod:`spec_decode.compilation_cache`).
     """
 
     def __init__(self, target, drafter=None, *, num_speculative_tokens: int = 7, verification: str = "adaptive",
@@ -106,7 +100,9 @@ class Engine:
                  memory_fraction: float | None = None, max_num_batched_tokens: int = 512,
                  max_total_logit_rows: int | None = None, cost_table="profile", tokenizer=None,
                  implementation: str = "auto", interpret: bool | None = None, cache_dtype=None,
-                 min_token_bucket: int = 8, device_loop_token_buckets: int = 4):
+                 min_token_bucket: int = 8, device_loop_token_buckets: int = 4, max_stop_token_ids: int = 16,
+                 enable_prefix_caching: bool = True, async_scheduling: bool = True, precompile: bool = False,
+                 compilation_cache: bool = True):
         cfg = target.cfg
         if verification not in MODES:
             raise ValueError(f"verification must be one of {MODES}, got {verification!r}")
@@ -120,7 +116,9 @@ class Engine:
             if not 1 <= k <= drafter.block_size:
                 raise ValueError(f"num_speculative_tokens must be in [1, {drafter.block_size}] (the drafter's "
                                  f"block size), got {num_speculative_tokens}")
-        for name, v, lo in (("max_num_seqs", max_num_seqs, 1), ("max_num_batched_tokens", max_num_batched_tokens, 1)):
+        for name, v, lo in (("max_num_seqs", max_num_seqs, 1), ("max_num_batched_tokens", max_num_batched_tokens, 1),
+                            ("max_stop_token_ids", max_stop_token_ids, 1), ("min_token_bucket", min_token_bucket, 1),
+                            ("device_loop_token_buckets", device_loop_token_buckets, 1)):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
         max_model_len = min(cfg.max_position_embeddings, 4096) if max_model_len is None else int(max_model_len)
@@ -133,6 +131,7 @@ class Engine:
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.page_size = page_size_for(cfg)
+        self.max_blocks = -(-max_model_len // self.page_size)
         self.max_total_logit_rows = (max(max_num_seqs * (1 + k), max_num_seqs + max_num_batched_tokens)
                                      if max_total_logit_rows is None else int(max_total_logit_rows))
         if self.max_total_logit_rows < max_num_seqs:
@@ -148,41 +147,47 @@ class Engine:
             if verification == "adaptive":
                 warnings.warn("the drafter has no confidence head (or its checkpoint lacks the weights): adaptive "
                               "verification runs on the online acceptance estimator", stacklevel=2)
-        self.implementation = choose_implementation(implementation, cfg, page_size=self.page_size,
-                                                    dtype=target.dtype if cache_dtype is None else cache_dtype,
-                                                    interpret=interpret)
-        self.interpret = interpret
         self.cache_dtype = target.dtype if cache_dtype is None else cache_dtype
+        self.implementation = choose_implementation(implementation, cfg, page_size=self.page_size,
+                                                    dtype=self.cache_dtype, interpret=interpret)
+        self.interpret = interpret
         self.num_pages = self._pool_size(num_pages, memory_fraction)
-        self._page_limit = None if num_pages is None and memory_fraction is None else self.num_pages
-        self._logit_rows_given = max_total_logit_rows is not None
-        if not isinstance(device_loop_token_buckets, int) or device_loop_token_buckets < 1:
-            raise ValueError(f"device_loop_token_buckets must be an integer >= 1, got {device_loop_token_buckets!r}")
-        self.device_loop_token_buckets = device_loop_token_buckets
-        self._given_table: CostTable | None = cost_table if isinstance(cost_table, CostTable) else None
-        self._loops: dict = {}  # LoopConfig -> compiled device-loop program
-        self._loop_tables: dict = {}  # LoopConfig -> profiled CostTable
-        self._cost_tables: dict[int, CostTable] = {}
-        self._profile_costs = False
-        if verification == "adaptive":
-            self._set_cost_table(cost_table)
-        self.num_stop_ids = 8
-        self.min_token_bucket = next_pow2(max(int(min_token_bucket), 1))
+        self.num_stop_ids = max_stop_token_ids
+        self.async_scheduling = bool(async_scheduling)
+        self.planner = Planner(mode=verification, max_total_logit_rows=self.max_total_logit_rows,
+                               cost_table=cost_table)
+        self.pool = PagePool(self.num_pages, self.page_size, self.max_blocks,
+                             enable_prefix_caching=bool(enable_prefix_caching))
+        # the closed program set
+        self.step_keys = step_keys(max_num_seqs=max_num_seqs, num_speculative_tokens=k,
+                                   max_num_batched_tokens=max_num_batched_tokens,
+                                   min_token_bucket=min_token_bucket, max_total_logit_rows=self.max_total_logit_rows)
+        self.token_buckets = tuple(key.tokens for key in self.step_keys)
+        capture = tuple(self.drafter.cfg.target_layer_ids) if self.drafter is not None else ()
+        self._step_config = StepConfig(num_speculative_tokens=k, mode=verification, confidence=self.confidence,
+                                       implementation=self.implementation, interpret=interpret,
+                                       capture_layers=capture)
+        self.loop_config = self._loop_config(device_loop_token_buckets)
+        self._programs = StepPrograms(target, self.drafter, self._step_config, self.step_keys)
+        self._loop_program = None
         self._target_params = nnx.state(target)
         self._drafter_params = nnx.state(self.drafter) if self.drafter is not None else None
         self._state: DecodeState | None = None
-        self._compiled: dict[tuple, object] = {}
-        self._step_fns: dict[tuple, object] = {}
-        self.num_compiles = 0
+        self._lock = threading.Lock()
+        self._owner: int | None = None
         self._warned_no_eos = False
+        self.warmup_report: CompileReport | None = None
+        self.num_compiles = 0  # programs this engine compiled (XLA compilations, counted by JAX's monitoring)
+        self.compilation_cache_dir = compilation_cache.enable() if compilation_cache else None
+        if precompile:
+            self.warmup()
 
     # ------------------------------------------------------------------ set-up helpers
     def _pool_size(self, num_pages, memory_fraction) -> int:
-        per_request = -(-self.max_model_len // self.page_size)
         if num_pages is not None and memory_fraction is not None:
             raise ValueError("give num_pages or memory_fraction, not both")
         if num_pages is not None:
-            if not isinstance(num_pages, int) or num_pages < 1:
+            if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages < 1:
                 raise ValueError(f"num_pages must be a positive integer, got {num_pages!r}")
             return num_pages
         if memory_fraction is not None:
@@ -193,11 +198,11 @@ class Engine:
                 raise ValueError("memory_fraction needs a device that reports its memory (a GPU); pass num_pages")
             free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
             pages = int(free * memory_fraction) // self._bytes_per_page()
-            if pages < per_request:
+            if pages < self.max_blocks:
                 raise ValueError(f"memory_fraction={memory_fraction} gives {pages} pages, fewer than one request "
-                                 f"of max_model_len={self.max_model_len} needs ({per_request})")
+                                 f"of max_model_len={self.max_model_len} needs ({self.max_blocks})")
             return pages
-        return self.max_num_seqs * per_request
+        return self.max_num_seqs * self.max_blocks
 
     def _bytes_per_page(self) -> int:
         """Device bytes of one page of the pool: the target's K/V (and index keys) plus, when drafting, the draft
@@ -207,61 +212,128 @@ class Engine:
             per_page += draft_cache_bytes_per_page(self.drafter.cfg, self.page_size, self.cache_dtype)
         return per_page
 
-    def _set_cost_table(self, cost_table) -> None:
-        if cost_table is None or cost_table == "flat":
-            return
-        if isinstance(cost_table, str):
-            if cost_table != "profile":
-                raise ValueError(f"cost_table must be 'profile', None, a CostTable or {{rows: CostTable}}, got "
-                                 f"{cost_table!r}")
-            self._profile_costs = True
-        elif isinstance(cost_table, CostTable):
-            self._cost_tables = {rb: cost_table for rb in _row_buckets(self.max_num_seqs)}
-        elif isinstance(cost_table, dict):
-            for rb, table in cost_table.items():
-                if not isinstance(table, CostTable):
-                    raise ValueError(f"cost_table[{rb}] must be a CostTable, got {type(table).__name__}")
-            self._cost_tables = {int(rb): t for rb, t in cost_table.items()}
-        else:
-            raise ValueError(f"cost_table must be 'profile', None, a CostTable or {{rows: CostTable}}, got "
-                             f"{type(cost_table).__name__}")
+    def _loop_config(self, num_buckets: int) -> LoopConfig:
+        """The device loop's static shape: the engine's slots, ``max_model_len`` wide outputs, the largest decode
+        buckets of the closed set."""
+        decode_max = self.max_num_seqs * (1 + self.k)
+        fitting = [t for t in self.token_buckets if t < decode_max] + [
+            next(t for t in self.token_buckets if t >= decode_max)]
+        buckets = tuple(fitting[-num_buckets:])
+        kw = dict(rows=self.max_num_seqs, num_speculative_tokens=self.k,
+                  max_total_logit_rows=self.max_total_logit_rows)
+        return LoopConfig(step=self._step_config, rows=self.max_num_seqs, output_len=self.max_model_len,
+                          token_buckets=buckets, logit_rows=tuple(logit_rows(t, **kw) for t in buckets),
+                          max_total_logit_rows=self.max_total_logit_rows, num_stop_ids=self.num_stop_ids,
+                          max_blocks=self.max_blocks)
 
     @property
-    def cost_tables(self) -> dict[int, CostTable]:
-        """The verify cost tables per row bucket (profiled or given): seconds of a whole step by packed tokens."""
-        return dict(self._cost_tables)
+    def cost_table(self) -> CostTable | None:
+        """The verify cost table the planner uses (seconds of a whole step by packed tokens), once known."""
+        return self.planner.table
 
     def _init_state(self) -> DecodeState:
         return init_state(self.target, self.drafter, num_slots=self.max_num_seqs, num_pages=self.num_pages,
                           max_model_len=self.max_model_len, num_speculative_tokens=self.k,
                           use_estimator=self.confidence == "estimator", cache_dtype=self.cache_dtype)
 
-    def _static_config(self, key) -> StepConfig:
-        _, _, nl, sampling, filtering = key
-        capture = tuple(self.drafter.cfg.target_layer_ids) if self.drafter is not None else ()
-        return StepConfig(num_speculative_tokens=self.k, mode=self.mode, confidence=self.confidence,
-                          sampling=sampling, filtering=filtering, num_logit_rows=nl,
-                          implementation=self.implementation, interpret=self.interpret, capture_layers=capture)
+    def _example_plan(self, key: StepKey) -> StepPlan:
+        """A plan of ``key``'s shape with every slot a padding row (warm-up and profiling fill it in)."""
+        r = self.max_num_seqs
+        z = np.zeros(r, np.int32)
+        return StepPlan(rows=np.full(r, -1, np.int32), prefill_tokens=np.zeros(key.tokens, np.int32),
+                        prefill_len=z, prefill_start=z, prefill_last=np.zeros(r, bool),
+                        resume_token=np.full(r, -1, np.int32), block_tables=np.zeros((r, self.max_blocks), np.int32),
+                        scheduled=z, budget=np.asarray(0, np.int32), temperature=np.zeros(r, np.float32),
+                        top_k=z, top_p=np.ones(r, np.float32), seed=z, limit=z, prefill_emitted=z,
+                        stop_ids=np.full((r, self.num_stop_ids), -1, np.int32), commit=np.asarray(True))
 
-    def _compiled_step(self, key, plan: StepPlan):
-        fn = self._compiled.get(key)
-        if fn is None:
-            cfg_key = key[2:]
-            jitted = self._step_fns.get(cfg_key)
-            if jitted is None:
-                step = make_step_fn(self.target, self.drafter, self._static_config(key))
-                jitted = jax.jit(step, donate_argnums=(2,))
-                self._step_fns[cfg_key] = jitted
-            fn = jitted.lower(self._target_params, self._drafter_params, self._state, plan).compile()
-            self._compiled[key] = fn
-            self.num_compiles += 1
-        return fn
+    # ------------------------------------------------------------------ warm-up
+    def warmup(self, *, progress: bool | None = None) -> CompileReport:
+        """Compile every program of the closed set (host steps and the device loop) and profile the cost table.
 
-    def _run(self, step: ScheduledStep):
-        plan = _plan(step)
-        fn = self._compiled_step(step.key, plan)
-        self._state, out = fn(self._target_params, self._drafter_params, self._state, plan)
-        return out
+        Idempotent: a second call does nothing. Prints the count and time to stderr; ``progress`` shows tqdm bars
+        (default: when stderr is a terminal)."""
+        with self._exclusive():
+            return self._warmup(progress)
+
+    def _warmup(self, progress: bool | None) -> CompileReport:
+        if self.warmup_report is not None:
+            return self.warmup_report
+        show = sys.stderr.isatty() if progress is None else bool(progress)
+        t0 = time.perf_counter()
+        with compile_counter() as compiled:
+            if self._state is None:
+                self._state = self._init_state()
+            params = (self._target_params, self._drafter_params)
+            lowered = self._programs.lower(*params, self._state, self._example_plan)
+            if self._loop_program is None:
+                fn = jax.jit(make_loop_fn(self.target, self.drafter, self.loop_config), donate_argnums=(2,))
+                lowered["loop"] = fn.lower(*params, self._state, self._example_loop_inputs())
+            done = compile_in_pool(lowered, progress=show, desc="compiling")
+            self._loop_program = done.pop("loop", self._loop_program)
+            self._programs.install(done)
+            if self.planner.profile_pending and self.k:
+                self._profile_costs(show)
+        self.num_compiles += len(compiled)
+        report = CompileReport(programs=len(lowered), compiled=len(compiled), seconds=time.perf_counter() - t0)
+        self.warmup_report = report
+        print(f"minimax-jax: warm-up: {report}", file=sys.stderr)
+        return report
+
+    def _example_loop_inputs(self):
+        from spec_decode.cost_table import CostTableArrays
+
+        return loop_inputs([], config=self.loop_config, block_tables=np.zeros((0, self.max_blocks), np.int32),
+                           cost_table=CostTableArrays.from_table(None), max_steps=0)
+
+    def _profile_costs(self, show: bool) -> None:
+        """Time every step program on every slot decoding (``commit=False``: lengths and tokens stay), at a context
+        of a quarter of ``max_model_len``; the planner keeps the table."""
+        r, k = self.max_num_seqs, self.k
+        context = max(1, self.max_model_len // 4)
+        nb = -(-(context + 1 + k) // self.page_size)
+        tables = (np.arange(r)[:, None] * nb + np.arange(self.max_blocks)[None, :]) % self.num_pages
+        self._state = _with_lengths(self._state, np.full(r, context, np.int32))
+        bar = None
+        if show:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(self.step_keys), unit="bucket", desc="profiling", file=sys.stderr, leave=False)
+        by_tokens = {key.tokens: key for key in self.step_keys}
+
+        def time_bucket(t: int) -> None:
+            key = by_tokens[t]
+            n = min(r, t)
+            plan = self._example_plan(key)
+            plan.rows[:n] = np.arange(n)
+            plan.scheduled[:n] = k
+            plan.limit[:n] = self.max_model_len
+            plan.block_tables[:] = tables
+            plan = dataclasses.replace(plan, budget=np.asarray(min(t - n, n * k), np.int32),
+                                       commit=np.asarray(False))
+            self._state, out = self._programs.run(key, self._target_params, self._drafter_params, self._state,
+                                                  jax.device_put(plan))
+            jax.block_until_ready(out)
+
+        self.planner.profile(self.token_buckets, time_bucket, progress=bar)
+        if bar is not None:
+            bar.close()
+        self._state = _with_lengths(self._state, np.zeros(r, np.int32))
+        self.pool.clear_cache()  # the timing runs wrote pages: nothing cached survives them
+
+    # ------------------------------------------------------------------ one caller at a time
+    @contextlib.contextmanager
+    def _exclusive(self):
+        me = threading.get_ident()
+        if self._owner == me:
+            raise RuntimeError("this engine is already running a generate() or stream() in this thread (a stream "
+                               "that is still open?): finish or close() that stream first, or use another Engine")
+        with self._lock:
+            self._owner = me
+            try:
+                yield
+            finally:
+                self._owner = None
 
     # ------------------------------------------------------------------ validation
     def _requests(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, ignore_eos,
@@ -303,87 +375,40 @@ class Engine:
                 stop = p.stop_ids(cfg.eos_token_id, cfg.vocab_size)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-            if not stop and not p.ignore_eos and not self._warned_no_eos:
-                self._warned_no_eos = True
-                warnings.warn("the target's config has no EOS token id (absent, or outside the vocabulary): "
-                              "requests without stop_token_ids run to max_new_tokens", stacklevel=3)
             if len(stop) > self.num_stop_ids:
-                self.num_stop_ids = next_pow2(len(stop))
-            need = -(-min(len(ids) + p.max_new_tokens + self.k, self.max_model_len) // self.page_size)
-            if need > self.num_pages:
-                raise ValueError(f"prompt {i}: {len(ids)} prompt tokens + {p.max_new_tokens} new tokens need {need} "
-                                 f"KV pages, more than the pool's {self.num_pages}")
+                raise ValueError(f"prompt {i}: {len(stop)} stop ids (EOS included), more than the engine's "
+                                 f"max_stop_token_ids={self.num_stop_ids}")
             requests.append(Request(index=i, prompt=ids, params=p, stop_ids=stop, arrival=i))
+        for req in requests:
+            self._check_fits(req)
+        if not self._warned_no_eos and any(not r.stop_ids and not r.params.ignore_eos for r in requests):
+            self._warned_no_eos = True
+            warnings.warn("the target's config has no EOS token id (absent, or outside the vocabulary): "
+                          "requests without stop_token_ids run to max_new_tokens", stacklevel=3)
         return requests
 
-    # ------------------------------------------------------------------ budget
-    def _budget(self, stale, scheduled, n_sampling, n_non_draft, rows) -> int:
-        cap = self.max_total_logit_rows - (n_sampling - len(scheduled))
-        total = int(np.sum(scheduled))
-        if self.mode == "fixed":
-            return max(0, min(total, cap - len(scheduled)))
-        return choose_budget(stale, scheduled, num_sampling_rows=n_sampling, num_non_draft_tokens=n_non_draft,
-                             cost_table=self._cost_tables.get(rows), max_total_logit_rows=cap)
-
-    def _rebudget(self, step: ScheduledStep, budget: int) -> ScheduledStep:
-        """The same step with another draft budget (the packed-token bucket follows)."""
-        a = dict(step.arrays)
-        n_pre = step.num_prefill_tokens
-        num_tokens = n_pre + step.num_decode + budget
-        t = self._scheduler.token_bucket(num_tokens)
-        tokens = np.zeros(t, np.int32)
-        tokens[:n_pre] = a["prefill_tokens"][:n_pre]
-        a["prefill_tokens"], a["budget"] = tokens, np.asarray(budget, np.int32)
-        rb, _, _, sampling, filtering = step.key
-        nl = self._scheduler.logit_rows(rb, t)
-        return dataclasses.replace(step, arrays=a, key=(rb, t, nl, sampling, filtering), num_tokens=num_tokens)
-
-    def _profile(self, step: ScheduledStep, sched: Scheduler) -> ScheduledStep:
-        """Time this row bucket's step at every packed-token bucket this step can reach (commit off), once."""
-        rb = step.key[0]
-        total = int(step.arrays["scheduled"].sum())
-        base = step.num_prefill_tokens + step.num_decode
-        table = self._cost_tables.get(rb)
-        known = dict(zip(table.verify_buckets, table.verify_seconds)) if table else {}
-        budgets = {}
-        for b in range(total + 1):
-            budgets.setdefault(sched.token_bucket(base + b), b)  # the smallest budget reaching each bucket
-        missing = [t for t in budgets if t not in known]
-        if not missing:
-            return step
-        for t in missing:
-            trial = self._rebudget(step, budgets[t])
-            trial.arrays["commit"] = np.asarray(False)
-            plan = _plan(trial)
-            fn = self._compiled_step(trial.key, plan)
-
-            def run(fn=fn, plan=plan):
-                self._state, out = fn(self._target_params, self._drafter_params, self._state, plan)
-                return out.num_emitted
-
-            known[t] = time_callable(run, repeats=3, warmup=1)
-        self._cost_tables[rb] = CostTable.from_measurements(known, metadata={"rows": rb, "source": "engine profile"})
-        a = step.arrays
-        dec = [i for i, r in enumerate(step.row_requests) if r is not None and a["prefill_len"][i] == 0]
-        stale = sched.stale_conf[[step.row_requests[i].slot for i in dec]][:, : self.k]
-        n_sampling = len(dec) + int(np.sum((a["prefill_len"] > 0) & a["prefill_last"] & (a["resume_token"] < 0)))
-        budget = self._budget(stale, a["scheduled"][dec], n_sampling, base, rb)
-        return self._rebudget(step, budget)
-
-    def _prepare(self, step: ScheduledStep, sched: Scheduler) -> ScheduledStep:
-        """Last host decisions before a step runs: profile the cost table where it is incomplete."""
-        if self._profile_costs and step.num_decode and self.k:
-            step = self._profile(step, sched)
-        return step
+    def _check_fits(self, req: Request) -> None:
+        limit = min(req.params.max_new_tokens, self.max_model_len - len(req.prompt))
+        need = -(-min(len(req.prompt) + limit + self.k, self.max_model_len) // self.page_size)
+        if need > self.num_pages:
+            raise ValueError(f"prompt {req.index}: {len(req.prompt)} prompt tokens + {req.params.max_new_tokens} new "
+                             f"tokens need {need} KV pages, more than the pool's {self.num_pages}")
 
     # ------------------------------------------------------------------ running
     def stream(self, prompts, *, max_new_tokens: int | None = None, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int = 0, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
                sampling_params=None) -> Iterator[tuple[int, list[int]]]:
-        """Yield ``(request index, new token ids)`` as steps complete (continuous batching, host loop)."""
+        """Yield ``(request index, new token ids)`` as steps complete (continuous batching, host loop).
+
+        The engine is held from the first ``next()`` until the stream is exhausted or closed."""
         requests = self._requests(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
                                   ignore_eos, sampling_params)
-        yield from self._loop(requests, run_stats={})
+        return self._stream(requests)
+
+    def _stream(self, requests: list[Request]) -> Iterator[tuple[int, list[int]]]:
+        with self._exclusive():
+            self._warmup(None)
+            yield from self._host_loop(requests, {})
 
     def generate(self, prompts, *, max_new_tokens: int | None = None, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
@@ -393,168 +418,198 @@ class Engine:
         ``prompts``: strings (with a tokenizer) or token-id lists. ``seed``: request ``i`` samples with
         ``seed + i`` (per-request seeds through ``sampling_params``). ``loop="host"`` is the continuous-batching
         engine; ``progress`` shows a tqdm bar (default: when there are more prompts than slots).
-        ``loop="device"`` decodes the whole batch in one compiled program (``spec_decode.device_loop``): no
-        Python between steps, every prompt at once (``max_num_seqs`` does not apply), same greedy tokens.
+        ``loop="device"`` decodes each wave of up to ``max_num_seqs`` requests in one compiled program
+        (:mod:`spec_decode.device_loop`): no Python between decode steps, same greedy tokens.
         """
         if loop not in ("host", "device"):
             raise ValueError(f"loop must be 'host' or 'device', got {loop!r}")
         requests = self._requests(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
                                   ignore_eos, sampling_params)
-        if loop == "device":
-            return self._generate_device(requests)
-        show = len(requests) > self.max_num_seqs if progress is None else bool(progress)
-        bar = None
-        if show:
-            from tqdm.auto import tqdm
+        with self._exclusive():
+            self._warmup(None)
+            if loop == "device":
+                return self._device_loop(requests)
+            show = len(requests) > self.max_num_seqs if progress is None else bool(progress)
+            bar = None
+            if show:
+                from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(requests), unit="req", desc="generate", file=sys.stderr)
-        run_stats: dict = {}
-        finished = 0
-        for _ in self._loop(requests, run_stats):
+                bar = tqdm(total=len(requests), unit="req", desc="generate", file=sys.stderr)
+            stats: dict = {}
+            finished = 0
+            for _ in self._host_loop(requests, stats):
+                if bar is not None:
+                    done = sum(r.finish_reason is not None for r in requests)
+                    bar.update(done - finished)
+                    finished = done
             if bar is not None:
-                done = sum(r.finish_reason is not None for r in requests)
-                bar.update(done - finished)
-                finished = done
-        if bar is not None:
-            bar.close()
-        return GenerationResults([self._result(r) for r in requests], run_stats)
-
-    # ------------------------------------------------------------------ the device loop
-    def _loop_table(self, rows: int) -> CostTable | None:
-        """A given cost table for the device loop's ``rows`` (one table, or the mapping's entry for the largest
-        row bucket not above ``rows``); None when the loop should profile its own."""
-        if self._given_table is not None:
-            return self._given_table
-        fitting = [rb for rb in self._cost_tables if rb <= rows] if not self._profile_costs else []
-        return self._cost_tables[max(fitting)] if fitting else None
-
-    def _generate_device(self, requests: list[Request]) -> GenerationResults:
-        """The whole batch in one compiled program (``spec_decode.device_loop``)."""
-        from spec_decode import device_loop as dl
-
-        t0 = time.perf_counter()
-        step_cfg = self._static_config((0, 0, 1, any(not r.params.greedy for r in requests),
-                                        any(r.params.filters for r in requests)))
-        rows = next_pow2(len(requests))
-        table = self._loop_table(rows) if self.mode == "adaptive" else None
-        batch = dl.plan_batch(requests, target=self.target, drafter=self.drafter, step=step_cfg,
-                              page_size=self.page_size, max_model_len=self.max_model_len,
-                              max_num_batched_tokens=self.max_num_batched_tokens,
-                              min_token_bucket=self.min_token_bucket, num_stop_ids=self.num_stop_ids,
-                              max_total_logit_rows=self.max_total_logit_rows if self._logit_rows_given else None,
-                              num_token_buckets=self.device_loop_token_buckets, cache_dtype=self.cache_dtype,
-                              cost_table=table)
-        dl.check_fits(batch, page_limit=self._page_limit)
-        planned = time.perf_counter() - t0
-        compiles0 = self.num_compiles
-        program = self._loops.get(batch.config)
-        if program is None:
-            fn = jax.jit(dl.make_loop_fn(self.target, self.drafter, batch.config))
-            program = fn.lower(self._target_params, self._drafter_params, batch.inputs,
-                               dl.LoopControls.run(batch.config.output_len)).compile()
-            self._loops[batch.config] = program
-            self.num_compiles += 1
-        if self.mode == "adaptive" and self._profile_costs:
-            if batch.config not in self._loop_tables:
-                self._loop_tables[batch.config] = dl.profile_loop(program, self._target_params,
-                                                                  self._drafter_params, batch)
-            batch.inputs = dataclasses.replace(
-                batch.inputs, cost_table=dl.CostTableArrays.from_table(self._loop_tables[batch.config]))
-        t1 = time.perf_counter()
-        out = jax.device_get(program(self._target_params, self._drafter_params, batch.inputs,
-                                     dl.LoopControls.run(batch.config.output_len)))
-        t2 = time.perf_counter()
-        dl.fill_requests(requests, out, self.k)
-        results = [self._result(r) for r in requests]
-        t3 = time.perf_counter()
-        stats = dl.run_stats(requests, out, batch, k=self.k, mode=self.mode, wall=t3 - t0, host=planned + (t3 - t2),
-                             compiles=self.num_compiles - compiles0)
-        stats["device_time_s"] = t2 - t1
-        return GenerationResults(results, stats)
-
-    @property
-    def loop_cost_tables(self) -> dict:
-        """The device loop's profiled cost tables, by its static config."""
-        return dict(self._loop_tables)
+                bar.close()
+            return GenerationResults([self._result(r) for r in requests], stats)
 
     def _result(self, req: Request) -> GenerationResult:
-        k = self.k
-        emitted = len(req.output)
-        stats = {
-            "emitted_tokens": emitted,
-            "target_steps": req.target_steps,
-            "acceptance_length": (emitted - 1) / req.target_steps if req.target_steps else 0.0,
-            "accepted_per_position": [int(x) for x in req.accepted_per_position[:k]] if k else [],
-            "verified_per_position": [int(x) for x in req.verified_per_position[:k]] if k else [],
-            "verified_drafts_per_step": list(req.verified_drafts_per_step),
-            "finish_reason": req.finish_reason,
-            "prompt_tokens": len(req.prompt),
-            "preemptions": req.preemptions,
-        }
-        text = self.tokenizer.decode(req.output) if self.tokenizer is not None else None
-        return GenerationResult(list(req.output), text, stats, list(req.prompt))
+        return request_result(req, k=self.k, tokenizer=self.tokenizer)
 
-    def _loop(self, requests: list[Request], run_stats: dict) -> Iterator[tuple[int, list[int]]]:
-        if self._state is None:
-            self._state = self._init_state()
-        sched = Scheduler(num_slots=self.max_num_seqs, num_pages=self.num_pages, page_size=self.page_size,
-                          max_model_len=self.max_model_len, num_speculative_tokens=self.k,
-                          max_num_batched_tokens=self.max_num_batched_tokens,
-                          max_total_logit_rows=self.max_total_logit_rows, num_stop_ids=self.num_stop_ids,
-                          min_token_bucket=self.min_token_bucket)
-        self._scheduler = sched
+    def _scheduler(self) -> Scheduler:
+        return Scheduler(num_slots=self.max_num_seqs, pool=self.pool, planner=self.planner,
+                         max_model_len=self.max_model_len, num_speculative_tokens=self.k,
+                         max_num_batched_tokens=self.max_num_batched_tokens, token_buckets=self.token_buckets,
+                         max_total_logit_rows=self.max_total_logit_rows, num_stop_ids=self.num_stop_ids)
+
+    def _launch(self, step: ScheduledStep):
+        """Dispatch one step (its plan in one transfer); the output is copied back asynchronously."""
+        self._state, out = self._programs.run(step.key, self._target_params, self._drafter_params, self._state,
+                                              jax.device_put(step.plan))
+        for leaf in jax.tree.leaves(out):
+            leaf.copy_to_host_async()
+        return out
+
+    # ------------------------------------------------------------------ the host loop
+    def _host_loop(self, requests: list[Request], stats: dict) -> Iterator[tuple[int, list[int]]]:
+        sched = self._scheduler()
         for r in requests:
             sched.add(r)
-        compiles0 = self.num_compiles
-        t0 = time.perf_counter()
+        depth = 1 if self.async_scheduling else 0  # steps left in flight while the host plans the next
+        in_flight: collections.deque = collections.deque()
         steps = verify_steps = 0
         verified_per_step: list[int] = []
         budget_per_step: list[int] = []
         host_s = 0.0
-        try:
-            while sched.has_work:
-                h0 = time.perf_counter()
-                step = sched.schedule(budget_fn=self._budget)
-                if step is None:
-                    raise RuntimeError("the scheduler could not place any work (page pool too small?)")
-                step = self._prepare(step, sched)
-                h1 = time.perf_counter()
-                out = jax.device_get(self._run(step))  # the one read-back of the step
-                h2 = time.perf_counter()
-                events = sched.commit(step, dataclasses.asdict(out))
-                host_s += (h1 - h0) + (time.perf_counter() - h2)
-                steps += 1
-                if step.num_decode:
-                    verify_steps += 1
-                    verified_per_step.append(int(np.sum(out.num_verified)))
-                    budget_per_step.append(int(step.arrays["budget"]))
-                for req, new in events:
-                    yield req.index, new
-        finally:
-            wall = time.perf_counter() - t0
-            out_tokens = sum(len(r.output) for r in requests)
-            decode_emitted = sum(max(len(r.output) - 1, 0) for r in requests if r.target_steps)
-            row_steps = sum(r.target_steps for r in requests)
-            acc = np.sum([r.accepted_per_position for r in requests], axis=0) if self.k else np.zeros(0)
-            ver = np.sum([r.verified_per_position for r in requests], axis=0) if self.k else np.zeros(0)
-            run_stats.update(
-                wall_time_s=wall, output_tokens=out_tokens, output_tokens_per_s=out_tokens / wall if wall else 0.0,
-                steps=steps, verify_steps=verify_steps,
-                mean_acceptance_length=decode_emitted / row_steps if row_steps else 0.0,
-                per_position_acceptance=[float(a / v) if v else math.nan for a, v in zip(acc[: self.k],
-                                                                                           ver[: self.k])],
-                verified_drafts_per_step=verified_per_step, budget_per_step=budget_per_step,
-                mean_verified_drafts_per_step=float(np.mean(verified_per_step)) if verified_per_step else 0.0,
-                host_time_per_step_s=host_s / steps if steps else 0.0, compiles=self.num_compiles - compiles0,
-                preemptions=sched.num_preemptions, verification=self.mode, num_speculative_tokens=self.k,
-            )
-            if sched.has_work:  # interrupted (an exception or a closed stream): free the slots for the next run
-                self._state = None
+        t0 = time.perf_counter()
+        with compile_counter() as compiled:
+            try:
+                while sched.has_work or in_flight:
+                    h0 = time.perf_counter()
+                    step = sched.schedule() if sched.has_work else None
+                    if step is not None:
+                        in_flight.append((step, self._launch(step)))
+                        steps += 1
+                    elif not in_flight:
+                        raise RuntimeError("the scheduler could not place any work (page pool too small?)")
+                    host_s += time.perf_counter() - h0
+                    while in_flight and (len(in_flight) > depth or step is None):
+                        done, out = in_flight.popleft()
+                        out = jax.device_get(out)  # waits for that step only
+                        h1 = time.perf_counter()
+                        events = sched.commit(done, out)
+                        if done.num_decode:
+                            verify_steps += 1
+                            verified_per_step.append(int(np.sum(out.num_verified)))
+                            budget_per_step.append(done.budget)
+                        host_s += time.perf_counter() - h1
+                        for req, new in events:
+                            yield req.index, new
+            except BaseException:
+                self._recover(sched)
+                raise
+            finally:
+                wall = time.perf_counter() - t0
+                self.num_compiles += len(compiled)
+                stats.update(run_stats(requests, k=self.k, mode=self.mode, loop="host", wall=wall, steps=steps,
+                                       verify_steps=verify_steps, verified_per_step=verified_per_step,
+                                       budget_per_step=budget_per_step, host_s=host_s, compiles=len(compiled),
+                                       preemptions=sched.num_preemptions,
+                                       prefill_tokens=sched.prefill_tokens_computed,
+                                       prefix_tokens_reused=sched.prefix_tokens_reused,
+                                       async_scheduling=self.async_scheduling))
+
+    def _recover(self, sched: Scheduler) -> None:
+        """An interrupted run (an exception, or a closed stream): free its pages and slots. If the device state
+        was lost with it (a failed step), start from a fresh state and forget the prefix cache."""
+        sched.release_all()
+        if self._state is None or any(x.is_deleted() for x in jax.tree.leaves(self._state)):
+            self._state = self._init_state()
+            self.pool.clear_cache()
+
+    # ------------------------------------------------------------------ the device loop
+    def _device_loop(self, requests: list[Request]) -> GenerationResults:
+        """Waves of at most ``max_num_seqs`` requests whose pages fit: prefill with the host steps, then one
+        compiled program decodes the wave to the end (:mod:`spec_decode.device_loop`)."""
+        sched = self._scheduler()
+        t0 = time.perf_counter()
+        steps = 0
+        verified, budgets = [], []
+        device_s = 0.0
+        with compile_counter() as compiled:
+            try:
+                for wave in self._waves(requests):
+                    for r in wave:
+                        sched.add(r)
+                    pending = []
+                    while any(r.status.value in ("waiting", "prefill") for r in wave):
+                        step = sched.schedule(prefill_only=True)
+                        if step is None:
+                            raise RuntimeError("the device loop could not prefill its wave (page pool too small?)")
+                        pending.append((step, self._launch(step)))
+                        steps += 1
+                    for step, out in pending:  # the first tokens (and requests that finish at once)
+                        sched.commit(step, jax.device_get(out))
+                    live = [r for r in wave if r.finish_reason is None]
+                    for r in live:
+                        sched.reserve_decode_pages(r)
+                    tables = self.pool.block_table([r.index for r in live])
+                    cost = self.planner.device_table(self.loop_config.token_buckets)
+                    inputs = loop_inputs(live, config=self.loop_config, block_tables=tables, cost_table=cost,
+                                         max_steps=self.loop_config.output_len)
+                    d0 = time.perf_counter()
+                    self._state, out = self._loop_program(self._target_params, self._drafter_params, self._state,
+                                                          jax.device_put(inputs))
+                    out = jax.device_get(out)
+                    device_s += time.perf_counter() - d0
+                    fill_requests(live, out, self.k)
+                    n = int(out.steps)
+                    steps += n
+                    per_step = np.where(out.verified_per_step[:, :n] >= 0, out.verified_per_step[:, :n], 0).sum(0)
+                    verified.extend(int(x) for x in per_step)
+                    budgets.extend(int(x) for x in out.budget_per_step[:n])
+                    for r in live:
+                        last = r.output[-1] if r.output else None
+                        r.finish_reason = "stop" if last in r.stop_ids else "length"
+                    sched.finish_wave(live)
+            except BaseException:
+                self._recover(sched)
+                raise
+        self.num_compiles += len(compiled)
+        wall = time.perf_counter() - t0
+        stats = run_stats(requests, k=self.k, mode=self.mode, loop="device", wall=wall, steps=steps,
+                          verify_steps=len(verified), verified_per_step=verified, budget_per_step=budgets,
+                          host_s=wall - device_s, compiles=len(compiled), preemptions=0,
+                          prefill_tokens=sched.prefill_tokens_computed, prefix_tokens_reused=sched.prefix_tokens_reused,
+                          token_buckets=list(self.loop_config.token_buckets), device_time_s=device_s)
+        return GenerationResults([self._result(r) for r in requests], stats)
+
+    def _waves(self, requests: list[Request]):
+        """Consecutive groups of at most ``max_num_seqs`` requests whose every page fits the pool at once."""
+        wave, pages = [], 0
+        for r in requests:
+            limit = min(r.params.max_new_tokens, self.max_model_len - len(r.prompt))
+            need = -(-(len(r.prompt) + limit + self.k) // self.page_size)
+            if wave and (len(wave) == self.max_num_seqs or pages + need > self.num_pages):
+                yield wave
+                wave, pages = [], 0
+            wave.append(r)
+            pages += need
+        if wave:
+            yield wave
 
 
-def _plan(step: ScheduledStep) -> StepPlan:
-    """The step's host-built plan arrays on the device, in one transfer."""
-    return StepPlan(**jax.device_put(step.arrays))
+def generate_offline(target, drafter, prompts, *, max_new_tokens: int | None = None, temperature: float = 0.0,
+                     top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_token_ids: Sequence[int] = (),
+                     ignore_eos: bool = False, sampling_params=None, **engine_kwargs) -> GenerationResults:
+    """Jitted offline batch decoding in one call: ``Engine(target, drafter, **engine_kwargs).generate(prompts,
+    loop="device", ...)``. Keep an :class:`Engine` instead to reuse its compiled programs."""
+    engine = Engine(target, drafter, **engine_kwargs)
+    return engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                           top_p=top_p, seed=seed, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+                           sampling_params=sampling_params, loop="device")
+
+
+@jax.jit
+def _with_lengths(state: DecodeState, lengths) -> DecodeState:
+    """The state with every slot's cached length (and the draft context's) set to ``lengths`` (profiling)."""
+    dc = state.draft_cache
+    if dc is not None:
+        dc = dataclasses.replace(dc, lengths=lengths)
+    return dataclasses.replace(state, num_cached=lengths, draft_cache=dc, done=jnp.zeros_like(state.done))
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -565,14 +620,6 @@ def _encode(tokenizer, text: str) -> list[int]:
         except TypeError:  # a tokenizer without the keyword
             return [tokenizer.bos_token_id] + list(tokenizer.encode(text))
     return list(tokenizer.encode(text))
-
-
-def _row_buckets(max_num_seqs: int) -> list[int]:
-    out, b = [], 1
-    while b < max_num_seqs:
-        out.append(b)
-        b *= 2
-    return out + [next_pow2(max_num_seqs)]
 
 
 def _check_drafter_fits(drafter, target) -> None:

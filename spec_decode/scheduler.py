@@ -1,127 +1,131 @@
-"""The host side of the engine: admission, chunked prefill, page allocation, bucketing, preemption, bookkeeping.
+"""The host side of the engine: admission, prefix caching, chunked prefill, pages, preemption, bookkeeping.
 
-The scheduler never touches device arrays: it turns the engine's requests into one :class:`~spec_decode.step.
-StepPlan` (numpy arrays) per step and folds the step's small read-back output into per-request state.
+The scheduler never touches device arrays: it turns the engine's requests into one host
+:class:`~spec_decode.step.StepPlan` (numpy arrays) per step, with its :class:`~spec_decode.buckets.StepKey`, and
+folds each step's small read-back :class:`~spec_decode.step.StepOutput` into per-request state.
+
+**Upper bounds, so that a step can be planned before the previous one is read back** (async scheduling,
+``docs/ENGINE.md``). The device holds the truth (anchors, lengths, emitted counts, finished flags); the host keeps
+for every request what it has read back plus, for each of its steps still in flight, what that step may add at
+most (``1 + scheduled`` cached tokens: every draft accepted) and at least (one emitted token). Pages are reserved
+for the upper bound; a request whose lower bound has reached its limit is not scheduled again; a request that
+finished in a step still in flight may be carried through one more step, where the device treats it as padding
+and its tokens are discarded.
 
 Policy, step by step:
 
-1. **Decode rows** (requests whose prompt is in the cache) each get pages for the anchor plus the drafts they may
-   verify (``num_cached + 1 + scheduled``). When the page pool runs out, the *newest* running request (latest
+1. **Decode rows** (requests whose prompt is in the cache) each get pages for their upper-bound length plus the
+   anchor and the drafts they may verify. When the page pool runs out, the *newest* running request (latest
    admission) is **preempted**: its pages and slot are freed and it goes back to the front of the waiting queue;
-   later it is recomputed (prompt plus the tokens it already produced, prefilled again) and continues where it
-   stopped. Sampling keys depend only on (seed, position), so greedy outputs are unchanged by preemption, and so
-   are stochastic outputs under fixed verification (adaptive allocation depends on the batch by design).
+   once its steps in flight are read back it is recomputed (prompt plus the tokens it already produced, prefilled
+   again, largely from the prefix cache) and continues where it stopped. Sampling keys depend only on (seed,
+   position), so greedy outputs are unchanged by preemption, and so are stochastic outputs under fixed
+   verification (adaptive allocation depends on the batch by design).
 2. **Prefill chunks**: requests being prefilled continue first, then waiting requests are admitted in order while a
-   slot is free, pages are available and the step's prefill token budget (``max_num_batched_tokens``) lasts.
-   Admitted work that does not fit waits; nothing crashes.
-3. **Buckets**: rows are padded to a power of two (at most ``max_num_seqs``), packed tokens to a power of two; the
-   verify-logits rows are bounded by ``max_total_logit_rows``.
+   slot is free, pages are available and the step's prefill token budget (``max_num_batched_tokens``) lasts. An
+   admitted request first takes the cached pages of its longest cached prompt prefix (:mod:`spec_decode.page_pool`)
+   and prefills only the rest. Admitted work that does not fit waits; nothing crashes.
+3. **Budget**: the :class:`~spec_decode.planner.Planner` chooses how many drafts the step verifies, from the
+   confidences of an earlier step (lossless).
+4. **Shape**: rows are always the engine's slots; the packed tokens go to the smallest bucket of the closed set
+   (:mod:`spec_decode.buckets`).
+5. **Prefix caching**: every full page of a prefill chunk is registered in the pool once the step is built, so
+   requests admitted in later steps can share it.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 
 import numpy as np
 
-from minimax_jax.cache import OutOfPagesError, PageAllocator
-from spec_decode.sampling_params import SamplingParams
+from spec_decode.buckets import StepKey, logit_rows, token_bucket
+from spec_decode.page_pool import OutOfPagesError, PagePool
+from spec_decode.request import Request, RequestStatus
+from spec_decode.step import StepOutput, StepPlan
 
-__all__ = ["Request", "RequestStatus", "ScheduledStep", "Scheduler", "next_pow2"]
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
+__all__ = ["Request", "RequestStatus", "ScheduledStep", "Scheduler"]
 
 
-class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    PREFILL = "prefill"
-    RUNNING = "running"
-    FINISHED = "finished"
+@dataclasses.dataclass(frozen=True)
+class _InFlight:
+    """What one scheduled step may change for its request, until it is read back."""
 
-
-@dataclasses.dataclass
-class Request:
-    """One generation request and its host-side progress."""
-
-    index: int  # position in the caller's prompt list
-    prompt: list[int]
-    params: SamplingParams
-    stop_ids: tuple[int, ...]
-    arrival: int  # admission order key (smaller = older)
-    status: RequestStatus = RequestStatus.WAITING
-    slot: int | None = None
-    output: list[int] = dataclasses.field(default_factory=list)
-    num_cached: int = 0  # tokens in the target cache (mirror of the device state)
-    prefill_target: list[int] = dataclasses.field(default_factory=list)  # tokens to (re)compute before decoding
-    finish_reason: str | None = None
-    # statistics
-    target_steps: int = 0
-    accepted_per_position: np.ndarray | None = None
-    verified_per_position: np.ndarray | None = None
-    verified_drafts_per_step: list[int] = dataclasses.field(default_factory=list)
-    preemptions: int = 0
-
-    @property
-    def total_len(self) -> int:
-        return len(self.prompt) + len(self.output)
-
-    @property
-    def is_resumed(self) -> bool:
-        return bool(self.output)
+    cached_max: int  # cache tokens it may add at most (decode rows: 1 + scheduled; prefill rows: 0, counted)
+    emit_min: int  # tokens it emits at least (decode rows and a fresh prefill's last chunk: 1)
 
 
 @dataclasses.dataclass
 class ScheduledStep:
-    """One planned step: the plan arrays, its bucket key, and which request each row serves."""
+    """One planned step: the host plan, its program key, and which request each row serves."""
 
-    arrays: dict[str, np.ndarray]
-    key: tuple  # (rows, tokens, logit rows, sampling, filtering)
+    plan: StepPlan  # numpy arrays, sent to the device in one transfer
+    key: StepKey
     row_requests: list[Request | None]
     num_tokens: int  # real packed tokens (prefill + anchors + verified drafts)
     num_decode: int
     num_prefill_tokens: int
+    budget: int
 
 
 class Scheduler:
-    """Slots, the page pool and the waiting queue of one engine run (see the module docstring)."""
+    """Slots, the page pool and the waiting queue of one engine run (see the module docstring).
 
-    def __init__(self, *, num_slots: int, num_pages: int, page_size: int, max_model_len: int,
-                 num_speculative_tokens: int, max_num_batched_tokens: int, max_total_logit_rows: int,
-                 num_stop_ids: int, min_token_bucket: int = 8):
+    ``pool`` is the engine's :class:`~spec_decode.page_pool.PagePool` (it outlives runs: its cached prefix pages
+    stay valid in the engine's device cache); ``planner`` chooses each step's draft budget.
+    """
+
+    check_writes = False  # tests: assert every write of a step lands on pages its request owns alone
+
+    def __init__(self, *, num_slots: int, pool: PagePool, planner, max_model_len: int, num_speculative_tokens: int,
+                 max_num_batched_tokens: int, token_buckets: tuple[int, ...], max_total_logit_rows: int,
+                 num_stop_ids: int):
         self.num_slots = num_slots
-        self.page_size = page_size
+        self.pool = pool
+        self.planner = planner
+        self.page_size = pool.page_size
         self.max_model_len = max_model_len
         self.k = num_speculative_tokens
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.token_buckets = token_buckets
         self.max_total_logit_rows = max_total_logit_rows
-        self.max_blocks = -(-max_model_len // page_size)
+        self.max_blocks = pool.max_blocks
         self.num_stop_ids = num_stop_ids
-        self.min_token_bucket = min_token_bucket
-        self.allocator = PageAllocator(num_pages, page_size, self.max_blocks)
         self.free_slots = list(range(num_slots - 1, -1, -1))  # pop() gives the lowest slot
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}  # slot -> request (prefill or decode)
         self.num_preemptions = 0
+        self.prefill_tokens_computed = 0
+        self.prefix_tokens_reused = 0
         self.stale_conf = np.ones((num_slots, max(self.k, 1)), np.float32)
+        self._inflight: dict[int, collections.deque[_InFlight]] = {}  # request index -> its steps in flight
 
     # ------------------------------------------------------------------ queue
     def add(self, request: Request) -> None:
-        request.prefill_target = list(request.prompt)
         k = max(self.k, 1)
+        request.limit = min(request.params.max_new_tokens, self.max_model_len - len(request.prompt))
         request.accepted_per_position = np.zeros(k, np.int64)
         request.verified_per_position = np.zeros(k, np.int64)
+        self._inflight[request.index] = collections.deque()
         self.waiting.append(request)
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def requests_in_flight(self) -> bool:
+        return any(self._inflight.values())
+
+    def release_all(self) -> None:
+        """Free every page and slot this run holds (an interrupted run)."""
+        for req in list(self.running.values()):
+            self._release(req)
+        self.waiting.clear()
+
     def _release(self, req: Request) -> None:
-        self.allocator.free(req.index)
+        self.pool.free(req.index)
         if req.slot is not None:
             self.running.pop(req.slot, None)
             self.free_slots.append(req.slot)
@@ -133,7 +137,6 @@ class Scheduler:
         self._release(req)
         req.status = RequestStatus.WAITING
         req.num_cached = 0
-        req.prefill_target = req.prompt + req.output[:-1]  # the last output token is the anchor, not cached
         req.preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -147,7 +150,7 @@ class Scheduler:
         was preempted (it is the newest and still does not fit)."""
         while True:
             try:
-                self.allocator.ensure(req.index, length)
+                self.pool.ensure(req.index, length)
                 return True
             except OutOfPagesError:
                 victim = self._newest_running()
@@ -157,26 +160,33 @@ class Scheduler:
                 if victim is req:
                     return False
 
-    # ------------------------------------------------------------------ planning
-    def max_emit(self, req: Request) -> int:
-        return min(req.params.max_new_tokens - len(req.output), self.max_model_len - req.total_len)
+    # ------------------------------------------------------------------ bounds
+    def _cached_upper(self, req: Request) -> int:
+        return req.num_cached + sum(f.cached_max for f in self._inflight[req.index])
 
-    def schedule(self, *, budget_fn) -> ScheduledStep | None:
-        """Plan the next step; ``budget_fn(stale_conf [n, K], scheduled [n], n_sampling, n_non_draft, rows)``
-        returns the draft budget. None when nothing can run."""
+    def _emitted_lower(self, req: Request) -> int:
+        return len(req.output) + sum(f.emit_min for f in self._inflight[req.index])
+
+    # ------------------------------------------------------------------ planning
+    def schedule(self, *, prefill_only: bool = False) -> ScheduledStep | None:
+        """Plan the next step (None when nothing can run now: everything left waits on steps in flight, or on
+        pages). ``prefill_only``: admit and prefill, schedule no decode rows (the device loop decodes)."""
         k = self.k
-        # 1. decode rows, oldest first; pages for anchor + scheduled drafts
+        # 1. decode rows, oldest first; pages for the upper-bound length + anchor + scheduled drafts
         decode: list[tuple[Request, int]] = []
         for req in sorted(self.running.values(), key=lambda r: r.arrival):
-            if req.status is not RequestStatus.RUNNING or req.slot is None:
+            if prefill_only or req.status is not RequestStatus.RUNNING or req.slot is None:
                 continue
-            sched = max(0, min(k, self.max_emit(req) - 1))
-            if not self._ensure(req, req.num_cached + 1 + sched):
+            remaining = req.limit - self._emitted_lower(req)  # an upper bound of what it may still emit
+            if remaining <= 0:
+                continue  # finished, or finishes in a step in flight
+            sched = max(0, min(k, remaining - 1))
+            if not self._ensure(req, self._cached_upper(req) + 1 + sched):
                 continue
             decode.append((req, sched))
         decode = [(r, s) for r, s in decode if r.slot is not None and r.status is RequestStatus.RUNNING]
 
-        # 2. prefill chunks: continuing prefills first, then admissions
+        # 2. prefill chunks: continuing prefills first, then admissions (prefix cache first)
         prefill: list[tuple[Request, int]] = []
         room = self.max_num_batched_tokens
         cont = sorted((r for r in self.running.values() if r.status is RequestStatus.PREFILL),
@@ -191,129 +201,162 @@ class Scheduler:
             room -= n
         while self.waiting and room > 0 and self.free_slots:
             req = self.waiting[0]
-            n = min(room, len(req.prefill_target))
-            if not self._try_ensure(req, n):
+            if self._inflight[req.index]:
+                break  # preempted while a step of it was in flight: its output is not known yet
+            target = req.prompt + req.output[:-1]  # a resumed request recomputes its output but the anchor
+            cached = self.pool.admit(req.index, target)
+            n = min(room, len(target) - cached)
+            if not self._try_ensure(req, cached + n):
+                self.pool.free(req.index)
                 break  # admitted work waits for pages
             self.waiting.popleft()
+            req.prefill_target = target
             req.slot = self.free_slots.pop()
             req.status = RequestStatus.PREFILL
-            req.num_cached = 0
+            req.num_cached = cached
+            self.prefix_tokens_reused += cached
             self.running[req.slot] = req
             prefill.append((req, n))
             room -= n
         if not decode and not prefill:
             return None
 
-        rows = len(prefill) + len(decode)
-        rb = min(next_pow2(rows), next_pow2(self.num_slots))
-        row_reqs: list[Request | None] = [r for r, _ in prefill] + [r for r, _ in decode]
-        row_reqs += [None] * (rb - rows)
-
-        prefill_tokens = [t for req, n in prefill for t in req.prefill_target[req.num_cached: req.num_cached + n]]
-        n_pre = len(prefill_tokens)
-        resume = [req.is_resumed and req.num_cached + n == len(req.prefill_target) for req, n in prefill]
-        sampling_prefill = sum(1 for (req, n), res in zip(prefill, resume)
-                               if req.num_cached + n == len(req.prefill_target) and not res)
+        # 3. the budget, from the confidences of an earlier step
+        n_pre = sum(n for _, n in prefill)
+        ends = [req.num_cached + n == len(req.prefill_target) for req, n in prefill]
+        fresh_first = [end and not req.is_resumed for (req, _), end in zip(prefill, ends)]
         scheduled = np.asarray([s for _, s in decode], np.int64)
-        stale = self.stale_conf[[r.slot for r, _ in decode]] if decode else np.ones((0, max(k, 1)), np.float32)
-        n_sampling = len(decode) + sampling_prefill
-        budget = int(budget_fn(stale[:, :k] if k else stale[:, :0], scheduled, n_sampling, n_pre + len(decode),
-                               rb)) if k and decode else 0
-        budget = max(0, min(budget, int(scheduled.sum()) if decode else 0))
+        budget = 0
+        if k and decode:
+            stale = self.stale_conf[[r.slot for r, _ in decode]][:, :k]
+            budget = self.planner.budget(stale, scheduled, num_sampling_rows=len(decode) + sum(fresh_first),
+                                         num_non_draft_tokens=n_pre + len(decode))
+            budget = max(0, min(int(budget), int(scheduled.sum())))
         num_tokens = n_pre + len(decode) + budget
-        t = self.token_bucket(num_tokens)
-        nl = self.logit_rows(rb, t)
+        t = token_bucket(self.token_buckets, num_tokens)
+        key = StepKey(t, logit_rows(t, rows=self.num_slots, num_speculative_tokens=k,
+                                    max_total_logit_rows=self.max_total_logit_rows))
 
-        a = {
-            "rows": np.full(rb, -1, np.int32),
-            "prefill_tokens": np.zeros(t, np.int32),
-            "prefill_len": np.zeros(rb, np.int32),
-            "prefill_start": np.zeros(rb, np.int32),
-            "prefill_last": np.zeros(rb, bool),
-            "resume_token": np.full(rb, -1, np.int32),
-            "block_tables": np.zeros((rb, self.max_blocks), np.int32),
-            "scheduled": np.zeros(rb, np.int32),
-            "budget": np.asarray(budget, np.int32),
-            "temperature": np.zeros(rb, np.float32),
-            "top_k": np.zeros(rb, np.int32),
-            "top_p": np.ones(rb, np.float32),
-            "seed": np.zeros(rb, np.int32),
-            "max_emit": np.zeros(rb, np.int32),
-            "stop_ids": np.full((rb, self.num_stop_ids), -1, np.int32),
-            "commit": np.asarray(True),
-        }
-        a["prefill_tokens"][:n_pre] = prefill_tokens
-        for i, req in enumerate(row_reqs):
-            if req is None:
-                continue
-            a["rows"][i] = req.slot
+        # 4. the plan arrays: prefill rows first, then decode rows, then padding rows
+        row_reqs: list[Request | None] = [r for r, _ in prefill] + [r for r, _ in decode]
+        row_reqs += [None] * (self.num_slots - len(row_reqs))
+        plan = self._plan_arrays(row_reqs, prefill, ends, decode, budget, t)
+        step = ScheduledStep(plan, key, row_reqs, num_tokens, len(decode), n_pre, budget)
+        if self.check_writes:
+            self._check_writes(prefill, decode)
+
+        # 5. bookkeeping: prefill progress is exact; decode rows add upper / lower bounds until read back
+        for (req, n), end, first in zip(prefill, ends, fresh_first):
+            req.num_cached += n
+            self.prefill_tokens_computed += n
+            self.pool.register(req.index, req.prefill_target, req.num_cached)
+            if end:
+                req.status = RequestStatus.RUNNING
+            self._inflight[req.index].append(_InFlight(0, 1 if first else 0))
+        for req, s in decode:
+            self._inflight[req.index].append(_InFlight(1 + s, 1))
+        return step
+
+    def _plan_arrays(self, row_reqs, prefill, ends, decode, budget: int, t: int) -> StepPlan:
+        r = self.num_slots
+        rows = np.full(r, -1, np.int32)
+        prefill_tokens = np.zeros(t, np.int32)
+        prefill_len = np.zeros(r, np.int32)
+        prefill_start = np.zeros(r, np.int32)
+        prefill_last = np.zeros(r, bool)
+        prefill_emitted = np.zeros(r, np.int32)
+        resume_token = np.full(r, -1, np.int32)
+        scheduled = np.zeros(r, np.int32)
+        temperature = np.zeros(r, np.float32)
+        top_k = np.zeros(r, np.int32)
+        top_p = np.ones(r, np.float32)
+        seed = np.zeros(r, np.int32)
+        limit = np.zeros(r, np.int32)
+        stop_ids = np.full((r, self.num_stop_ids), -1, np.int32)
+        live = [req for req in row_reqs if req is not None]
+        for i, req in enumerate(live):
             p = req.params
-            a["temperature"][i], a["top_k"][i], a["top_p"][i], a["seed"][i] = (p.temperature, p.top_k, p.top_p,
-                                                                               p.seed)
-            a["max_emit"][i] = self.max_emit(req)
-            a["stop_ids"][i, : len(req.stop_ids)] = req.stop_ids
-        a["block_tables"][: rows] = self.allocator.block_table([r.index for r in row_reqs[:rows]])
-        for i, ((req, n), res) in enumerate(zip(prefill, resume)):
-            a["prefill_len"][i] = n
-            a["prefill_start"][i] = req.num_cached
-            a["prefill_last"][i] = req.num_cached + n == len(req.prefill_target)
-            if res:
-                a["resume_token"][i] = req.output[-1]
+            rows[i] = req.slot
+            temperature[i], top_k[i], top_p[i], seed[i] = p.temperature, p.top_k, p.top_p, p.seed
+            limit[i] = req.limit
+            stop_ids[i, : len(req.stop_ids)] = req.stop_ids
+        off = 0
+        for i, ((req, n), end) in enumerate(zip(prefill, ends)):
+            prefill_tokens[off: off + n] = req.prefill_target[req.num_cached: req.num_cached + n]
+            off += n
+            prefill_len[i], prefill_start[i], prefill_last[i] = n, req.num_cached, end
+            prefill_emitted[i] = len(req.output) if req.is_resumed else 0
+            if end and req.is_resumed:
+                resume_token[i] = req.output[-1]
         for j, (_, s) in enumerate(decode):
-            a["scheduled"][len(prefill) + j] = s
-        sampling = any(r is not None and not r.params.greedy for r in row_reqs)
-        filtering = any(r is not None and r.params.filters for r in row_reqs)
-        key = (rb, t, nl, sampling, filtering)
-        return ScheduledStep(a, key, row_reqs, num_tokens, len(decode), n_pre)
+            scheduled[len(prefill) + j] = s
+        block_tables = np.zeros((r, self.max_blocks), np.int32)
+        block_tables[: len(live)] = self.pool.block_table([req.index for req in live])
+        return StepPlan(rows=rows, prefill_tokens=prefill_tokens, prefill_len=prefill_len,
+                        prefill_start=prefill_start, prefill_last=prefill_last, resume_token=resume_token,
+                        block_tables=block_tables, scheduled=scheduled, budget=np.asarray(budget, np.int32),
+                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, limit=limit,
+                        prefill_emitted=prefill_emitted, stop_ids=stop_ids, commit=np.asarray(True))
 
-    def token_bucket(self, num_tokens: int) -> int:
-        """Packed-token bucket: a power of two, at least :attr:`min_token_bucket` (fewer compiled programs)."""
-        return max(next_pow2(max(num_tokens, 1)), self.min_token_bucket)
-
-    def logit_rows(self, rows: int, tokens: int) -> int:
-        """Verify-logits rows of a bucket: every row's 1 + K at most, and never over the memory bound."""
-        return max(1, min(tokens, self.max_total_logit_rows, rows * (1 + self.k)))
+    def _check_writes(self, prefill, decode) -> None:
+        for req, n in prefill:
+            self.pool.check_writable(req.index, req.num_cached, req.num_cached + n)
+        for req, s in decode:
+            self.pool.check_writable(req.index, req.num_cached, self._cached_upper(req) + 1 + s)
 
     def _try_ensure(self, req: Request, length: int) -> bool:
         """Pages for ``length`` tokens of ``req`` if the pool has them (nothing is preempted); else False."""
-        if not self.allocator.can_fit(req.index, length):
+        if not self.pool.can_fit(req.index, length):
             return False
-        self.allocator.ensure(req.index, length)
+        self.pool.ensure(req.index, length)
         return True
 
+    def reserve_decode_pages(self, req: Request) -> None:
+        """Pages for every position decoding ``req`` to its limit can write (the device loop reserves up front):
+        the prompt, then anchors and drafts up to ``prompt + limit - 2``."""
+        self.pool.ensure(req.index, min(len(req.prompt) + req.limit - 1, self.max_blocks * self.page_size))
+
     # ------------------------------------------------------------------ results
-    def commit(self, step: ScheduledStep, out: dict[str, np.ndarray]) -> list[tuple[Request, list[int]]]:
+    def commit(self, step: ScheduledStep, out: StepOutput) -> list[tuple[Request, list[int]]]:
         """Fold one step's read-back output into the requests; returns ``(request, new tokens)`` per row that
         emitted, and finishes / frees requests that are done."""
         events = []
         k = self.k
+        plan = step.plan
         for i, req in enumerate(step.row_requests):
             if req is None:
                 continue
-            n_emit = int(out["num_emitted"][i])
-            new = [int(x) for x in out["tokens"][i, :n_emit]]
-            n_pre = int(step.arrays["prefill_len"][i])
-            if n_pre:
-                req.num_cached += n_pre
-                if req.num_cached == len(req.prefill_target):
-                    req.status = RequestStatus.RUNNING
+            self._inflight[req.index].popleft()
+            if req.status is RequestStatus.FINISHED:
+                continue  # it finished in an earlier step: the device ran this row as padding
+            holds_slot = req.slot == int(plan.rows[i]) and req.status is not RequestStatus.WAITING
+            n_emit = int(out.num_emitted[i])
+            new = [int(x) for x in out.tokens[i, :n_emit]]
+            if plan.prefill_len[i]:
+                if plan.prefill_last[i] and holds_slot:
                     self.stale_conf[req.slot] = 1.0
             else:
-                acc = int(out["num_accepted"][i])
-                ver = int(out["num_verified"][i])
-                req.num_cached += 1 + acc
-                req.target_steps += 1
-                req.verified_drafts_per_step.append(ver)
-                if k:
-                    req.accepted_per_position[: min(acc, n_emit)] += 1
-                    req.verified_per_position[:ver] += 1
-                    self.stale_conf[req.slot] = out["confidences"][i, :k]
+                acc = int(out.num_accepted[i])
+                ver = int(out.num_verified[i])
+                if n_emit:
+                    req.target_steps += 1
+                    req.verified_drafts_per_step.append(ver)
+                    if k:
+                        req.accepted_per_position[: min(acc, n_emit)] += 1
+                        req.verified_per_position[:ver] += 1
+                if holds_slot:
+                    req.num_cached += (1 + acc) if n_emit else 0
+                    if k and n_emit:
+                        self.stale_conf[req.slot] = out.confidences[i, :k]
             req.output.extend(new)
             if new:
                 events.append((req, new))
-            if bool(out["finished"][i]):
+            if bool(out.finished[i]):
                 last = req.output[-1] if req.output else None
                 req.finish_reason = "stop" if last in req.stop_ids else "length"
+                if req.status is RequestStatus.WAITING:
+                    self.waiting.remove(req)
+                else:
+                    self._release(req)
                 req.status = RequestStatus.FINISHED
-                self._release(req)
         return events

@@ -61,16 +61,15 @@ class StepConfig:
     """Static settings of one compiled step (hashable; part of the compilation key).
 
     ``num_speculative_tokens`` (K) drafts per decode row, ``mode`` the verification mode, ``confidence`` where
-    adaptive confidences come from (``"head"`` or ``"estimator"``), ``sampling`` whether any row samples
-    (False compiles the greedy rule alone), ``filtering`` whether any row uses top-k / top-p,
-    ``num_logit_rows`` the verify-logits rows materialised (the memory bound), ``implementation`` the kernels.
+    adaptive confidences come from (``"head"`` or ``"estimator"``), ``num_logit_rows`` the verify-logits rows
+    materialised (the memory bound), ``implementation`` the kernels. Sampling and top-k / top-p are not part of
+    the key: one program serves greedy, sampled and filtered rows, and skips the sampled and filtering paths at
+    run time (``lax.cond``) when no row of the step needs them.
     """
 
     num_speculative_tokens: int
     mode: str
     confidence: str = "head"
-    sampling: bool = False
-    filtering: bool = False
     num_logit_rows: int = 1
     implementation: str = "auto"
     interpret: bool | None = None
@@ -85,6 +84,9 @@ class DecodeState:
     ``num_cached[s]`` tokens of slot ``s`` are in the target cache (and in the drafter's context); the slot's last
     emitted token ``last_token[s]`` is the next anchor, at position ``num_cached[s]``. ``prev_confidences`` are the
     confidences of the slot's latest drafts (1.0 for a fresh slot): what the next budget is planned from.
+    ``num_emitted[s]`` counts the tokens the slot's request has emitted (those before a preemption included) and
+    ``done[s]`` says it has finished: the device holds the truth, so the host can plan a step before it has read
+    the previous one back (async scheduling); a decode row whose slot is done is a padding row.
     """
 
     cache: PagedCache
@@ -94,6 +96,8 @@ class DecodeState:
     last_token: jax.Array  # int32[N]
     prev_confidences: jax.Array  # f32[N, K]
     estimator: EstimatorState | None
+    num_emitted: jax.Array  # int32[N]
+    done: jax.Array  # bool[N]
 
 
 @jax.tree_util.register_dataclass
@@ -102,8 +106,12 @@ class StepPlan:
     """What the host (or the device loop) decides for one step. ``R`` rows, ``T`` packed token slots.
 
     Row kinds: a *prefill* row has ``prefill_len > 0`` (a chunk of its prompt, packed at the front of
-    ``prefill_tokens`` in row order; prefill rows come first); a *decode* row has a slot and ``prefill_len == 0``;
-    a padding row has ``rows == -1``.
+    ``prefill_tokens`` in row order; prefill rows come first); a *decode* row has a slot and ``prefill_len == 0``
+    (it runs only while its slot is not ``done``); a padding row has ``rows == -1``.
+
+    Nothing in a plan depends on the step before it: the anchors, lengths and emitted counts of decode rows are
+    read from the device state, and ``scheduled`` is an upper bound the step clips to what the row may still
+    emit. So the host can build step ``n + 1`` while step ``n`` runs (``docs/ENGINE.md``, async scheduling).
     """
 
     rows: jax.Array  # int32[R]        slot of each row, -1 for padding
@@ -113,13 +121,14 @@ class StepPlan:
     prefill_last: jax.Array  # bool[R]         the chunk ends the prefill: sample the first token, or resume
     resume_token: jax.Array  # int32[R]        >= 0: a recomputed (preempted) row's anchor; the step samples nothing
     block_tables: jax.Array  # int32[R, B]     pages covering every position this step writes
-    scheduled: jax.Array  # int32[R]        drafts this decode row may verify (0..K)
+    scheduled: jax.Array  # int32[R]        drafts this decode row may verify (0..K; clipped on the device)
     budget: jax.Array  # int32[]         total drafts verified this step
     temperature: jax.Array  # f32[R]          <= 0: greedy
     top_k: jax.Array  # int32[R]        0: off
     top_p: jax.Array  # f32[R]          1.0: off
     seed: jax.Array  # int32[R]
-    max_emit: jax.Array  # int32[R]        tokens the row may still emit (max_new_tokens, length limit)
+    limit: jax.Array  # int32[R]        tokens the row's request may emit in all (max_new_tokens, length limit)
+    prefill_emitted: jax.Array  # int32[R]  prefill rows: tokens the request emitted before (a preempted one's)
     stop_ids: jax.Array  # int32[R, M]     tokens that end the row (-1 padded)
     commit: jax.Array  # bool[]          False: a timing run that leaves lengths and tokens unchanged
 
@@ -159,6 +168,8 @@ def init_state(target, drafter, *, num_slots: int, num_pages: int, max_model_len
         prev_confidences=jnp.ones((num_slots, max(k, 1)), jnp.float32),
         # distinct buffers for every leaf: the state is donated, and one buffer may not be donated twice
         estimator=jax.tree.map(jnp.copy, init_estimator(k)) if use_estimator and k > 0 else None,
+        num_emitted=jnp.zeros((num_slots,), jnp.int32),
+        done=jnp.zeros((num_slots,), bool),
     )
 
 
@@ -221,49 +232,63 @@ def make_step_fn(target, drafter, config: StepConfig):
         tgt = nnx.merge(tgraph, target_params)
         r = plan.rows.shape[0]
         t = plan.prefill_tokens.shape[0]
-        valid = plan.rows >= 0
+        vocab = tgt.cfg.vocab_size
         slot = jnp.maximum(plan.rows, 0)
-        is_prefill = valid & (plan.prefill_len > 0)
-        is_decode = valid & ~is_prefill
-        num_cached = jnp.where(is_prefill, plan.prefill_start, jnp.where(valid, state.num_cached[slot], 0))
+        is_prefill = (plan.rows >= 0) & (plan.prefill_len > 0)
+        is_decode = (plan.rows >= 0) & ~is_prefill & ~state.done[slot]  # a finished slot's row is padding
+        active = is_prefill | is_decode
+        num_cached = jnp.where(is_prefill, plan.prefill_start, jnp.where(active, state.num_cached[slot], 0))
+        emitted = jnp.where(is_prefill, plan.prefill_emitted, state.num_emitted[slot])
+        max_emit = jnp.where(active, plan.limit - emitted, 0)  # tokens the row may still emit
         anchor = jnp.where(is_decode, state.last_token[slot], 0)
-        greedy_rows = plan.temperature <= 0.0
-        safe_temp = jnp.where(greedy_rows, 1.0, plan.temperature)
+        # run-time switches (one program serves every mix of rows): the sampled and filtering paths run only
+        # when some row of this step needs them
+        any_sampled = jnp.any(active & (plan.temperature > 0.0))
+        any_filtered = jnp.any(active & ((plan.top_k > 0) | (plan.top_p < 1.0)))
+        safe_temp = jnp.where(plan.temperature <= 0.0, 1.0, plan.temperature)
 
-        def draft_filter(scaled_logits):  # top-k / top-p on the draft distributions too (module docstring)
-            return filter_logits(scaled_logits, plan.top_k, plan.top_p)
+        def maybe_filter(scaled_logits, top_k, top_p):  # top-k / top-p, on target and draft distributions alike
+            return jax.lax.cond(any_filtered, lambda x: filter_logits(x, top_k, top_p), lambda x: x,
+                                scaled_logits)
 
         # ---- 1. draft
         if k > 0:
             drafter = nnx.merge(dgraph, drafter_params)
             # the draft cache lives on the target's pages: this step's slots take the plan's block tables
-            dc = _draft_cache_for(state, plan, jnp.where(valid, slot, -1))
+            dc = _draft_cache_for(state, plan, jnp.where(active, slot, -1))
             # each decode row drafts from its slot's context, read in place (no per-step copy of the cache);
             # other rows see no context
             h = drafter.block_hidden(dc, anchor, num_cached,
                                      cache_rows=jnp.where(is_decode, slot, -1),
                                      implementation="reference" if config.implementation == "reference" else "auto",
                                      interpret=config.interpret)
-            keys = jax.vmap(lambda s, p: sampling_key(s, p, STREAM_DRAFT))(plan.seed, num_cached)
-            draft = drafter.sample_block(h, anchor, plan.temperature, keys if config.sampling else None,
-                                         return_probs=config.sampling,
-                                         logit_filter=draft_filter if config.filtering else None,
-                                         feature_fn=_estimator_feature if config.confidence == "estimator" else None)
-            drafts = draft.tokens[:, :k]
-            draft_probs = draft.probs[:, :k] if config.sampling else None
-            if config.confidence == "estimator":
-                features = draft.features[:, :k]
+            estimator = config.confidence == "estimator"
+
+            def draft_block(sampled: bool):
+                def run(h):
+                    keys = jax.vmap(lambda s, p: sampling_key(s, p, STREAM_DRAFT))(plan.seed, num_cached)
+                    d = drafter.sample_block(h, anchor, plan.temperature, keys if sampled else None,
+                                             return_probs=sampled,
+                                             logit_filter=lambda x: maybe_filter(x, plan.top_k, plan.top_p),
+                                             feature_fn=_estimator_feature if estimator else None)
+                    probs = d.probs[:, :k] if sampled else jnp.zeros((r, k, vocab), jnp.float32)
+                    conf = jnp.zeros((r, k), jnp.float32) if estimator else d.confidences[:, :k]
+                    feats = d.features[:, :k] if estimator else jnp.zeros((r, k), jnp.float32)
+                    return d.tokens[:, :k], probs, conf, feats
+                return run
+
+            drafts, draft_probs, conf, features = jax.lax.cond(any_sampled, draft_block(True), draft_block(False),
+                                                               h)
+            if estimator:
                 conf = predict(state.estimator, features)
-            else:
-                features = None
-                conf = draft.confidences[:, :k]
             conf = jnp.where(is_decode[:, None], conf, 0.0)
-            sched = jnp.where(is_decode, jnp.clip(plan.scheduled, 0, k), 0)
+            sched = jnp.where(is_decode, jnp.clip(jnp.minimum(plan.scheduled, max_emit - 1), 0, k), 0)
             alloc_conf = conf if config.mode == "adaptive" else jnp.ones_like(conf)
             caps = allocate_drafts(alloc_conf, sched, plan.budget)
         else:
             drafts = jnp.zeros((r, 0), jnp.int32)
-            draft_probs, features = None, None
+            draft_probs = jnp.zeros((r, 0, vocab), jnp.float32)  # no drafts: plain sampling of the bonus
+            features = None
             conf = jnp.zeros((r, 1), jnp.float32)
             caps = jnp.zeros((r,), jnp.int32)
 
@@ -275,7 +300,7 @@ def make_step_fn(target, drafter, config: StepConfig):
         place = is_decode[:, None] & (offs <= caps[:, None])
         dest = jnp.where(place, qsl[:-1, None] + offs, t)
         input_ids = plan.prefill_tokens.at[dest.reshape(-1)].set(dec_tokens.reshape(-1), mode="drop")
-        seq_lens = jnp.where(valid, num_cached + q_len, 0)
+        seq_lens = jnp.where(active, num_cached + q_len, 0)
         batch = RaggedBatch(input_ids, qsl, seq_lens, plan.block_tables)
 
         # ---- 3. verify
@@ -291,25 +316,30 @@ def make_step_fn(target, drafter, config: StepConfig):
         src = jnp.where(is_decode[lr], qsl[lr] + li, qsl[lr + 1] - 1)
         src = jnp.clip(jnp.where(lrow >= 0, src, 0), 0, t - 1)
         logits = tgt.logits(hidden[src])  # [NL, V] float32
-        if config.filtering:
-            row_t = safe_temp[lr]
-            logits = filter_logits(logits / row_t[:, None], plan.top_k[lr], plan.top_p[lr]) * row_t[:, None]
+        row_t = safe_temp[lr][:, None]
+        logits = maybe_filter(logits / row_t, plan.top_k[lr], plan.top_p[lr]) * row_t
 
         # ---- 4. rejection sampling (prefill-final rows: zero drafts, the bonus is the first token)
         anchor_pos = jnp.where(is_decode, num_cached, num_cached + plan.prefill_len - 1)
-        rej = rejection_sample_packed(
-            logits, lqsl, drafts,
-            draft_probs, plan.seed, anchor_pos,
-            temperature=plan.temperature if config.sampling else 0.0, row_mask=n_logit > 0)
+
+        def reject(sampled: bool):
+            def run(logits):
+                return rejection_sample_packed(logits, lqsl, drafts, draft_probs if sampled else None, plan.seed,
+                                               anchor_pos, temperature=plan.temperature if sampled else 0.0,
+                                               row_mask=n_logit > 0)
+            return run
+
+        rej = jax.lax.cond(any_sampled, reject(True), reject(False), logits)
         num_acc = jnp.where(is_decode, rej.num_accepted, 0)
 
         # ---- 5. stop
-        count, finished = _stop(rej.output_tokens, rej.num_emitted, plan.stop_ids, plan.max_emit)
+        count, finished = _stop(rej.output_tokens, rej.num_emitted, plan.stop_ids, max_emit)
+        finished = finished & active
         col = jnp.arange(rej.output_tokens.shape[1], dtype=jnp.int32)[None, :]
         tokens = jnp.where(col < count[:, None], rej.output_tokens, -1)
 
         # ---- 6. commit
-        commit = plan.commit & valid
+        commit = plan.commit & active
         new_cached = jnp.where(is_decode, num_cached + 1 + num_acc, num_cached + plan.prefill_len)
         resumes = is_prefill & plan.prefill_last & (plan.resume_token >= 0)
         last = jnp.take_along_axis(rej.output_tokens, jnp.maximum(rej.num_emitted - 1, 0)[:, None], axis=1)[:, 0]
@@ -318,6 +348,8 @@ def make_step_fn(target, drafter, config: StepConfig):
             cache=cache,
             num_cached=_scatter(state.num_cached, slot, new_cached, commit),
             last_token=_scatter(state.last_token, slot, last, commit & ((rej.num_emitted > 0) | resumes)),
+            num_emitted=_scatter(state.num_emitted, slot, emitted + count, commit),
+            done=_scatter(state.done, slot, finished, commit),
         )
         if k > 0:
             prev_conf = jnp.where(is_decode[:, None], conf, 1.0)  # a row that just prefilled starts at 1.0
@@ -345,8 +377,7 @@ def make_step_fn(target, drafter, config: StepConfig):
                                                       state.estimator)
         state = dataclasses.replace(state, **new_state)
         out = StepOutput(tokens=tokens, num_emitted=count, num_accepted=num_acc, num_verified=caps,
-                         confidences=conf, finished=finished & valid)
+                         confidences=conf, finished=finished)
         return state, out
 
     return step
-

@@ -1,0 +1,72 @@
+"""The engine's closed set of step shapes: which programs exist, derived once from the engine's settings.
+
+Every step of the host loop runs one of a fixed, documented list of compiled programs, and ``Engine.warmup()``
+compiles the whole list before the first request (``docs/ENGINE.md``, "The closed program set"):
+
+* **rows**: always ``max_num_seqs``. The step's request metadata (slots, block tables, sampling settings) is
+  sized to the engine's slots, as the JAX serving engines size theirs; idle slots are zero-length padding rows.
+* **packed tokens** ``T``: powers of two from ``min_token_bucket`` up to the largest step the scheduler can build,
+  ``max_num_seqs * (1 + K) + max_num_batched_tokens`` (every slot verifying ``K`` drafts while a prefill chunk
+  rides along), whose own size (rounded up to ``min_token_bucket``) is the last bucket;
+* **verify-logits rows**: a function of ``T`` (:func:`logit_rows`): never more than ``max_total_logit_rows``.
+
+Greedy and sampled rows, top-k / top-p, stop ids and the draft length are run-time values inside one program
+(``lax.cond`` / plan arrays), not part of the key, so no sampling setting or arrival order can reach a shape
+that was not compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["StepKey", "logit_rows", "next_pow2", "step_keys", "token_bucket", "token_buckets"]
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two ``>= n`` (1 for ``n <= 1``)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class StepKey:
+    """The shape of one compiled step program (its cache key): packed tokens and verify-logits rows."""
+
+    tokens: int
+    logit_rows: int
+
+
+def token_buckets(*, max_num_seqs: int, num_speculative_tokens: int, max_num_batched_tokens: int,
+                  min_token_bucket: int) -> tuple[int, ...]:
+    """Packed-token sizes of the closed set, ascending (see the module docstring)."""
+    lo = next_pow2(max(min_token_bucket, 1))
+    most = max_num_seqs * (1 + num_speculative_tokens) + max_num_batched_tokens
+    top = -(-most // lo) * lo
+    out = []
+    t = lo
+    while t < top:
+        out.append(t)
+        t *= 2
+    return tuple(out) + (top,)
+
+
+def token_bucket(buckets: tuple[int, ...], num_tokens: int) -> int:
+    """The smallest bucket holding ``num_tokens`` packed tokens."""
+    for t in buckets:
+        if t >= num_tokens:
+            return t
+    raise ValueError(f"a step of {num_tokens} packed tokens exceeds the largest compiled bucket {buckets[-1]}")
+
+
+def logit_rows(tokens: int, *, rows: int, num_speculative_tokens: int, max_total_logit_rows: int) -> int:
+    """Verify-logits rows of a token bucket: every row's ``1 + K`` at most, and never over the memory bound."""
+    return max(1, min(tokens, max_total_logit_rows, rows * (1 + num_speculative_tokens)))
+
+
+def step_keys(*, max_num_seqs: int, num_speculative_tokens: int, max_num_batched_tokens: int,
+              min_token_bucket: int, max_total_logit_rows: int) -> tuple[StepKey, ...]:
+    """Every program of the host loop, ascending by tokens."""
+    kw = dict(rows=max_num_seqs, num_speculative_tokens=num_speculative_tokens,
+              max_total_logit_rows=max_total_logit_rows)
+    return tuple(StepKey(t, logit_rows(t, **kw)) for t in token_buckets(
+        max_num_seqs=max_num_seqs, num_speculative_tokens=num_speculative_tokens,
+        max_num_batched_tokens=max_num_batched_tokens, min_token_bucket=min_token_bucket))

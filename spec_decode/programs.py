@@ -1,0 +1,125 @@
+"""The engine's compiled programs: the closed set of step programs (and the device loop's), compiled ahead.
+
+:class:`StepPrograms` jits the pure step of :mod:`spec_decode.step` once per :class:`~spec_decode.buckets.StepKey`
+of the engine's closed set, with the decode state donated. :meth:`StepPrograms.compile` lowers each program
+(tracing, in this thread) and compiles the lowered programs in a thread pool (XLA compiles outside the GIL),
+with a progress bar. After it, running a step never compiles anything.
+
+:func:`compile_counter` counts XLA backend compilations with JAX's own monitoring events, independently of the
+engine's bookkeeping (tests and benchmarks use it to prove that nothing compiled).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import os
+import sys
+import threading
+
+
+import jax
+
+from spec_decode.buckets import StepKey
+from spec_decode.step import StepConfig, make_step_fn
+
+__all__ = ["CompileReport", "StepPrograms", "compile_counter", "compile_in_pool"]
+
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+_listener_lock = threading.Lock()
+_counters: list[list[str]] = []
+_listening = False
+
+
+def _on_event(name, secs, **kwargs):
+    if name == _BACKEND_COMPILE:
+        for c in list(_counters):
+            c.append(name)
+
+
+@contextlib.contextmanager
+def compile_counter():
+    """``with compile_counter() as compiled: ...``: ``len(compiled)`` is the number of XLA backend compilations
+    inside the block (all threads), as JAX's monitoring reports them."""
+    global _listening
+    with _listener_lock:
+        if not _listening:
+            jax.monitoring.register_event_duration_secs_listener(_on_event)
+            _listening = True
+    seen: list[str] = []
+    _counters.append(seen)
+    try:
+        yield seen
+    finally:
+        _counters.remove(seen)
+
+
+@dataclasses.dataclass
+class CompileReport:
+    """What :meth:`StepPrograms.compile` (or the engine's warm-up) did."""
+
+    programs: int = 0  # programs made ready
+    compiled: int = 0  # XLA backend compilations (0 when every program came from the persistent cache)
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        cached = self.programs - min(self.compiled, self.programs)
+        return (f"{self.programs} programs ready in {self.seconds:.1f} s ({self.compiled} compiled, {cached} from "
+                f"the compilation cache)")
+
+
+def compile_in_pool(lowered: dict, *, progress: bool, desc: str) -> dict:
+    """Compile ``{key: jax.stages.Lowered}`` in a thread pool; ``{key: compiled}``."""
+    if not lowered:
+        return {}
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(lowered), unit="program", desc=desc, file=sys.stderr, leave=False)
+    workers = max(1, min(len(lowered), os.cpu_count() or 1, 16))
+    out = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {pool.submit(low.compile): key for key, low in lowered.items()}
+        for fut in concurrent.futures.as_completed(futures):
+            out[futures[fut]] = fut.result()
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    return out
+
+
+class StepPrograms:
+    """One compiled step program per key of the closed set (``keys``), the state donated."""
+
+    def __init__(self, target, drafter, base: StepConfig, keys: tuple[StepKey, ...]):
+        self.keys = tuple(keys)
+        self._fns = {}
+        for key in self.keys:
+            step = make_step_fn(target, drafter, dataclasses.replace(base, num_logit_rows=key.logit_rows))
+            self._fns[key] = jax.jit(step, donate_argnums=(2,))
+        self._compiled: dict[StepKey, object] = {}
+
+    @property
+    def ready(self) -> bool:
+        return len(self._compiled) == len(self.keys)
+
+    def lower(self, target_params, drafter_params, state, plan_for) -> dict:
+        """``{key: Lowered}`` of the programs not compiled yet; ``plan_for(key)`` gives an example plan."""
+        return {key: self._fns[key].lower(target_params, drafter_params, state, plan_for(key))
+                for key in self.keys if key not in self._compiled}
+
+    def install(self, compiled: dict) -> None:
+        self._compiled.update(compiled)
+
+    def run(self, key: StepKey, target_params, drafter_params, state, plan):
+        """Run the program of ``key`` (dispatch only: returns device futures). A key outside the closed set is a
+        bug, never a compile."""
+        fn = self._compiled.get(key)
+        if fn is None:
+            raise RuntimeError(f"no compiled program for {key}: not in the engine's closed set {self.keys} (or "
+                               f"Engine.warmup() was not run)")
+        return fn(target_params, drafter_params, state, plan)
+

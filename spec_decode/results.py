@@ -1,0 +1,89 @@
+"""What a generation returns: per-request results and the run's statistics, written once for both loops."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from spec_decode.request import Request
+
+__all__ = ["GenerationResult", "GenerationResults", "request_result", "run_stats"]
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """One request's output: ``token_ids`` (the prompt excluded), ``text`` (when a tokenizer is known) and stats.
+
+    ``stats`` keys: ``emitted_tokens`` (= ``len(token_ids)``, the token sampled at prefill included),
+    ``target_steps`` (verify steps, prefill excluded), ``acceptance_length`` (tokens emitted per verify step,
+    bonus included), ``accepted_per_position`` (K counts), ``verified_per_position`` (K counts),
+    ``verified_drafts_per_step`` (list), ``finish_reason`` (``"stop"`` or ``"length"``), ``prompt_tokens``,
+    ``preemptions``.
+    """
+
+    token_ids: list[int]
+    text: str | None
+    stats: dict
+    prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def finish_reason(self) -> str:
+        return self.stats["finish_reason"]
+
+
+class GenerationResults(list):
+    """``list[GenerationResult]`` in prompt order, with the run-level statistics in ``.stats``."""
+
+    stats: dict
+
+    def __init__(self, results, stats):
+        super().__init__(results)
+        self.stats = stats
+
+
+def request_result(req: Request, *, k: int, tokenizer=None) -> GenerationResult:
+    emitted = len(req.output)
+    stats = {
+        "emitted_tokens": emitted,
+        "target_steps": req.target_steps,
+        "acceptance_length": (emitted - 1) / req.target_steps if req.target_steps else 0.0,
+        "accepted_per_position": [int(x) for x in req.accepted_per_position[:k]] if k else [],
+        "verified_per_position": [int(x) for x in req.verified_per_position[:k]] if k else [],
+        "verified_drafts_per_step": list(req.verified_drafts_per_step),
+        "finish_reason": req.finish_reason,
+        "prompt_tokens": len(req.prompt),
+        "preemptions": req.preemptions,
+    }
+    text = tokenizer.decode(req.output) if tokenizer is not None else None
+    return GenerationResult(list(req.output), text, stats, list(req.prompt))
+
+
+def run_stats(requests: Sequence[Request], *, k: int, mode: str, loop: str, wall: float, steps: int,
+              verify_steps: int, verified_per_step: Sequence[int], budget_per_step: Sequence[int], host_s: float,
+              compiles: int, preemptions: int, prefill_tokens: int, prefix_tokens_reused: int, **extra) -> dict:
+    """The run statistics (``results.stats``), the same keys for the host and the device loop.
+
+    ``prefill_tokens`` were computed, ``prefix_tokens_reused`` came from the prefix cache instead."""
+    out_tokens = sum(len(r.output) for r in requests)
+    decode_emitted = sum(max(len(r.output) - 1, 0) for r in requests if r.target_steps)
+    row_steps = sum(r.target_steps for r in requests)
+    acc = np.sum([r.accepted_per_position for r in requests], axis=0) if k else np.zeros(0)
+    ver = np.sum([r.verified_per_position for r in requests], axis=0) if k else np.zeros(0)
+    looked_up = prefill_tokens + prefix_tokens_reused
+    return dict(
+        wall_time_s=wall, output_tokens=out_tokens, output_tokens_per_s=out_tokens / wall if wall else 0.0,
+        steps=steps, verify_steps=verify_steps,
+        mean_acceptance_length=decode_emitted / row_steps if row_steps else 0.0,
+        per_position_acceptance=[float(a / v) if v else math.nan for a, v in zip(acc[:k], ver[:k])],
+        verified_drafts_per_step=[int(x) for x in verified_per_step],
+        budget_per_step=[int(x) for x in budget_per_step],
+        mean_verified_drafts_per_step=float(np.mean(verified_per_step)) if len(verified_per_step) else 0.0,
+        host_time_per_step_s=host_s / steps if steps else 0.0, compiles=compiles, preemptions=preemptions,
+        verification=mode, num_speculative_tokens=k, loop=loop,
+        prefill_tokens=prefill_tokens, prefix_cache_tokens=prefix_tokens_reused,
+        prefix_cache_hit_rate=prefix_tokens_reused / looked_up if looked_up else 0.0,
+        **extra,
+    )
