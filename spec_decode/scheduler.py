@@ -26,7 +26,7 @@ import enum
 
 import numpy as np
 
-from minimax_jax.cache import OutOfPagesError, PageAllocator
+from spec_decode.page_pool import OutOfPagesError, PageAllocator
 from spec_decode.sampling_params import SamplingParams
 
 __all__ = ["Request", "RequestStatus", "ScheduledStep", "Scheduler", "next_pow2"]
