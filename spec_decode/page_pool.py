@@ -1,24 +1,25 @@
 """Host-side page pool of the engine: physical KV pages, per-request block tables, automatic prefix caching.
 
 The device caches (``minimax_jax.cache.PagedCache``) are fixed buffers of ``num_pages`` pages of ``page_size``
-tokens; this module decides which request owns which page. Without prefix caching it is a free list, per-request
-page lists and lengths (``ensure`` grows all-or-nothing, ``rollback`` shrinks by length, ``free`` returns
-everything). With prefix caching (vLLM's "automatic prefix caching") full pages of known tokens can be shared:
+tokens; this module decides which request owns which page. Without prefix caching it is a free list,
+per-request page lists and lengths (``ensure`` grows all-or-nothing, ``rollback`` shrinks by length, ``free``
+returns everything). With prefix caching (vLLM's "automatic prefix caching") full pages of known tokens can be
+shared:
 
 **Keys.** A cached page is named by a node of a trie of page contents. The node of page ``i`` of a sequence is
 looked up in one dict by ``(node id of page i - 1, tuple(tokens of page i))`` (the root's id is 0), so its key
 depends on the previous key and on the *exact* tokens of the page: a lookup compares token tuples, never a
-digest, and a hit is always an exact prefix match (no false hits). Node ids are never reused. A node lives while
-something pins it: a page registered under it, a child node, or a request whose chain passes through it; it is
-deleted (and its parent unpinned) when the last pin goes, so the trie never outgrows the pages and requests.
-A node may exist without a page (its page was evicted while a child or a request still names it); a lookup stops
-there, and re-registering that content reattaches the node's children.
+digest, and a hit is always an exact prefix match (no false hits). Node ids are never reused. A node lives
+while something pins it: a page registered under it, a child node, or a request whose chain passes through it;
+it is deleted (and its parent unpinned) when the last pin goes, so the trie never outgrows the pages and
+requests. A node may exist without a page (its page was evicted while a child or a request still names it); a
+lookup stops there, and re-registering that content reattaches the node's children.
 
 **Registration.** ``register(rid, tokens, upto)`` walks the full pages of ``rid`` wholly below ``upto`` that
-its chain does not cover yet, appending their nodes to the chain. A node without a page gets ``rid``'s page (the
-page becomes *registered*: read-only, shareable). A node that already has a page (the same content registered by
-another request) keeps that canonical page; ``rid``'s copy stays private and unregistered. Only full pages are
-registered, and only positions the caller says are written (``upto <= length``).
+its chain does not cover yet, appending their nodes to the chain. A node without a page gets ``rid``'s page
+(the page becomes *registered*: read-only, shareable). A node that already has a page (the same content
+registered by another request) keeps that canonical page; ``rid``'s copy stays private and unregistered. Only
+full pages are registered, and only positions the caller says are written (``upto <= length``).
 
 **Admission.** ``match_prefix(tokens)`` is the number of tokens of the longest registered page-aligned prefix,
 capped at ``((len(tokens) - 1) // page_size) * page_size`` so that at least one token is left to compute (the
@@ -70,7 +71,7 @@ class _Node:
 class PagePool:
     """Host-side bookkeeping of physical pages, per-request lengths and (optionally) shared cached prefixes.
 
-    ``pages[rid]`` lists request ``rid``'s physical pages in block order and ``lengths[rid]`` its length in tokens.
+    ``pages[rid]`` lists request ``rid``'s physical pages in block order, ``lengths[rid]`` its token count.
     Pages are handed out in the order of ``free_order`` (default ascending; tests pass a shuffled order).
     """
 
@@ -117,8 +118,9 @@ class PagePool:
         return self.blocks_for(length) <= self.max_blocks and need <= self.num_free
 
     def ensure(self, rid: Hashable, length: int) -> None:
-        """Make request ``rid`` own enough pages for ``length`` tokens and record the length (all-or-nothing: on
-        failure nothing changes). Free pages are taken first, then the least recently used evictable ones."""
+        """Make request ``rid`` own enough pages for ``length`` tokens and record the length (all-or-nothing:
+        on failure nothing changes). Free pages are taken first, then the least recently used evictable
+        ones."""
         if length < 0:
             raise ValueError(f"request {rid}: length must be >= 0, got {length}")
         nblocks = self.blocks_for(length)
@@ -150,10 +152,10 @@ class PagePool:
         for i in range(first, len(pages)):
             p = pages[i]
             if self._ref[p] != 1 or p in self._page_node:
-                raise RuntimeError(f"request {rid}: rolling back to {length} tokens would forget positions of "
-                                   f"block {i} (page {p}, refcount {self._ref[p]}, "
-                                   f"{'registered' if p in self._page_node else 'unregistered'}); only private "
-                                   f"unregistered pages can be rolled back")
+                state = "registered" if p in self._page_node else "unregistered"
+                raise RuntimeError(f"request {rid}: rolling back to {length} tokens would forget positions "
+                                   f"of block {i} (page {p}, refcount {self._ref[p]}, {state}); only "
+                                   f"private unregistered pages can be rolled back")
         self._truncate_chain(rid, first)
         keep = self.blocks_for(length)
         while len(pages) > keep:
@@ -163,8 +165,8 @@ class PagePool:
         self.lengths[rid] = length
 
     def free(self, rid: Hashable) -> None:
-        """Drop request ``rid``'s pages (tail first): unreferenced ones go to the free list, or to the end of the
-        LRU of evictable pages if registered. Unknown requests are ignored."""
+        """Drop request ``rid``'s pages (tail first): unreferenced ones go to the free list, or to the end of
+        the LRU of evictable pages if registered. Unknown requests are ignored."""
         for p in reversed(self.pages.pop(rid, [])):
             self._ref[p] -= 1
             if self._ref[p] == 0:
@@ -189,17 +191,19 @@ class PagePool:
     # ------------------------------------------------------------------ prefix caching
     def match_prefix(self, tokens: Sequence[int]) -> int:
         """Tokens of the longest cached page-aligned prefix of ``tokens``, at most
-        ``((len(tokens) - 1) // page_size) * page_size`` (one token is always left to compute). No state change."""
+        ``((len(tokens) - 1) // page_size) * page_size`` (one token is always left to compute). No state
+        change."""
         return len(self._match(tokens)[0]) * self.page_size
 
     def admit(self, rid: Hashable, tokens: Sequence[int]) -> int:
-        """Give request ``rid`` (which owns no pages yet) the cached prefix pages of ``tokens``; its length becomes
-        the matched token count, which is returned (0, and no state change, when nothing matches or caching is
-        off). Counts ``len(tokens)`` queried and the matched tokens as hits."""
+        """Give request ``rid`` (which owns no pages yet) the cached prefix pages of ``tokens``; its length
+        becomes the matched token count, which is returned (0, and no state change, when nothing matches or
+        caching is off). Counts ``len(tokens)`` queried and the matched tokens as hits."""
         if not self.enable_prefix_caching:
             return 0
         if self.pages.get(rid):
-            raise ValueError(f"request {rid}: admit needs a request without pages, it owns {len(self.pages[rid])}")
+            raise ValueError(f"request {rid}: admit needs a request without pages, it owns "
+                             f"{len(self.pages[rid])}")
         pages, nodes = self._match(tokens)
         self._queries += len(tokens)
         self._hits += len(pages) * self.page_size
@@ -217,10 +221,12 @@ class PagePool:
         return self.lengths[rid]
 
     def register(self, rid: Hashable, tokens: Sequence[int], upto: int) -> int:
-        """Register every full page of request ``rid`` wholly below position ``upto`` that is not registered yet
-        (``tokens`` is its token sequence; positions below ``upto`` must be written already). A page whose exact
-        content (and prefix) is registered already keeps the existing canonical entry and stays private. Returns
-        the number of pages newly registered (0 when caching is off)."""
+        """Register every full page of request ``rid`` wholly below position ``upto`` that is not registered
+        yet (``tokens`` is its token sequence; positions below ``upto`` must be written already). A page whose
+        exact content (and prefix) is registered already keeps the existing canonical entry and stays private.
+        Pages the request's chain covers already (admitted or registered before) are not re-read: ``tokens``
+        must agree with the earlier calls there. Returns the number of pages newly registered (0 when caching is
+        off)."""
         if not self.enable_prefix_caching:
             return 0
         if rid not in self.pages:
@@ -268,8 +274,8 @@ class PagePool:
         return [p for p in self.pages.get(rid, []) if self._ref[p] == 1 and p not in self._page_node]
 
     def check_writable(self, rid: Hashable, start: int, end: int) -> None:
-        """Debug invariant: raise RuntimeError unless positions ``[start, end)`` of ``rid`` lie in pages it owns
-        alone and that are unregistered."""
+        """Debug invariant: raise RuntimeError unless positions ``[start, end)`` of ``rid`` lie in pages it
+        owns alone and that are unregistered."""
         if start >= end:
             return
         pages = self.pages.get(rid, [])
@@ -279,9 +285,9 @@ class PagePool:
                                    f"{len(pages)} pages")
             p = pages[b]
             if self._ref[p] != 1 or p in self._page_node:
-                raise RuntimeError(f"request {rid}: writing positions [{start}, {end}) touches block {b} (page {p},"
-                                   f" refcount {self._ref[p]}, "
-                                   f"{'registered' if p in self._page_node else 'unregistered'})")
+                state = "registered" if p in self._page_node else "unregistered"
+                raise RuntimeError(f"request {rid}: writing positions [{start}, {end}) touches block {b} "
+                                   f"(page {p}, refcount {self._ref[p]}, {state})")
 
     @property
     def stats(self) -> dict[str, float | int]:
@@ -309,7 +315,7 @@ class PagePool:
                                  f"{self.num_pages} pages")
         for p in range(self.num_pages):
             if self._ref[p] != owners.get(p, 0):
-                raise AssertionError(f"page {p}: refcount {self._ref[p]}, held by {owners.get(p, 0)} requests")
+                raise AssertionError(f"page {p}: refcount {self._ref[p]}, held by {owners[p]} requests")
             if self._ref[p] > 1 and p not in self._page_node:
                 raise AssertionError(f"page {p} is shared by {self._ref[p]} requests but not registered")
         if any(p not in self._page_node for p in evictable) or any(p in self._page_node for p in free):
@@ -327,7 +333,8 @@ class PagePool:
         for rid, chain in self._chain.items():
             pins.update(chain)
             if len(chain) > len(self.pages.get(rid, [])):
-                raise AssertionError(f"request {rid}: chain of {len(chain)} nodes over {len(self.pages[rid])} pages")
+                raise AssertionError(f"request {rid}: chain of {len(chain)} nodes over "
+                                     f"{len(self.pages.get(rid, []))} pages")
         for nid, node in self._node.items():
             if node.pins != pins[nid] or node.pins <= 0:
                 raise AssertionError(f"node {nid}: {node.pins} pins, expected {pins[nid]} (> 0)")
