@@ -1,4 +1,4 @@
-"""Paged KV caches for MiniMax-M3 decode (SPEC section 4) and a host-side page allocator.
+"""Paged KV caches for MiniMax-M3 decode (SPEC section 4): the device buffers, their shapes and slot writes.
 
 Device side (:class:`PagedCache`, a pytree of fixed-size buffers):
 
@@ -10,9 +10,9 @@ resolve through the request's block table. All caches of a request share one blo
 the same token range in every layer). Writes go to *slots* (``page * page_size + offset``); a padding slot maps
 to an out-of-range slot and is dropped, so padding never corrupts another request's pages.
 
-Host side (:class:`PageAllocator`): a free list of physical pages, per-request page lists, block tables padded
-to a static width, and rollback by length (rejected draft tokens are forgotten by shrinking the length; their
-slots are overwritten next step; whole pages past the new length go back to the free list).
+Which request owns which page (free list, per-request page lists, block tables, rollback by length, shared
+cached prefixes) is host-side engine bookkeeping: ``spec_decode.page_pool`` (``PagePool``). This module only
+takes block tables as arrays.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from minimax_jax.config import MiniMaxM3Config
 
@@ -140,86 +139,3 @@ def write_tokens(cache: jax.Array, values: jax.Array, slots: jax.Array) -> jax.A
     flat = cache.reshape(p * page, d)
     flat = flat.at[slots].set(values.astype(cache.dtype), mode="drop")
     return flat.reshape(p, page, d)
-
-
-# ----------------------------------------------------------------------------------------------- allocator
-class OutOfPagesError(RuntimeError):
-    """The page pool cannot hold the requested tokens."""
-
-
-class PageAllocator:
-    """Host-side bookkeeping of physical pages and per-request lengths.
-
-    ``ensure(rid, length)`` grows a request's page list to cover ``length`` tokens (all-or-nothing: on failure
-    nothing changes). ``rollback(rid, length)`` shrinks the length and frees whole pages past it. Pages are handed
-    out in the order of ``free_order`` (default ascending; tests pass a shuffled order).
-    """
-
-    def __init__(self, num_pages: int, page_size: int, max_blocks_per_request: int, *, free_order=None):
-        if num_pages <= 0 or page_size <= 0 or max_blocks_per_request <= 0:
-            raise ValueError("num_pages, page_size and max_blocks_per_request must be positive")
-        self.num_pages = num_pages
-        self.page_size = page_size
-        self.max_blocks = max_blocks_per_request
-        order = list(range(num_pages)) if free_order is None else [int(p) for p in free_order]
-        if sorted(order) != list(range(num_pages)):
-            raise ValueError("free_order must be a permutation of range(num_pages)")
-        self._free = order[::-1]  # pop() from the end
-        self.pages: dict[int, list[int]] = {}
-        self.lengths: dict[int, int] = {}
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def blocks_for(self, length: int) -> int:
-        return -(-length // self.page_size)
-
-    def can_fit(self, rid: int, length: int) -> bool:
-        need = self.blocks_for(length) - len(self.pages.get(rid, []))
-        return self.blocks_for(length) <= self.max_blocks and need <= len(self._free)
-
-    def ensure(self, rid: int, length: int) -> None:
-        """Make request ``rid`` own enough pages for ``length`` tokens and record the length."""
-        if length < 0:
-            raise ValueError(f"length must be >= 0, got {length}")
-        nblocks = self.blocks_for(length)
-        if nblocks > self.max_blocks:
-            raise OutOfPagesError(f"request {rid}: {length} tokens need {nblocks} blocks, more than the "
-                                  f"{self.max_blocks} a block table holds")
-        pages = self.pages.setdefault(rid, [])
-        need = nblocks - len(pages)
-        if need > len(self._free):
-            if not pages:
-                del self.pages[rid]
-            raise OutOfPagesError(f"request {rid}: needs {need} more pages, {len(self._free)} free")
-        for _ in range(max(need, 0)):
-            pages.append(self._free.pop())
-        self.lengths[rid] = length
-
-    def rollback(self, rid: int, length: int) -> None:
-        """Shrink request ``rid`` to ``length`` tokens; pages wholly past it return to the free list."""
-        if rid not in self.pages:
-            raise KeyError(f"unknown request {rid}")
-        if not 0 <= length <= self.lengths[rid]:
-            raise ValueError(f"request {rid}: cannot roll back to {length} (length {self.lengths[rid]})")
-        keep = self.blocks_for(length)
-        pages = self.pages[rid]
-        while len(pages) > keep:
-            self._free.append(pages.pop())
-        self.lengths[rid] = length
-
-    def free(self, rid: int) -> None:
-        for p in reversed(self.pages.pop(rid, [])):
-            self._free.append(p)
-        self.lengths.pop(rid, None)
-
-    def block_table(self, rids) -> np.ndarray:
-        """``int32[len(rids), max_blocks]``; ``None`` rows (padding) and unused entries are 0 (never read)."""
-        table = np.zeros((len(rids), self.max_blocks), np.int32)
-        for i, rid in enumerate(rids):
-            if rid is None:
-                continue
-            pages = self.pages.get(rid, [])
-            table[i, : len(pages)] = pages
-        return table

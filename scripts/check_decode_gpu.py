@@ -18,10 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from minimax_jax.cache import PageAllocator, init_cache
+from minimax_jax.cache import init_cache
 from minimax_jax.config import MiniMaxM3Config
 from minimax_jax.decode import make_step_fn, pack_batch, unpack_rows
 from minimax_jax.model import init_model
+from spec_decode.page_pool import PageAllocator
 
 TOLERANCE = 1e-3
 # Both runs and the plain forward use full-fp32 matmuls by default (``--precision highest``): at JAX's default GPU

@@ -10,7 +10,7 @@ from flax import nnx
 
 import pallas_kernels.platform
 from minimax_jax import load_model
-from minimax_jax.cache import OutOfPagesError, PageAllocator, init_cache, slot_mapping, write_tokens
+from minimax_jax.cache import init_cache, slot_mapping, write_tokens
 from minimax_jax.config import MiniMaxM3Config
 from minimax_jax.decode import (
     RaggedBatch,
@@ -20,6 +20,7 @@ from minimax_jax.decode import (
     pack_batch,
     unpack_rows,
 )
+from spec_decode.page_pool import PageAllocator
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 GOLDEN = np.load(os.path.join(FIXTURES, "golden.npz"))
@@ -120,26 +121,6 @@ def test_bad_batches_are_rejected(model):
     ]:
         with pytest.raises(ValueError, match=msg):
             forward_ragged(model, cache, RaggedBatch(**{**ok, **change}), implementation="reference")
-
-
-def test_page_allocator():
-    alloc = PageAllocator(6, 4, max_blocks_per_request=3, free_order=[5, 4, 3, 2, 1, 0])
-    alloc.ensure("a", 5)
-    assert alloc.pages["a"] == [5, 4] and alloc.num_free == 4
-    alloc.ensure("b", 12)
-    assert alloc.pages["b"] == [3, 2, 1]
-    with pytest.raises(OutOfPagesError):
-        alloc.ensure("c", 8)  # needs 2, 1 free: nothing changes
-    assert "c" not in alloc.pages and alloc.num_free == 1
-    with pytest.raises(OutOfPagesError, match="blocks"):
-        alloc.ensure("a", 13)
-    alloc.rollback("b", 5)
-    assert alloc.pages["b"] == [3, 2] and alloc.num_free == 2 and alloc.lengths["b"] == 5
-    with pytest.raises(ValueError):
-        alloc.rollback("b", 6)
-    np.testing.assert_array_equal(alloc.block_table(["a", None, "b"]), [[5, 4, 0], [0, 0, 0], [3, 2, 0]])
-    alloc.free("a")
-    assert alloc.num_free == 4 and "a" not in alloc.lengths
 
 
 def test_auto_is_compiled_kernels_on_a_gpu_else_references(monkeypatch):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from minimax_jax.cache import PageAllocator, init_cache
+from minimax_jax.cache import init_cache
 from minimax_jax.config import ConfigError, MiniMaxM3Config
 from minimax_jax.decode import forward_ragged, pack_batch, unpack_rows
 from minimax_jax.draft_attention import draft_attention, draft_attention_reference
@@ -18,6 +18,7 @@ from minimax_jax.draft_step import compilation_counts, draft_step
 from minimax_jax.drafter import capture_target_features, init_drafter
 from minimax_jax.drafter_config import DSparkConfig, default_target_layer_ids, validate_target_layer_ids
 from minimax_jax.model import init_model
+from spec_decode.page_pool import PageAllocator
 
 # A dense tiny target: the drafter only reads its embeddings, LM head and residual stream, and a dense target
 # initialises twice as fast as the MoE/MSA one.
