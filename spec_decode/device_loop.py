@@ -464,9 +464,10 @@ def run_stats(requests: Sequence[Request], out: LoopOutputs, batch: OfflineBatch
     )
 
 
-def generate_offline(target, drafter, prompts, *, max_new_tokens: int | None = None, temperature: float = 0.0,
-                     top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_token_ids: Sequence[int] = (),
-                     ignore_eos: bool = False, sampling_params=None, **engine_kwargs):
+def generate_offline(target, drafter, prompts, *, max_new_tokens: int | None = None,
+                     temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                     seed: int | None = None, stop_token_ids: Sequence[int] | None = None,
+                     ignore_eos: bool | None = None, sampling_params=None, **engine_kwargs):
     """Jitted offline batch decoding in one call: ``Engine(target, drafter, **engine_kwargs).generate(prompts,
     loop="device", ...)``. Keep an :class:`~spec_decode.engine.Engine` instead to reuse its compiled programs."""
     from spec_decode.engine import Engine

@@ -22,56 +22,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 
 import numpy as np
 
 from minimax_jax.cache import OutOfPagesError, PageAllocator
-from spec_decode.sampling_params import SamplingParams
+from spec_decode.request import Request, RequestStatus
 
 __all__ = ["Request", "RequestStatus", "ScheduledStep", "Scheduler", "next_pow2"]
 
 
 def next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
-
-
-class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    PREFILL = "prefill"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclasses.dataclass
-class Request:
-    """One generation request and its host-side progress."""
-
-    index: int  # position in the caller's prompt list
-    prompt: list[int]
-    params: SamplingParams
-    stop_ids: tuple[int, ...]
-    arrival: int  # admission order key (smaller = older)
-    status: RequestStatus = RequestStatus.WAITING
-    slot: int | None = None
-    output: list[int] = dataclasses.field(default_factory=list)
-    num_cached: int = 0  # tokens in the target cache (mirror of the device state)
-    prefill_target: list[int] = dataclasses.field(default_factory=list)  # tokens to (re)compute before decoding
-    finish_reason: str | None = None
-    # statistics
-    target_steps: int = 0
-    accepted_per_position: np.ndarray | None = None
-    verified_per_position: np.ndarray | None = None
-    verified_drafts_per_step: list[int] = dataclasses.field(default_factory=list)
-    preemptions: int = 0
-
-    @property
-    def total_len(self) -> int:
-        return len(self.prompt) + len(self.output)
-
-    @property
-    def is_resumed(self) -> bool:
-        return bool(self.output)
 
 
 @dataclasses.dataclass
