@@ -5,8 +5,9 @@ Commands:
   forward   load a checkpoint directory, run the plain causal forward on token ids and greedily extend them
 
 Errors in what the user gave (a bad path, a malformed config or checkpoint, out-of-range token ids, wrong
-arguments or settings) print one line ``minimax-jax: error: ...`` to stderr and exit with status 2, before
-anything is printed to stdout where they can be found before loading; ``--debug`` shows the traceback.
+arguments or settings, argparse's own included) print one line ``minimax-jax: error: ...`` to stderr and exit
+with status 2. Settings are checked before any model is loaded, the prompt before it is printed; ``--debug``
+shows the traceback.
 """
 
 from __future__ import annotations
