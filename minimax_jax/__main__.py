@@ -1,5 +1,8 @@
+"""``python -m minimax_jax`` is not the command line: the CLI imports the engine (``spec_decode``), which sits
+above ``minimax_jax`` in the package layering."""
+
 import sys
 
-from minimax_jax.cli import main
-
-sys.exit(main())
+print("minimax-jax: error: the command line is 'minimax-jax' (or 'python -m spec_decode'); "
+      "'python -m minimax_jax' cannot import the engine", file=sys.stderr)
+sys.exit(2)

@@ -93,11 +93,22 @@ def check_input_ids(input_ids, vocab_size: int, *, ndim: int = 2, name: str = "i
 
     Call it before any jitted program: inside ``jit`` the values are tracers and only shapes can be checked.
     """
-    arr = input_ids if isinstance(input_ids, jax.Array) else np.asarray(input_ids)
+    if isinstance(input_ids, jax.Array):
+        arr = input_ids
+    else:
+        try:
+            arr = np.asarray(input_ids)
+        except (OverflowError, TypeError, ValueError):  # a Python int beyond int64, ragged nesting
+            raise ValueError(f"{name} must be a rectangular array of integer token ids in [0, {vocab_size})") from None
     if arr.ndim != ndim:
         raise ValueError(f"{name} must have rank {ndim}, got shape {arr.shape}")
     if arr.shape[-1] == 0:
         raise ValueError(f"{name} is empty: a prompt needs at least one token")
+    if arr.dtype == object:  # Python ints beyond int64 (numpy keeps them as objects)
+        flat = arr.ravel().tolist()
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in flat):
+            bad = next((v for v in flat if not 0 <= v < vocab_size), flat[0])
+            raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {vocab_size})")
     if arr.dtype == object or not jnp.issubdtype(arr.dtype, jnp.integer):
         raise ValueError(f"{name} must hold integer token ids, got dtype {arr.dtype}")
     if max_length is not None and arr.shape[-1] > max_length:

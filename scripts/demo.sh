@@ -3,4 +3,4 @@
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$ROOT"
 if [ $# -eq 0 ]; then set -- generate; fi
-exec "$PYTHON_BIN" -m minimax_jax "$@"
+exec "$PYTHON_BIN" -m spec_decode "$@"

@@ -43,7 +43,6 @@ from flax import nnx
 from minimax_jax.cache import cache_bytes_per_page, page_size_for
 from minimax_jax.decode import choose_implementation
 from minimax_jax.draft_cache import draft_cache_bytes_per_page
-from minimax_jax.model import check_input_ids
 from spec_decode import compilation_cache
 from spec_decode.buckets import StepKey, logit_rows, step_keys
 from spec_decode.cost_table import CostTable
@@ -51,9 +50,8 @@ from spec_decode.device_loop import LoopConfig, fill_requests, loop_inputs, make
 from spec_decode.page_pool import PagePool
 from spec_decode.planner import Planner
 from spec_decode.programs import CompileReport, StepPrograms, compile_counter, compile_in_pool
-from spec_decode.request import Request
+from spec_decode.request import Request, build_requests
 from spec_decode.results import GenerationResult, GenerationResults, request_result, run_stats
-from spec_decode.sampling_params import SamplingParams
 from spec_decode.scheduler import ScheduledStep, Scheduler
 from spec_decode.step import MODES, DecodeState, StepConfig, StepPlan, init_state
 
@@ -338,49 +336,17 @@ class Engine:
     # ------------------------------------------------------------------ validation
     def _requests(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, ignore_eos,
                   sampling_params) -> list[Request]:
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise ValueError("prompts must be a list of strings or of token-id lists")
-        if not prompts:
-            raise ValueError("prompts is empty")
+        """Validated requests (:func:`spec_decode.request.build_requests`) that fit the page pool."""
+        passed = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                      stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
         cfg = self.target.cfg
-        if sampling_params is None:
-            kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, stop_token_ids=tuple(stop_token_ids),
-                      ignore_eos=ignore_eos)
-            if max_new_tokens is not None:
-                kw["max_new_tokens"] = max_new_tokens
-            base = SamplingParams(seed=0, **kw)
-            if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-                raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
-            params = [base.replace(seed=(seed + i) % 2**31) for i in range(len(prompts))]
-        elif isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
-                raise ValueError(f"sampling_params must be one SamplingParams or one per prompt ({len(prompts)})")
-        requests = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            if isinstance(prompt, str):
-                if self.tokenizer is None:
-                    raise ValueError(f"prompt {i} is a string but the engine has no tokenizer; pass token ids "
-                                     f"or Engine(..., tokenizer=...)")
-                ids = _encode(self.tokenizer, prompt)
-            else:
-                ids = prompt
-            ids = check_input_ids(np.asarray(ids, dtype=np.int64) if len(ids) else np.zeros((0,), np.int32),
-                                  cfg.vocab_size, ndim=1, name=f"prompt {i}", max_length=self.max_model_len - 1,
-                                  to_device=False)
-            ids = [int(x) for x in np.asarray(ids)]
-            try:
-                stop = p.stop_ids(cfg.eos_token_id, cfg.vocab_size)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-            if len(stop) > self.num_stop_ids:
-                raise ValueError(f"prompt {i}: {len(stop)} stop ids (EOS included), more than the engine's "
-                                 f"max_stop_token_ids={self.num_stop_ids}")
-            requests.append(Request(index=i, prompt=ids, params=p, stop_ids=stop, arrival=i))
-        for req in requests:
-            self._check_fits(req)
+        requests = build_requests(prompts, tokenizer=self.tokenizer, vocab_size=cfg.vocab_size,
+                                  eos_token_ids=cfg.eos_token_id, max_model_len=self.max_model_len,
+                                  max_stop_ids=self.num_stop_ids,
+                                  keywords={k: v for k, v in passed.items() if v is not None},
+                                  sampling_params=sampling_params)
+        for r in requests:
+            self._check_fits(r)
         if not self._warned_no_eos and any(not r.stop_ids and not r.params.ignore_eos for r in requests):
             self._warned_no_eos = True
             warnings.warn("the target's config has no EOS token id (absent, or outside the vocabulary): "
@@ -395,12 +361,13 @@ class Engine:
                              f"tokens need {need} KV pages, more than the pool's {self.num_pages}")
 
     # ------------------------------------------------------------------ running
-    def stream(self, prompts, *, max_new_tokens: int | None = None, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int = 0, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
+    def stream(self, prompts, *, max_new_tokens: int | None = None, temperature: float | None = None,
+               top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+               stop_token_ids: Sequence[int] | None = None, ignore_eos: bool | None = None,
                sampling_params=None) -> Iterator[tuple[int, list[int]]]:
         """Yield ``(request index, new token ids)`` as steps complete (continuous batching, host loop).
 
-        The engine is held from the first ``next()`` until the stream is exhausted or closed."""
+        The sampling keywords are those of :meth:`generate`. The engine is held from the first ``next()`` until the stream is exhausted or closed."""
         requests = self._requests(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
                                   ignore_eos, sampling_params)
         return self._stream(requests)
@@ -410,13 +377,19 @@ class Engine:
             self._warmup(None)
             yield from self._host_loop(requests, {})
 
-    def generate(self, prompts, *, max_new_tokens: int | None = None, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
+    def generate(self, prompts, *, max_new_tokens: int | None = None, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                 stop_token_ids: Sequence[int] | None = None, ignore_eos: bool | None = None,
                  sampling_params=None, loop: str = "host", progress: bool | None = None) -> GenerationResults:
         """Generate for every prompt; returns :class:`GenerationResult` s in prompt order (``.stats``: the run).
 
-        ``prompts``: strings (with a tokenizer) or token-id lists. ``seed``: request ``i`` samples with
-        ``seed + i`` (per-request seeds through ``sampling_params``). ``loop="host"`` is the continuous-batching
+        ``prompts``: strings (with a tokenizer) or token-id lists. Sampling settings come as keywords or as
+        ``sampling_params`` (one :class:`~spec_decode.SamplingParams` or one per prompt), not both; a keyword
+        left ``None`` takes its default: ``max_new_tokens`` 64, ``temperature`` 0 (greedy), ``top_k`` 0 and
+        ``top_p`` 1 (no filter), ``seed`` 0, no ``stop_token_ids``, ``ignore_eos`` False. ``seed``: request ``i``
+        samples with ``seed + i``; seeds are integers in ``[0, 2**31)``, so ``seed + len(prompts) - 1`` must be
+        below 2**31 (per-request seeds through ``sampling_params``). Bad input raises ``ValueError`` before any
+        device work (:func:`spec_decode.request.build_requests`). ``loop="host"`` is the continuous-batching
         engine; ``progress`` shows a tqdm bar (default: when there are more prompts than slots).
         ``loop="device"`` decodes each wave of up to ``max_num_seqs`` requests in one compiled program
         (:mod:`spec_decode.device_loop`): no Python between decode steps, same greedy tokens.
@@ -592,9 +565,10 @@ class Engine:
             yield wave
 
 
-def generate_offline(target, drafter, prompts, *, max_new_tokens: int | None = None, temperature: float = 0.0,
-                     top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_token_ids: Sequence[int] = (),
-                     ignore_eos: bool = False, sampling_params=None, **engine_kwargs) -> GenerationResults:
+def generate_offline(target, drafter, prompts, *, max_new_tokens: int | None = None,
+                     temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                     seed: int | None = None, stop_token_ids: Sequence[int] | None = None,
+                     ignore_eos: bool | None = None, sampling_params=None, **engine_kwargs) -> GenerationResults:
     """Jitted offline batch decoding in one call: ``Engine(target, drafter, **engine_kwargs).generate(prompts,
     loop="device", ...)``. Keep an :class:`Engine` instead to reuse its compiled programs."""
     engine = Engine(target, drafter, **engine_kwargs)
@@ -610,16 +584,6 @@ def _with_lengths(state: DecodeState, lengths) -> DecodeState:
     if dc is not None:
         dc = dataclasses.replace(dc, lengths=lengths)
     return dataclasses.replace(state, num_cached=lengths, draft_cache=dc, done=jnp.zeros_like(state.done))
-
-
-def _encode(tokenizer, text: str) -> list[int]:
-    """A text prompt as the model saw documents in training: BOS first when the tokenizer has one."""
-    if getattr(tokenizer, "bos_token_id", None) is not None:
-        try:
-            return list(tokenizer.encode(text, add_bos=True))
-        except TypeError:  # a tokenizer without the keyword
-            return [tokenizer.bos_token_id] + list(tokenizer.encode(text))
-    return list(tokenizer.encode(text))
 
 
 def _check_drafter_fits(drafter, target) -> None:

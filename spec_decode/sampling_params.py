@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = ["SamplingParams", "filter_logits"]
 
@@ -26,10 +27,15 @@ _FILTERED = -0.7 * float(jnp.finfo(jnp.float32).max)
 class SamplingParams:
     """How one request is sampled and when it stops.
 
-    ``temperature`` 0 is greedy (argmax, ties to the lower id). ``top_k`` 0 and ``top_p`` 1.0 disable the filters.
-    ``seed`` makes sampling reproducible: every random draw is a function of (seed, absolute position, stream).
+    ``temperature`` 0 is greedy (argmax, ties to the lower id). ``top_k`` 0 and ``top_p`` 1.0 disable the filters;
+    any ``top_k >= 0`` is valid, and one at or above the vocabulary size keeps every token (the engine clamps it to
+    the vocabulary size). ``seed`` (an integer in ``[0, 2**31)``) makes sampling reproducible: every random draw
+    is a function of (seed, absolute position, stream).
     Generation stops at ``max_new_tokens``, at the model's length limit, at an EOS id of the model (unless
     ``ignore_eos``) or at one of ``stop_token_ids``; the stop token itself is part of the output.
+
+    numpy scalars are accepted and stored as Python ``int`` / ``float`` / ``bool``; anything invalid raises
+    ``ValueError`` naming the field.
     """
 
     temperature: float = 0.0
@@ -41,7 +47,23 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_)):
+                object.__setattr__(self, name, float(v))
+        for name in ("top_k", "seed", "max_new_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, np.integer):
+                object.__setattr__(self, name, int(v))
+        if isinstance(self.ignore_eos, np.bool_):
+            object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
+        stop = () if self.stop_token_ids is None else self.stop_token_ids
+        if isinstance(stop, (str, bytes)) or not isinstance(stop, (Sequence, np.ndarray)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {type(stop).__name__}")
+        for j, t in enumerate(stop):
+            if not isinstance(t, (int, np.integer)) or isinstance(t, (bool, np.bool_)):
+                raise ValueError(f"stop_token_ids holds {t!r} at position {j}: token ids must be integers")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop))
         self.validate()
 
     def validate(self) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from minimax_jax import MiniMaxM3Config, init_model, load_model
 from minimax_jax.cache import check_cache, init_cache
-from minimax_jax.cli import main
+from spec_decode.cli import main
 from minimax_jax.decode import RaggedBatch, forward_ragged
 from minimax_jax.layers import RMSNorm
 from minimax_jax.model import check_input_ids

@@ -1,11 +1,13 @@
-"""Command line: ``python -m minimax_jax <command>`` (also installed as ``minimax-jax``).
+"""Command line: ``minimax-jax <command>`` (also ``python -m spec_decode <command>``).
 
 Commands:
   generate  speculative generation (DSpark drafter, adaptive verification) on the embedded default or a checkpoint
   forward   load a checkpoint directory, run the plain causal forward on token ids and greedily extend them
 
 Errors in what the user gave (a bad path, a malformed config or checkpoint, out-of-range token ids, wrong
-arguments) print one line ``minimax-jax: error: ...`` and exit with status 2; ``--debug`` shows the traceback.
+arguments or settings, argparse's own included) print one line ``minimax-jax: error: ...`` to stderr and exit
+with status 2. Settings are checked before any model is loaded, the prompt before it is printed; ``--debug``
+shows the traceback.
 """
 
 from __future__ import annotations
@@ -22,11 +24,23 @@ class UsageError(Exception):
     """A problem with what the user asked for, reported as one line."""
 
 
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, with every argument error as one line ``minimax-jax: error: ...`` and exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{PROG}: error: {_one_line(message)}\n")
+
+
 def _parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(",", " ").split()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"token ids must be integers separated by spaces or commas, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"token ids must be integers separated by spaces or commas, got {text!r}") from None
 
 
 def _non_negative(text: str) -> int:
@@ -51,6 +65,9 @@ def cmd_forward(args) -> int:
     t0 = time.perf_counter()
     model = load_model(args.model, dtype=dtype)
     cfg = model.cfg
+    if args.max_new_tokens >= cfg.max_position_embeddings:
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's "
+                         f"{cfg.max_position_embeddings} positions")
     # Validate on the host: inside the jitted forward the ids are tracers and cannot be checked.
     check_input_ids([args.ids], cfg.vocab_size, name="--ids",
                     max_length=cfg.max_position_embeddings - args.max_new_tokens)
@@ -100,11 +117,45 @@ def _load_pair(args, dtype):
     return target, drafter, (load_tokenizer(tok_path) if tok_path is not None else None)
 
 
+def _check_generate_args(args) -> dict:
+    """The sampling keywords of ``generate``, validated (SamplingParams' rules) before anything is loaded."""
+    from spec_decode.sampling_params import SamplingParams
+
+    if args.prompt is not None and args.ids is not None:
+        raise UsageError("give the prompt as text or with --ids, not both")
+    if args.prompt == "":
+        raise UsageError("the prompt is empty: a prompt needs at least one token")
+    if args.ids is not None and not args.ids:
+        raise UsageError("--ids is empty: a prompt needs at least one token")
+    if args.verification != "none" and args.k < 1:
+        raise UsageError(f"--k must be >= 1 (drafts per step), got {args.k}")
+    if args.max_model_len < 2:
+        raise UsageError(f"--max-model-len must be >= 2, got {args.max_model_len}")
+    kw = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+          "top_k": args.top_k, "seed": args.seed, "ignore_eos": args.ignore_eos}
+    names = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
+             "top_k": "--top-k", "seed": "--seed"}
+    try:
+        SamplingParams(**kw)
+    except ValueError as e:
+        msg = str(e)
+        for field, flag in names.items():
+            if msg.startswith(field + " "):
+                msg = flag + msg[len(field):]
+        raise UsageError(msg) from None
+    if args.stream and args.loop == "device":
+        raise UsageError("--stream needs --loop host (the device loop returns when the whole batch is done)")
+    return kw
+
+
 def cmd_generate(args) -> int:
+    kw = _check_generate_args(args)
+
     import jax
     import jax.numpy as jnp
 
     from spec_decode import Engine
+    from spec_decode.request import build_requests
 
     if args.dtype == "auto":
         dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
@@ -124,12 +175,12 @@ def cmd_generate(args) -> int:
     engine = Engine(target, drafter, num_speculative_tokens=args.k, verification=args.verification,
                     max_num_seqs=1, max_model_len=args.max_model_len, tokenizer=tokenizer)
     load_s = time.perf_counter() - t0
-    kw = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-          "top_k": args.top_k, "seed": args.seed, "ignore_eos": args.ignore_eos}
+    # the prompt itself (ids in the vocabulary, its length against --max-model-len) before anything is printed
+    build_requests([prompt], tokenizer=tokenizer, vocab_size=target.cfg.vocab_size,
+                   eos_token_ids=target.cfg.eos_token_id, max_model_len=engine.max_model_len,
+                   max_stop_ids=engine.num_stop_ids, keywords=kw, sampling_params=None)
     if isinstance(prompt, str):
         print(prompt, end="", flush=True)
-    if args.stream and args.loop == "device":
-        raise UsageError("--stream needs --loop host (the device loop returns when the whole batch is done)")
     if args.stream:
         tokens: list[int] = []
         shown = ""
@@ -162,15 +213,15 @@ def cmd_generate(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--debug", action="store_true", help="show the full traceback on errors")
-    sub = ap.add_subparsers(dest="command", required=True)
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=ArgumentParser, metavar="{generate,forward}")
     g = sub.add_parser("generate", help="speculative generation on the embedded default (or --model/--drafter)")
     g.add_argument("prompt", nargs="?", default=None, help="the prompt text (default: a short code prompt)")
     g.add_argument("--ids", type=_parse_ids, default=None, help="the prompt as token ids instead of text")
     g.add_argument("--verification", choices=["adaptive", "fixed", "none"], default="adaptive")
     g.add_argument("--k", type=int, default=7, help="drafts per step (1..the drafter's block size)")
-    g.add_argument("--max-new-tokens", type=_non_negative, default=96)
+    g.add_argument("--max-new-tokens", type=int, default=96)
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -201,8 +252,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from minimax_jax.config import ConfigError
     from minimax_jax.default import DefaultModelMissing
 
+    # OverflowError / TypeError: a user value no named check caught (a huge number, say) still ends as one line
     return (UsageError, ConfigError, CheckpointError, DefaultModelMissing, ValueError, FileNotFoundError,
-            NotADirectoryError, PermissionError, IsADirectoryError)
+            NotADirectoryError, PermissionError, IsADirectoryError, OverflowError, TypeError)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):
@@ -213,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     import warnings
 
     ap = build_parser()
-    args = ap.parse_args(argv)  # argparse itself prints one usage line and exits 2 on bad arguments
+    args = ap.parse_args(argv)  # bad arguments: one line and SystemExit(2) (ArgumentParser.error)
     if not args.debug:
         warnings.showwarning = _show_warning
     try:
@@ -224,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if args.debug or not isinstance(e, _user_errors()):
             raise
-        msg = " ".join(str(e).split()) or type(e).__name__
+        msg = _one_line(e) or type(e).__name__
         print(f"{PROG}: error: {msg}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,5 @@
+import sys
+
+from spec_decode.cli import main
+
+sys.exit(main())

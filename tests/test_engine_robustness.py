@@ -1,0 +1,183 @@
+"""Bad input to ``Engine.generate`` / ``stream`` gets a clear ``ValueError`` before any device work, and never
+changes the engine: one test per defect users hit (spec_decode.request.build_requests). CPU, f32, reference
+kernels, one shared engine."""
+
+import numpy as np
+import pytest
+
+from spec_decode import Engine, SamplingParams
+from spec_decode.request import build_requests
+from tests.engine_models import EOS, VOCAB, bigram_drafter, damped_target, greedy_reference
+
+PROMPT = [1, 5, 9, 4, 17, 8, 3]
+NEW = 5
+
+
+class CharTokenizer:
+    """A tokenizer for string prompts: BOS 1, then one id in [3, 23) per character."""
+
+    bos_token_id = 1
+
+    def encode(self, text, add_bos=False):
+        return ([1] if add_bos else []) + [3 + ord(c) % 20 for c in text]
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+@pytest.fixture(scope="module")
+def target():
+    return damped_target(damping=0.3)
+
+
+@pytest.fixture(scope="module")
+def engine(target):
+    return Engine(target, bigram_drafter(target, block_size=7), num_speculative_tokens=3, verification="adaptive",
+                  cost_table=None, max_num_seqs=2, max_model_len=96, max_num_batched_tokens=16,
+                  implementation="reference", tokenizer=CharTokenizer())
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    return greedy_reference(target, PROMPT, NEW)
+
+
+def tokens(engine, prompts, **kw):
+    return [r.token_ids for r in engine.generate(prompts, progress=False, **kw)]
+
+
+def build(prompts, keywords=None, sampling_params=None, **kw):
+    args = dict(tokenizer=CharTokenizer(), vocab_size=VOCAB, eos_token_ids=(EOS,), max_model_len=96,
+                max_stop_ids=8, keywords=keywords or {}, sampling_params=sampling_params)
+    return build_requests(prompts, **{**args, **kw})
+
+
+# 1. an empty string became BOS alone and generated
+def test_empty_string_prompt_is_refused(engine):
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        engine.generate([""], max_new_tokens=2)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        engine.generate(["ab", ""], max_new_tokens=2)
+    assert build(["ab"])[0].prompt == [1, 3 + ord("a") % 20, 3 + ord("b") % 20]  # BOS kept for text
+
+
+# 2. float ids were truncated (281.7 -> 281), digit strings parsed
+@pytest.mark.parametrize("bad", [281.7, 5.0, True, "7", np.float32(3.0), None, [4]])
+def test_non_integer_token_ids_are_refused(engine, bad):
+    with pytest.raises(ValueError, match=rf"prompt 0 holds {bad!r} at position 3: token ids must be integers"
+                       .replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        engine.generate([[1, 5, 6, bad]], max_new_tokens=2)
+
+
+def test_numpy_integer_prompts_are_accepted(engine, reference):
+    want = tokens(engine, [PROMPT], max_new_tokens=NEW)
+    assert want == [reference]
+    assert tokens(engine, [np.asarray(PROMPT, np.int64)], max_new_tokens=NEW) == want
+    assert tokens(engine, [[np.int32(t) for t in PROMPT]], max_new_tokens=NEW) == want
+
+
+# 3. overflow / type errors naming nothing
+@pytest.mark.parametrize("prompt, match", [
+    (42, "prompt 0 must be a string or a list of token ids, got int"),
+    (None, "prompt 0 must be a string or a list of token ids, got NoneType"),
+    (b"abc", "prompt 0 must be a string or a list of token ids, got bytes"),
+    ([1, 2**70], rf"prompt 0 holds token id {2**70}, outside the vocabulary \[0, {VOCAB}\)"),
+    (np.ones((2, 3), np.int32), "prompt 0 must be a list of token ids"),
+])
+def test_unrepresentable_prompts_give_value_errors(engine, prompt, match):
+    with pytest.raises(ValueError, match=match):
+        engine.generate([prompt], max_new_tokens=2)
+
+
+def test_top_k_beyond_the_vocabulary_keeps_everything(engine, reference):
+    assert build([PROMPT], {"top_k": 2**40})[0].params.top_k == VOCAB
+    assert tokens(engine, [PROMPT], max_new_tokens=NEW, top_k=2**40) == [reference]
+    with pytest.raises(ValueError, match="top_k must be an integer >= 0"):
+        engine.generate([PROMPT], top_k=2.5)
+
+
+# 4. numpy scalars were refused as "must be a finite number >= 0"
+def test_numpy_scalars_are_accepted(engine, reference):
+    p = SamplingParams(temperature=np.float32(0.0), top_k=np.int64(5), top_p=np.float64(1.0), seed=np.int64(5),
+                       max_new_tokens=np.int64(5), stop_token_ids=np.asarray([7]), ignore_eos=np.bool_(False))
+    assert (type(p.temperature), type(p.top_k), type(p.top_p), type(p.seed), type(p.max_new_tokens),
+            type(p.ignore_eos), type(p.stop_token_ids[0])) == (float, int, float, int, int, bool, int)
+    got = tokens(engine, [PROMPT], temperature=np.float32(0.0), top_k=np.int64(5), max_new_tokens=np.int64(NEW),
+                 seed=np.int64(5))
+    assert got == [reference]
+    for bad in (dict(top_k=np.float32(5)), dict(max_new_tokens=5.0), dict(stop_token_ids=[2.0])):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+# 5. keywords next to sampling_params were silently ignored
+def test_keywords_with_sampling_params_are_refused(engine):
+    with pytest.raises(ValueError, match=r"not both \(got temperature=0.5 with sampling_params\)"):
+        engine.generate([PROMPT], temperature=0.5, sampling_params=SamplingParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match=r"got max_new_tokens=3, seed=4 with sampling_params"):
+        list(engine.stream([PROMPT], max_new_tokens=3, seed=4, sampling_params=[SamplingParams()]))
+    # the defaults are not "passed": sampling_params alone is fine
+    assert len(build([PROMPT], sampling_params=SamplingParams(max_new_tokens=2))) == 1
+
+
+# 6. the prompt-length error named max_position_embeddings (512 here) for the engine's max_model_len (96)
+def test_prompt_length_error_names_max_model_len(engine):
+    with pytest.raises(ValueError, match=r"prompt 1 has 96 tokens, more than max_model_len - 1 = 95"):
+        engine.generate([PROMPT, [1] * 96], max_new_tokens=2)
+    assert len(build([[1] * 95])[0].prompt) == 95
+
+
+# 7. generate(seed=2**31) sampled like seed=0
+def test_seeds_are_below_2_31(engine):
+    assert [r.params.seed for r in build([PROMPT] * 3, {"seed": 7})] == [7, 8, 9]
+    assert [r.params.seed for r in build([PROMPT] * 2, {"seed": 2**31 - 2})] == [2**31 - 2, 2**31 - 1]
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*31\), got 2147483648"):
+        engine.generate([PROMPT], seed=2**31)
+    with pytest.raises(ValueError, match=r"seed \+ 1 = 2147483648 is not below 2\*\*31"):
+        engine.generate([PROMPT, PROMPT], seed=2**31 - 1)
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        engine.generate([PROMPT], seed=-1)
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        SamplingParams(seed=2**31)
+
+
+# 8. a request with 20 stop ids widened an engine-wide array and broke every later call
+def test_too_many_stop_ids_are_refused_and_change_nothing(engine, target, reference):
+    assert tokens(engine, [PROMPT], max_new_tokens=NEW) == [reference]  # compiled
+    with pytest.raises(ValueError, match=r"prompt 0 has 21 stop token ids \(EOS included\), more than the "
+                                         r"engine's limit of 8; raise it with Engine\(max_stop_token_ids=\.\.\.\)"):
+        engine.generate([PROMPT], max_new_tokens=NEW, stop_token_ids=list(range(3, 23)))
+    assert engine.num_stop_ids == 8
+    assert tokens(engine, [PROMPT], max_new_tokens=NEW) == [reference]
+    no_stop = greedy_reference(target, PROMPT, NEW, stop=())
+    assert tokens(engine, [PROMPT], max_new_tokens=NEW, ignore_eos=True) == [no_stop]
+    # at the limit (7 + EOS) is fine; never stopping ids here, so the output is the reference
+    unused = [t for t in range(3, VOCAB) if t not in reference][:7]
+    assert tokens(engine, [PROMPT], max_new_tokens=NEW, stop_token_ids=unused) == [reference]
+
+
+def test_build_requests_is_pure():
+    args = dict(tokenizer=None, vocab_size=VOCAB, eos_token_ids=(EOS,), max_model_len=96, max_stop_ids=2,
+                keywords={"stop_token_ids": [3, 4]}, sampling_params=None)
+    with pytest.raises(ValueError, match="limit of 2"):
+        build_requests([PROMPT], **args)
+    assert args["keywords"] == {"stop_token_ids": [3, 4]}
+    with pytest.raises(ValueError, match="prompt 0 is a string but the engine has no tokenizer"):
+        build_requests(["x"], **{**args, "keywords": {}})
+
+
+# 9. the checks that were there stay
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(stop_token_ids=[VOCAB]), rf"prompt 0: stop_token_ids holds {VOCAB}, outside the vocabulary"),
+    (dict(stop_token_ids=5), "stop_token_ids must be a list of token ids"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(ignore_eos="no"), "ignore_eos"),
+    (dict(max_new_tokens=90), "KV pages, more than the pool's"),
+])
+def test_existing_checks_stay(target, kwargs, match):
+    small = Engine(target, None, verification="none", max_num_seqs=1, max_model_len=96, num_pages=2,
+                   implementation="reference")
+    with pytest.raises(ValueError, match=match):
+        small.generate([PROMPT], **kwargs)
