@@ -26,8 +26,7 @@ from spec_decode.cost_table import (
     profile_cost_table,
     save_cost_table,
 )
-from spec_decode.device_loop import generate_offline
-from spec_decode.engine import Engine, GenerationResult, GenerationResults
+from spec_decode.engine import Engine, GenerationResult, GenerationResults, generate_offline
 from spec_decode.estimator import (
     EstimatorState,
     confidence_feature,

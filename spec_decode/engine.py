@@ -43,7 +43,7 @@ from flax import nnx
 from minimax_jax.cache import cache_bytes_per_page, page_size_for
 from minimax_jax.decode import choose_implementation
 from minimax_jax.draft_cache import draft_cache_bytes_per_page
-from spec_decode import compilation_cache
+from spec_decode import compilation_cache as persistent_cache
 from spec_decode.buckets import StepKey, logit_rows, step_keys
 from spec_decode.cost_table import CostTable
 from spec_decode.device_loop import LoopConfig, fill_requests, loop_inputs, make_loop_fn
@@ -176,7 +176,7 @@ class Engine:
         self._warned_no_eos = False
         self.warmup_report: CompileReport | None = None
         self.num_compiles = 0  # programs this engine compiled (XLA compilations, counted by JAX's monitoring)
-        self.compilation_cache_dir = compilation_cache.enable() if compilation_cache else None
+        self.compilation_cache_dir = persistent_cache.enable() if compilation_cache else None
         if precompile:
             self.warmup()
 
@@ -520,7 +520,7 @@ class Engine:
                     for r in live:
                         sched.reserve_decode_pages(r)
                     tables = self.pool.block_table([r.index for r in live])
-                    cost = self.planner.device_table(self.loop_config.token_buckets)
+                    cost = self.planner.device_table()
                     inputs = loop_inputs(live, config=self.loop_config, block_tables=tables, cost_table=cost,
                                          max_steps=self.loop_config.output_len)
                     d0 = time.perf_counter()

@@ -339,6 +339,15 @@ class PagePool:
             if node.pins != pins[nid] or node.pins <= 0:
                 raise AssertionError(f"node {nid}: {node.pins} pins, expected {pins[nid]} (> 0)")
 
+    def clear_cache(self) -> None:
+        """Forget every cached page (their contents are no longer trusted: a fresh device cache, or pages
+        scribbled on by timing runs). Only while no request holds pages."""
+        if self.pages:
+            raise RuntimeError(f"clear_cache with {len(self.pages)} requests still holding pages")
+        while self._evictable:
+            self._free.append(self._evict())
+        self._evictions = 0
+
     # ------------------------------------------------------------------ internals
     def _match(self, tokens: Sequence[int]) -> tuple[list[int], list[int]]:
         """(pages, node ids) of the longest registered prefix of ``tokens`` within the cap."""

@@ -18,7 +18,6 @@ import os
 import sys
 import threading
 
-
 import jax
 
 from spec_decode.buckets import StepKey

@@ -316,6 +316,12 @@ class Scheduler:
         the prompt, then anchors and drafts up to ``prompt + limit - 2``."""
         self.pool.ensure(req.index, min(len(req.prompt) + req.limit - 1, self.max_blocks * self.page_size))
 
+    def finish_wave(self, requests) -> None:
+        """The device loop decoded ``requests`` to the end: free their slots and pages."""
+        for req in requests:
+            self._release(req)
+            req.status = RequestStatus.FINISHED
+
     # ------------------------------------------------------------------ results
     def commit(self, step: ScheduledStep, out: StepOutput) -> list[tuple[Request, list[int]]]:
         """Fold one step's read-back output into the requests; returns ``(request, new tokens)`` per row that

@@ -246,8 +246,8 @@ def test_draft_cache_shares_the_target_pool(target, drafters):
         return StepPlan(rows=jnp.arange(r, dtype=jnp.int32), prefill_tokens=jnp.zeros((t,), jnp.int32),
                         prefill_len=z, prefill_start=z, prefill_last=jnp.zeros((r,), bool), resume_token=z - 1,
                         block_tables=jnp.zeros((r, width), jnp.int32), scheduled=z, budget=jnp.int32(0),
-                        temperature=jnp.zeros((r,)), top_k=z, top_p=jnp.ones((r,)), seed=z, max_emit=z + 1,
-                        stop_ids=jnp.full((r, 1), -1, jnp.int32), commit=jnp.bool_(False))
+                        temperature=jnp.zeros((r,)), top_k=z, top_p=jnp.ones((r,)), seed=z, limit=z + 1,
+                        prefill_emitted=z, stop_ids=jnp.full((r, 1), -1, jnp.int32), commit=jnp.bool_(False))
 
     params = (nnx.state(target), nnx.state(drafter))
     with pytest.raises(ValueError, match="plan.block_tables has width 5, the draft cache's tables 8"):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from spec_decode import Engine
+from spec_decode.buckets import token_bucket
 from spec_decode.cost_table import CostTable
 from tests.engine_models import VOCAB, bigram_drafter, damped_target, target_probs
 
@@ -41,15 +42,24 @@ COSTS = CostTable.from_measurements({1: 1.0, 2: 1.75, 3: 1.75})
 class CurrentConfidenceBudget(Engine):
     """NEGATIVE CONTROL: plans each step's budget from the confidences of the drafts it is about to verify."""
 
-    def _prepare(self, step, sched):
-        dry = dataclasses.replace(step, arrays={**step.arrays, "commit": np.asarray(False)})
-        out = jax.device_get(self._run(dry))  # same drafts: keys depend on (seed, position) only
-        a = step.arrays
-        dec = [i for i, r in enumerate(step.row_requests) if r is not None and a["prefill_len"][i] == 0]
-        if not dec:
-            return step
-        budget = self._budget(out.confidences[dec], a["scheduled"][dec], len(dec), len(dec), step.key[0])
-        return self._rebudget(step, budget)
+    def _launch(self, step):
+        plan = step.plan
+        dec = [i for i, r in enumerate(step.row_requests) if r is not None and plan.prefill_len[i] == 0]
+        if dec:
+            dry = dataclasses.replace(plan, commit=np.asarray(False))
+            # same drafts: keys depend on (seed, position) only; commit=False leaves lengths and tokens as they are
+            self._state, out = self._programs.run(step.key, self._target_params, self._drafter_params, self._state,
+                                                  jax.device_put(dry))
+            conf = np.asarray(out.confidences)[dec]
+            budget = self.planner.budget(conf, plan.scheduled[dec], num_sampling_rows=len(dec),
+                                         num_non_draft_tokens=len(dec))
+            t = token_bucket(self.token_buckets, step.num_prefill_tokens + len(dec) + budget)
+            tokens = np.zeros(t, np.int32)
+            tokens[: step.num_prefill_tokens] = plan.prefill_tokens[: step.num_prefill_tokens]
+            plan = dataclasses.replace(plan, budget=np.asarray(budget, np.int32), prefill_tokens=tokens)
+            key = next(key for key in self.step_keys if key.tokens == t)
+            step = dataclasses.replace(step, plan=plan, budget=budget, key=key)
+        return super()._launch(step)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +109,7 @@ def chi2_pvalue(samples, probs):
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
 def test_adaptive_sampling_matches_target_only_sampling(pair, top_p):
     target, drafter = pair
-    eng = Engine(target, drafter, num_speculative_tokens=2, verification="adaptive", cost_table={1: COSTS},
+    eng = Engine(target, drafter, num_speculative_tokens=2, verification="adaptive", cost_table=COSTS,
                  max_num_seqs=1, max_model_len=32, implementation="reference")
     toks, st = sample_tokens(eng, temperature=1.0, top_p=top_p)
     p2, p3 = exact_marginals(target, top_p=top_p)
@@ -112,7 +122,7 @@ def test_adaptive_sampling_matches_target_only_sampling(pair, top_p):
 def test_budget_from_current_confidences_is_biased(pair):
     target, drafter = pair
     control = CurrentConfidenceBudget(target, drafter, num_speculative_tokens=2, verification="adaptive",
-                                      cost_table={1: COSTS}, max_num_seqs=1, max_model_len=32,
+                                      cost_table=COSTS, max_num_seqs=1, max_model_len=32,
                                       implementation="reference")
     toks, _ = sample_tokens(control, temperature=1.0)
     p2, _ = exact_marginals(target)

@@ -8,10 +8,10 @@ import pytest
 
 from minimax_jax import MiniMaxM3Config, init_model, load_model
 from minimax_jax.cache import check_cache, init_cache
-from spec_decode.cli import main
 from minimax_jax.decode import RaggedBatch, forward_ragged
 from minimax_jax.layers import RMSNorm
 from minimax_jax.model import check_input_ids
+from spec_decode.cli import main
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
