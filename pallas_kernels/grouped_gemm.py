@@ -263,7 +263,7 @@ def supports(
     Always: a floating dtype. Compiled: also a dtype of ``tuning.COMPILED_DTYPES`` and hidden and intermediate
     sizes that are multiples of 16 (``tuning.MIN_DOT_DIM``: the power-of-2 tiles must divide K and N exactly).
     Every chip has the same limits today (the kernel compiles for gfx942, gfx950 and sm_90:
-    ``pallas_kernels.compile_check``).
+    ``scripts.compile_check``).
     """
     resolve_chip(chip)
     return all(

@@ -567,7 +567,7 @@ def _one_line(row: dict) -> str:
 # Launch variants (each a dict of ``ragged_sparse_attention`` overrides) timed by ``--sweep``, around the CUDA
 # policy (sparse verify: 64-row tiles, 4 warps, 32-key steps, 3 stages; see tuning.TABLES["hopper"]).
 # 128-row tiles (8 tokens x 16 heads: each request's union read once per KV head). Registers / shared memory per
-# program from the pip-triton sm_90 compile (pallas_kernels.compile_check), which XLA's own Triton may differ from:
+# program from the pip-triton sm_90 compile (scripts.compile_check), which XLA's own Triton may differ from:
 _Q8 = {"block_q": 8, "num_warps": 8, "block_k": 64, "num_stages": 5}  # 188 registers, 129 KiB: one per SM
 _Q8_SWEEP = [
     {"block_q": 8, "num_warps": 8, "block_k": 32, "num_stages": 3},  # 126 registers, 64 KiB: two per SM

@@ -4,7 +4,7 @@
     PYTHONPATH=. python3 scripts/compile_kernels.py --out compile.json          # all serving sizes
     PYTHONPATH=. python3 scripts/compile_kernels.py --gate --check               # the CI gate's subset
 
-Each kernel entry point (``pallas_kernels.compile_check.KERNELS``) is lowered deviceless at M3 shapes for each
+Each kernel entry point (``scripts.compile_check.KERNELS``) is lowered deviceless at M3 shapes for each
 serving size (``BATCHES``; ``--gate``: the CI gate's ``GATE_CASES``) with the launch tables of the target's
 chip (gfx942: ``cdna3``, gfx950: ``cdna4``, sm_90: ``hopper``), and every distinct Triton kernel is compiled with
 the pip triton wheel (``--jobs`` processes): registers (VGPR / AGPR / SGPR on AMD), LDS / shared memory, spills and occupancy (waves per SIMD
@@ -24,7 +24,7 @@ import jax
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pallas_kernels import compile_check as cc
+    from scripts import compile_check as cc
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="write the reports as JSON here")

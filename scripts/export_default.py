@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     from minimax_jax import load_drafter, load_model
     from minimax_jax.default import load_default
     from minimax_jax.tokenizer import load_tokenizer
-    from minimax_jax.training import corpus, presets, rollout
+    from minimax_jax.training import corpus, presets
+    from spec_decode import rollout
 
     budget = args.max_bytes or presets.SHIPPED_MAX_BYTES
     files = shipped_files(args.target, args.drafter, args.tokenizer)

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     from minimax_jax import load_drafter, load_model, save_drafter
     from minimax_jax.tokenizer import load_tokenizer
     from minimax_jax.training import corpus, presets
-    from minimax_jax.training import rollout as ro
+    from spec_decode import rollout as ro
 
     def stamp():
         return f"[{(time.time() - _START) / 60:.1f} min]"

@@ -1,6 +1,6 @@
 """The AMD compile gate: every Pallas kernel compiled for gfx942, gfx950 and sm_90 on the CPU.
 
-``pallas_kernels.compile_check`` lowers each kernel deviceless at M3 shapes with each chip's launch tables and
+``scripts.compile_check`` lowers each kernel deviceless at M3 shapes with each chip's launch tables and
 compiles the Triton IR with the pip triton wheel (``GATE_CASES``: every kernel and every AMD launch shape). The
 gate fails on a compile error, a register spill, scratch use, or an AMD kernel under 2 waves per SIMD. It needs
 the pinned jax + triton pair (``pip install '.[amd]'``; ``scripts/_env.sh`` installs it) and skips, saying why,
@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from pallas_kernels import compile_check as cc
+from scripts import compile_check as cc
 
 UNAVAILABLE = cc.toolchain_unavailable()
 needs_toolchain = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"AMD compile gate: {UNAVAILABLE}")

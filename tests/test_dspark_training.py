@@ -13,7 +13,7 @@ from minimax_jax import init_drafter, init_model
 from minimax_jax.drafter import capture_target_features
 from minimax_jax.training import dspark as ds
 from minimax_jax.training import loop, presets
-from minimax_jax.training import rollout as ro
+from spec_decode import rollout as ro
 
 TCFG = presets.target_config("smoke", vocab_size=300, bos_token_id=0, eos_token_id=1, pad_token_id=2)
 DCFG = presets.drafter_config("smoke", TCFG, mask_token_id=3)

@@ -11,7 +11,7 @@ Modules, one concern each:
 * :mod:`~minimax_jax.training.target`: the target's training forward (indexer distillation, router load),
   loss, aux-loss-free router balancing and held-out bits per byte.
 * :mod:`~minimax_jax.training.dspark`: the DSpark drafter's many-anchor training forward and DeepSpec loss.
-* :mod:`~minimax_jax.training.rollout`: cache-free speculative decoding rollouts (acceptance, STS records).
+* :mod:`~spec_decode.rollout`: cache-free speculative decoding rollouts (acceptance, STS records).
 
 Training needs ``optax``, ``tqdm`` and ``matplotlib`` (the ``train`` / ``test`` extras); inference does not.
 """

@@ -1,0 +1,149 @@
+"""The engine at serving concurrency: a closed program set (nothing compiles after warm-up, whatever arrives),
+async scheduling (the same greedy tokens as the synchronous loop), prefix caching (the same tokens, shared pages
+never written by another request, eviction under a tiny pool), the persistent compilation cache (a second process
+compiles nothing). CPU, f32, reference kernels."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from spec_decode import Engine, SamplingParams
+from spec_decode.programs import compile_counter
+from spec_decode.scheduler import Scheduler
+from tests.engine_models import EOS, VOCAB, bigram_drafter, damped_target, greedy_reference, random_prompts
+
+COMMON = dict(max_num_seqs=3, max_model_len=96, max_num_batched_tokens=16, implementation="reference")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return damped_target(damping=0.3)
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    return bigram_drafter(target, block_size=7)
+
+
+def mixed_params(rng, n):
+    """Random lengths, greedy and sampled rows (temperature, top-k, top-p), stop ids, ignore_eos."""
+    out = []
+    for _ in range(n):
+        kw = dict(max_new_tokens=int(rng.integers(1, 14)), seed=int(rng.integers(0, 1000)))
+        kind = rng.integers(0, 4)
+        if kind == 1:
+            kw.update(temperature=float(rng.uniform(0.5, 1.5)))
+        elif kind == 2:
+            kw.update(temperature=1.0, top_k=int(rng.integers(1, 8)), top_p=float(rng.uniform(0.5, 1.0)))
+        elif kind == 3:
+            kw.update(stop_token_ids=tuple(int(x) for x in rng.integers(3, VOCAB, size=rng.integers(1, 4))),
+                      ignore_eos=bool(rng.integers(0, 2)))
+        out.append(SamplingParams(**kw))
+    return out
+
+
+@pytest.mark.parametrize("mode, k, async_scheduling", [("adaptive", 3, True), ("fixed", 7, False), ("none", 0, True)])
+def test_nothing_compiles_after_warm_up(target, drafter, mode, k, async_scheduling):
+    """Warm-up compiles the closed set; then fresh random prompt sets of random lengths, greedy and sampled rows
+    mixed, admissions and finishes at random steps, through the host loop, a stream and the device loop: zero XLA
+    compilations, counted by JAX's own monitoring events."""
+    eng = Engine(target, drafter if k else None, num_speculative_tokens=k, verification=mode,
+                 async_scheduling=async_scheduling, precompile=True, **COMMON)
+    assert eng.warmup_report.programs == len(eng.step_keys) + 1  # every step program and the device loop
+    rng = np.random.default_rng(7)
+    with compile_counter() as compiled:
+        for call in range(3):
+            n = int(rng.integers(1, 8))
+            prompts = random_prompts(n, rng.integers(2, 60, size=n), seed=100 + call)
+            params = mixed_params(rng, n)
+            res = eng.generate(prompts, sampling_params=params, progress=False)
+            assert res.stats["compiles"] == 0
+            assert all(1 <= len(r.token_ids) <= p.max_new_tokens for r, p in zip(res, params))
+            for _ in eng.stream(prompts[:2], sampling_params=params[:2]):
+                pass
+            dev = eng.generate(prompts, sampling_params=params, loop="device")
+            assert dev.stats["compiles"] == 0
+    assert compiled == []
+    eng.warmup()  # idempotent
+    assert compiled == []
+
+
+def test_async_and_sync_scheduling_give_the_same_greedy_tokens(target, drafter):
+    """Async scheduling (the host plans step n+1 before reading step n back) with preemption under a tiny page
+    pool and more requests than slots: the tokens are the synchronous loop's and target-only decoding's."""
+    prompts = random_prompts(6, [20, 15, 30, 13, 26, 40], seed=3)
+    max_new = [12, 9, 16, 5, 14, 11]
+    refs = [greedy_reference(target, p, n) for p, n in zip(prompts, max_new)]
+    params = [SamplingParams(max_new_tokens=m) for m in max_new]
+    for async_scheduling in (True, False):
+        eng = Engine(target, drafter, num_speculative_tokens=3, verification="adaptive", cost_table=None,
+                     async_scheduling=async_scheduling, num_pages=16, **COMMON)
+        res = eng.generate(prompts, sampling_params=params, progress=False)
+        assert [r.token_ids for r in res] == refs, f"async_scheduling={async_scheduling}"
+        assert res.stats["preemptions"] > 0 and res.stats["async_scheduling"] == async_scheduling
+        for r, ref in zip(res, refs):
+            assert r.finish_reason == ("stop" if ref[-1] == EOS else "length")
+
+
+def test_prefix_caching_shares_pages_and_changes_no_output(target, drafter, monkeypatch):
+    """Requests sharing a 40-token prefix: with the cache on, later requests reuse its pages (hit rate > 0, fewer
+    prefill tokens); every write of every step lands on pages its request owns alone (Scheduler.check_writes);
+    the tokens equal the cache-off run's and target-only decoding's; a tiny pool evicts and still agrees."""
+    monkeypatch.setattr(Scheduler, "check_writes", True)
+    rng = np.random.default_rng(0)
+    prefix = [1] + [int(x) for x in rng.integers(3, VOCAB - 1, size=39)]
+    prompts = [prefix + [int(x) for x in rng.integers(3, VOCAB - 1, size=n)] for n in (5, 11, 2, 17, 8)]
+    params = [SamplingParams(max_new_tokens=m) for m in (10, 6, 12, 4, 9)]
+    refs = [greedy_reference(target, p, s.max_new_tokens) for p, s in zip(prompts, params)]
+    runs = {}
+    for name, kw in (("off", dict(enable_prefix_caching=False)), ("on", {}), ("tiny", dict(num_pages=40))):
+        eng = Engine(target, drafter, num_speculative_tokens=3, verification="fixed", **{**COMMON, **kw})
+        runs[name] = eng.generate(prompts, sampling_params=params, progress=False)
+        assert [r.token_ids for r in runs[name]] == refs, name
+        if name == "tiny":
+            assert eng.pool.stats["evictions"] > 0
+    on, off = runs["on"].stats, runs["off"].stats
+    assert off["prefix_cache_hit_rate"] == 0 and on["prefix_cache_hit_rate"] > 0.3
+    assert on["prefill_tokens"] + on["prefix_cache_tokens"] == off["prefill_tokens"]
+    assert on["prefill_tokens"] < off["prefill_tokens"] - 3 * 32  # 3+ later requests reused the 32 full tokens
+    # a second call on the same engine hits the pages the first one left cached (they outlive the run)
+    eng = Engine(target, drafter, num_speculative_tokens=3, verification="fixed", **COMMON)
+    eng.generate(prompts[:1], sampling_params=params[:1], progress=False)
+    again = eng.generate(prompts[1:2], sampling_params=params[1:2], progress=False)
+    assert again.stats["prefix_cache_tokens"] == 32 and again[0].token_ids == refs[1]
+
+
+def test_a_second_process_loads_every_program_from_the_compilation_cache(tmp_path):
+    """The persistent compilation cache: the same engine in a fresh process compiles nothing at warm-up."""
+    script = textwrap.dedent("""
+        import os, sys
+        sys.path.insert(0, os.getcwd())
+        import tests.conftest  # CPU settings of the suite
+        from spec_decode import Engine
+        from spec_decode.programs import compile_counter
+        from tests.engine_models import bigram_drafter, damped_target
+        target = damped_target(damping=0.3)
+        eng = Engine(target, bigram_drafter(target, block_size=4), num_speculative_tokens=3,
+                     verification="fixed", max_num_seqs=2, max_model_len=48, max_num_batched_tokens=8,
+                     implementation="reference")
+        assert eng.compilation_cache_dir == os.environ["MINIMAX_JAX_CACHE_DIR"], eng.compilation_cache_dir
+        report = eng.warmup()
+        print("REPORT", report.programs, report.compiled)
+    """)
+    env = {**os.environ, "MINIMAX_JAX_COMPILATION_CACHE": "1", "MINIMAX_JAX_CACHE_DIR": str(tmp_path),
+           "JAX_PLATFORMS": "cpu"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    counts = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        line = next(x for x in proc.stdout.splitlines() if x.startswith("REPORT"))
+        counts.append(tuple(int(v) for v in line.split()[1:]))
+    (programs, first), (_, second) = counts
+    assert first >= programs > 0 and second == 0, counts
+    assert any(tmp_path.iterdir())
