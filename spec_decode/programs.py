@@ -25,26 +25,39 @@ from spec_decode.step import StepConfig, make_step_fn
 
 __all__ = ["CompileReport", "StepPrograms", "compile_counter", "compile_in_pool"]
 
-_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # timed around compile-or-load-from-cache
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"  # recorded inside it, in the same thread, on a load
 _listener_lock = threading.Lock()
 _counters: list[list[str]] = []
 _listening = False
+_pending_hits = threading.local()
 
 
-def _on_event(name, secs, **kwargs):
-    if name == _BACKEND_COMPILE:
-        for c in list(_counters):
-            c.append(name)
+def _on_duration(name, secs, **kwargs):
+    if name != _BACKEND_COMPILE:
+        return
+    if getattr(_pending_hits, "n", 0):  # loaded from the persistent cache: not a compilation
+        _pending_hits.n -= 1
+        return
+    for c in list(_counters):
+        c.append(name)
+
+
+def _on_event(name, **kwargs):
+    if name == _CACHE_HIT:
+        _pending_hits.n = getattr(_pending_hits, "n", 0) + 1
 
 
 @contextlib.contextmanager
 def compile_counter():
     """``with compile_counter() as compiled: ...``: ``len(compiled)`` is the number of XLA backend compilations
-    inside the block (all threads), as JAX's monitoring reports them."""
+    inside the block (all threads), as JAX's monitoring reports them; programs loaded from the persistent
+    compilation cache do not count."""
     global _listening
     with _listener_lock:
         if not _listening:
-            jax.monitoring.register_event_duration_secs_listener(_on_event)
+            jax.monitoring.register_event_duration_secs_listener(_on_duration)
+            jax.monitoring.register_event_listener(_on_event)
             _listening = True
     seen: list[str] = []
     _counters.append(seen)

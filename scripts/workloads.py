@@ -1,0 +1,59 @@
+"""Benchmark prompts that the embedded default never saw: windows cut from held-out Python sources.
+
+The embedded default was trained on the Python standard library minus a held-out split that depends only on each
+file's path (``minimax_jax.training.corpus``: about 3% of the files). :func:`heldout_windows` tokenizes the
+held-out files of the interpreter running the benchmark and cuts non-overlapping windows from them, files
+interleaved, so every prompt is a distinct piece of real code (never a repeated snippet) and two calls with
+different ``offset`` get disjoint windows (warm-up on one set, time on another).
+
+``shared_prefix=P`` makes every prompt start with the same ``P`` tokens (a window of its own, as a system prompt
+would be), followed by ``length - P`` tokens of its own window: the prefix-caching workload.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_TOKENS: dict[int, list[list[int]]] = {}
+
+
+def _heldout_tokens(tokenizer) -> list[list[int]]:
+    if id(tokenizer) not in _TOKENS:
+        from minimax_jax.training.corpus import load_split_documents
+
+        docs, _ = load_split_documents()
+        _TOKENS[id(tokenizer)] = [list(tokenizer.encode(d.text)) for d in docs["heldout"]]
+    return _TOKENS[id(tokenizer)]
+
+
+def heldout_windows(tokenizer, n: int, length: int, *, offset: int = 0, shared_prefix: int = 0,
+                    prefix_index: int = 0, bos: int | None = None) -> list[list[int]]:
+    """``n`` prompts of ``length`` tokens (see the module docstring); ``offset`` skips that many windows first.
+
+    ``prefix_index`` picks another shared prefix (the ``i``-th from the end of the longest held-out file). With
+    ``bos`` each prompt starts with it (the default's training documents did)."""
+    files = _heldout_tokens(tokenizer)
+    body = length - shared_prefix - (1 if bos is not None else 0)
+    if body < 1:
+        raise ValueError(f"length {length} leaves no room after a shared prefix of {shared_prefix}")
+    # windows round-robin over the files: window j of file f is tokens [j * body, (j + 1) * body)
+    per_file = [len(t) // body for t in files]
+    order = []
+    for j in range(max(per_file, default=0)):
+        order += [(f, j) for f, m in enumerate(per_file) if j < m]
+    prefix: list[int] = []
+    if shared_prefix:
+        longest = int(np.argmax([len(t) for t in files]))
+        end = len(files[longest]) - prefix_index * shared_prefix
+        start = end - shared_prefix  # near the end of the longest file; no window is cut from there
+        prefix = files[longest][start:end]
+        reserved = len(files[longest]) - (prefix_index + 1) * shared_prefix
+        order = [(f, j) for f, j in order if not (f == longest and (j + 1) * body > reserved)]
+    need = offset + n
+    if need > len(order):
+        raise ValueError(f"the held-out files give {len(order)} distinct windows of {body} tokens, {need} asked")
+    out = []
+    for f, j in order[offset:need]:
+        head = [bos] if bos is not None else []
+        out.append(head + prefix + files[f][j * body:(j + 1) * body])
+    return out
