@@ -228,8 +228,8 @@ def fill_requests(requests, out: LoopOutputs, k: int) -> None:
         n = int(out.num_tokens[s])
         req.output.extend(int(x) for x in out.tokens[s, :n])
         req.target_steps += int(out.target_steps[s])
-        if k:
-            req.accepted_per_position[:k] += out.accepted_per_position[s]
-            req.verified_per_position[:k] += out.verified_per_position[s]
+        for j in range(k):
+            req.accepted_per_position[j] += int(out.accepted_per_position[s, j])
+            req.verified_per_position[j] += int(out.verified_per_position[s, j])
         per_step = out.verified_per_step[s]
         req.verified_drafts_per_step.extend(int(x) for x in per_step[per_step >= 0])

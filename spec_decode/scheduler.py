@@ -100,14 +100,16 @@ class Scheduler:
         self.prefix_tokens_reused = 0
         self.stale_conf = np.ones((num_slots, max(self.k, 1)), np.float32)
         self._inflight: dict[int, collections.deque[_InFlight]] = {}  # request index -> its steps in flight
+        self._bounds: dict[int, list[int]] = {}
 
     # ------------------------------------------------------------------ queue
     def add(self, request: Request) -> None:
         k = max(self.k, 1)
         request.limit = min(request.params.max_new_tokens, self.max_model_len - len(request.prompt))
-        request.accepted_per_position = np.zeros(k, np.int64)
-        request.verified_per_position = np.zeros(k, np.int64)
+        request.accepted_per_position = [0] * k
+        request.verified_per_position = [0] * k
         self._inflight[request.index] = collections.deque()
+        self._bounds[request.index] = [0, 0]  # sums over its steps in flight: cached_max, emit_min
         self.waiting.append(request)
 
     @property
@@ -162,10 +164,22 @@ class Scheduler:
 
     # ------------------------------------------------------------------ bounds
     def _cached_upper(self, req: Request) -> int:
-        return req.num_cached + sum(f.cached_max for f in self._inflight[req.index])
+        return req.num_cached + self._bounds[req.index][0]
 
     def _emitted_lower(self, req: Request) -> int:
-        return len(req.output) + sum(f.emit_min for f in self._inflight[req.index])
+        return len(req.output) + self._bounds[req.index][1]
+
+    def _push(self, req: Request, flight: _InFlight) -> None:
+        self._inflight[req.index].append(flight)
+        b = self._bounds[req.index]
+        b[0] += flight.cached_max
+        b[1] += flight.emit_min
+
+    def _pop(self, req: Request) -> None:
+        flight = self._inflight[req.index].popleft()
+        b = self._bounds[req.index]
+        b[0] -= flight.cached_max
+        b[1] -= flight.emit_min
 
     # ------------------------------------------------------------------ planning
     def schedule(self, *, prefill_only: bool = False) -> ScheduledStep | None:
@@ -252,51 +266,49 @@ class Scheduler:
             self.pool.register(req.index, req.prefill_target, req.num_cached)
             if end:
                 req.status = RequestStatus.RUNNING
-            self._inflight[req.index].append(_InFlight(0, 1 if first else 0))
+            self._push(req, _InFlight(0, 1 if first else 0))
         for req, s in decode:
-            self._inflight[req.index].append(_InFlight(1 + s, 1))
+            self._push(req, _InFlight(1 + s, 1))
         return step
 
     def _plan_arrays(self, row_reqs, prefill, ends, decode, budget: int, t: int) -> StepPlan:
-        r = self.num_slots
-        rows = np.full(r, -1, np.int32)
-        prefill_tokens = np.zeros(t, np.int32)
-        prefill_len = np.zeros(r, np.int32)
-        prefill_start = np.zeros(r, np.int32)
-        prefill_last = np.zeros(r, bool)
-        prefill_emitted = np.zeros(r, np.int32)
-        resume_token = np.full(r, -1, np.int32)
-        scheduled = np.zeros(r, np.int32)
-        temperature = np.zeros(r, np.float32)
-        top_k = np.zeros(r, np.int32)
-        top_p = np.ones(r, np.float32)
-        seed = np.zeros(r, np.int32)
-        limit = np.zeros(r, np.int32)
-        stop_ids = np.full((r, self.num_stop_ids), -1, np.int32)
+        r, m = self.num_slots, self.num_stop_ids
         live = [req for req in row_reqs if req is not None]
-        for i, req in enumerate(live):
-            p = req.params
-            rows[i] = req.slot
-            temperature[i], top_k[i], top_p[i], seed[i] = p.temperature, p.top_k, p.top_p, p.seed
-            limit[i] = req.limit
-            stop_ids[i, : len(req.stop_ids)] = req.stop_ids
+        pad = r - len(live)
+
+        def per_row(values, fill, dtype):
+            return np.asarray(list(values) + [fill] * pad, dtype)
+
+        params = [req.params for req in live]
+        n_pre = len(prefill)
+        prefill_tokens = np.zeros(t, np.int32)
         off = 0
-        for i, ((req, n), end) in enumerate(zip(prefill, ends)):
+        for req, n in prefill:
             prefill_tokens[off: off + n] = req.prefill_target[req.num_cached: req.num_cached + n]
             off += n
-            prefill_len[i], prefill_start[i], prefill_last[i] = n, req.num_cached, end
-            prefill_emitted[i] = len(req.output) if req.is_resumed else 0
-            if end and req.is_resumed:
-                resume_token[i] = req.output[-1]
-        for j, (_, s) in enumerate(decode):
-            scheduled[len(prefill) + j] = s
+        pre = [(n, req.num_cached, end, len(req.output) if req.is_resumed else 0,
+                req.output[-1] if end and req.is_resumed else -1) for (req, n), end in zip(prefill, ends)]
+        pre += [(0, 0, False, 0, -1)] * (r - n_pre)
+        n_len, n_start, n_last, n_emitted, n_resume = zip(*pre)
+        stop_ids = np.full((r, m), -1, np.int32)
+        for i, req in enumerate(live):
+            if req.stop_ids:
+                stop_ids[i, : len(req.stop_ids)] = req.stop_ids
         block_tables = np.zeros((r, self.max_blocks), np.int32)
         block_tables[: len(live)] = self.pool.block_table([req.index for req in live])
-        return StepPlan(rows=rows, prefill_tokens=prefill_tokens, prefill_len=prefill_len,
-                        prefill_start=prefill_start, prefill_last=prefill_last, resume_token=resume_token,
-                        block_tables=block_tables, scheduled=scheduled, budget=np.asarray(budget, np.int32),
-                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, limit=limit,
-                        prefill_emitted=prefill_emitted, stop_ids=stop_ids, commit=np.asarray(True))
+        return StepPlan(rows=per_row((req.slot for req in live), -1, np.int32), prefill_tokens=prefill_tokens,
+                        prefill_len=np.asarray(n_len, np.int32), prefill_start=np.asarray(n_start, np.int32),
+                        prefill_last=np.asarray(n_last, bool), resume_token=np.asarray(n_resume, np.int32),
+                        block_tables=block_tables,
+                        scheduled=np.asarray([0] * n_pre + [s for _, s in decode] + [0] * pad, np.int32),
+                        budget=np.asarray(budget, np.int32),
+                        temperature=per_row((p.temperature for p in params), 0.0, np.float32),
+                        top_k=per_row((p.top_k for p in params), 0, np.int32),
+                        top_p=per_row((p.top_p for p in params), 1.0, np.float32),
+                        seed=per_row((p.seed for p in params), 0, np.int32),
+                        limit=per_row((req.limit for req in live), 0, np.int32),
+                        prefill_emitted=np.asarray(n_emitted, np.int32), stop_ids=stop_ids,
+                        commit=np.asarray(True))
 
     def _check_writes(self, prefill, decode) -> None:
         for req, n in prefill:
@@ -321,6 +333,8 @@ class Scheduler:
         for req in requests:
             self._release(req)
             req.status = RequestStatus.FINISHED
+            self._inflight[req.index].clear()
+            self._bounds[req.index] = [0, 0]
 
     # ------------------------------------------------------------------ results
     def commit(self, step: ScheduledStep, out: StepOutput) -> list[tuple[Request, list[int]]]:
@@ -329,35 +343,42 @@ class Scheduler:
         events = []
         k = self.k
         plan = step.plan
+        rows, pre_len, pre_last = plan.rows.tolist(), plan.prefill_len.tolist(), plan.prefill_last.tolist()
+        emitted, accepted = out.num_emitted.tolist(), out.num_accepted.tolist()
+        verified, finished = out.num_verified.tolist(), out.finished.tolist()
+        tokens = out.tokens.tolist()
+        conf_rows, conf_slots = [], []
         for i, req in enumerate(step.row_requests):
             if req is None:
                 continue
-            self._inflight[req.index].popleft()
+            self._pop(req)
             if req.status is RequestStatus.FINISHED:
                 continue  # it finished in an earlier step: the device ran this row as padding
-            holds_slot = req.slot == int(plan.rows[i]) and req.status is not RequestStatus.WAITING
-            n_emit = int(out.num_emitted[i])
-            new = [int(x) for x in out.tokens[i, :n_emit]]
-            if plan.prefill_len[i]:
-                if plan.prefill_last[i] and holds_slot:
+            holds_slot = req.slot == rows[i] and req.status is not RequestStatus.WAITING
+            n_emit = emitted[i]
+            new = tokens[i][:n_emit]
+            if pre_len[i]:
+                if pre_last[i] and holds_slot:
                     self.stale_conf[req.slot] = 1.0
-            else:
-                acc = int(out.num_accepted[i])
-                ver = int(out.num_verified[i])
-                if n_emit:
-                    req.target_steps += 1
-                    req.verified_drafts_per_step.append(ver)
-                    if k:
-                        req.accepted_per_position[: min(acc, n_emit)] += 1
-                        req.verified_per_position[:ver] += 1
+            elif n_emit:
+                acc, ver = accepted[i], verified[i]
+                req.target_steps += 1
+                req.verified_drafts_per_step.append(ver)
+                if k:
+                    a, v = req.accepted_per_position, req.verified_per_position
+                    for j in range(min(acc, n_emit)):
+                        a[j] += 1
+                    for j in range(ver):
+                        v[j] += 1
                 if holds_slot:
-                    req.num_cached += (1 + acc) if n_emit else 0
-                    if k and n_emit:
-                        self.stale_conf[req.slot] = out.confidences[i, :k]
-            req.output.extend(new)
+                    req.num_cached += 1 + acc
+                    if k:
+                        conf_rows.append(i)
+                        conf_slots.append(req.slot)
             if new:
+                req.output.extend(new)
                 events.append((req, new))
-            if bool(out.finished[i]):
+            if finished[i]:
                 last = req.output[-1] if req.output else None
                 req.finish_reason = "stop" if last in req.stop_ids else "length"
                 if req.status is RequestStatus.WAITING:
@@ -365,4 +386,6 @@ class Scheduler:
                 else:
                     self._release(req)
                 req.status = RequestStatus.FINISHED
+        if conf_rows:
+            self.stale_conf[conf_slots] = out.confidences[conf_rows, :k]
         return events
