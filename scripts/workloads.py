@@ -4,7 +4,8 @@ The embedded default was trained on the Python standard library minus a held-out
 file's path (``minimax_jax.training.corpus``: about 3% of the files). :func:`heldout_windows` tokenizes the
 held-out files of the interpreter running the benchmark and cuts non-overlapping windows from them, files
 interleaved, so every prompt is a distinct piece of real code (never a repeated snippet) and two calls with
-different ``offset`` get disjoint windows (warm-up on one set, time on another).
+different ``offset`` get different windows (warm-up on one set, time on another). Past the non-overlapping windows
+come the windows shifted by half their length.
 
 ``shared_prefix=P`` makes every prompt start with the same ``P`` tokens (a window of its own, as a system prompt
 would be), followed by ``length - P`` tokens of its own window: the prefix-caching workload.
@@ -36,11 +37,15 @@ def heldout_windows(tokenizer, n: int, length: int, *, offset: int = 0, shared_p
     body = length - shared_prefix - (1 if bos is not None else 0)
     if body < 1:
         raise ValueError(f"length {length} leaves no room after a shared prefix of {shared_prefix}")
-    # windows round-robin over the files: window j of file f is tokens [j * body, (j + 1) * body)
+    # windows round-robin over the files: window j of file f is tokens [j * body, (j + 1) * body); when those run
+    # out, the windows shifted by half a window (distinct starts, so no page of one equals a page of another)
     per_file = [len(t) // body for t in files]
     order = []
     for j in range(max(per_file, default=0)):
         order += [(f, j) for f, m in enumerate(per_file) if j < m]
+    shifted = [len(t) // body - (1 if len(t) % body < body // 2 else 0) for t in files]
+    for j in range(max(shifted, default=0)):
+        order += [(f, j + 0.5) for f, m in enumerate(shifted) if j < m]
     prefix: list[int] = []
     if shared_prefix:
         longest = int(np.argmax([len(t) for t in files]))
@@ -55,5 +60,6 @@ def heldout_windows(tokenizer, n: int, length: int, *, offset: int = 0, shared_p
     out = []
     for f, j in order[offset:need]:
         head = [bos] if bos is not None else []
-        out.append(head + prefix + files[f][j * body:(j + 1) * body])
+        start = int(j * body)
+        out.append(head + prefix + files[f][start:start + body])
     return out
