@@ -111,7 +111,8 @@ def run_throughput(args, target, drafter, tokenizer, out_rows: list, save) -> No
                        "host_ms_per_step": 1e3 * st["host_time_per_step_s"],
                        "mean_acceptance_length": st["mean_acceptance_length"],
                        "mean_verified_drafts_per_step": st["mean_verified_drafts_per_step"],
-                       "timed_compiles": len(compiled), "async": not args.sync}
+                       "timed_compiles": len(compiled), "async": not args.sync,
+                       **{key: v for key, v in st.items() if key.startswith("host_") and key.endswith("_per_step")}}
                 if loop != "host" and "host" in tokens:
                     row["match"] = float(np.mean([a == b for a, b in zip(tokens["host"], tokens[loop])]))
                 out_rows.append(row)

@@ -10,9 +10,11 @@ compiles the whole list before the first request (``docs/ENGINE.md``, "The close
   rides along), whose own size (rounded up to ``min_token_bucket``) is the last bucket;
 * **verify-logits rows**: a function of ``T`` (:func:`logit_rows`): never more than ``max_total_logit_rows``.
 
-Greedy and sampled rows, top-k / top-p, stop ids and the draft length are run-time values inside one program
-(``lax.cond`` / plan arrays), not part of the key, so no sampling setting or arrival order can reach a shape
-that was not compiled.
+* **sampling**: a greedy program (the argmax rule alone) and a sampling program (every row: greedy rows stay
+  greedy, top-k / top-p applied) for each token bucket. A step samples when any of its rows has a temperature.
+
+Per-row sampling settings, stop ids and lengths are plan arrays, so no setting or arrival order can reach a
+shape that was not compiled.
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ def next_pow2(n: int) -> int:
 
 @dataclasses.dataclass(frozen=True, order=True)
 class StepKey:
-    """The shape of one compiled step program (its cache key): packed tokens and verify-logits rows."""
+    """The shape of one compiled step program (its cache key): packed tokens, verify-logits rows, sampling."""
 
     tokens: int
     logit_rows: int
+    sampling: bool = False
 
 
 def token_buckets(*, max_num_seqs: int, num_speculative_tokens: int, max_num_batched_tokens: int,
@@ -64,9 +67,9 @@ def logit_rows(tokens: int, *, rows: int, num_speculative_tokens: int, max_total
 
 def step_keys(*, max_num_seqs: int, num_speculative_tokens: int, max_num_batched_tokens: int,
               min_token_bucket: int, max_total_logit_rows: int) -> tuple[StepKey, ...]:
-    """Every program of the host loop, ascending by tokens."""
+    """Every program of the host loop: greedy ones, then sampling ones, each ascending by tokens."""
     kw = dict(rows=max_num_seqs, num_speculative_tokens=num_speculative_tokens,
               max_total_logit_rows=max_total_logit_rows)
-    return tuple(StepKey(t, logit_rows(t, **kw)) for t in token_buckets(
-        max_num_seqs=max_num_seqs, num_speculative_tokens=num_speculative_tokens,
-        max_num_batched_tokens=max_num_batched_tokens, min_token_bucket=min_token_bucket))
+    buckets = token_buckets(max_num_seqs=max_num_seqs, num_speculative_tokens=num_speculative_tokens,
+                            max_num_batched_tokens=max_num_batched_tokens, min_token_bucket=min_token_bucket)
+    return tuple(StepKey(t, logit_rows(t, **kw), sampling) for sampling in (False, True) for t in buckets)

@@ -160,14 +160,15 @@ class Engine:
         self.step_keys = step_keys(max_num_seqs=max_num_seqs, num_speculative_tokens=k,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    min_token_bucket=min_token_bucket, max_total_logit_rows=self.max_total_logit_rows)
-        self.token_buckets = tuple(key.tokens for key in self.step_keys)
+        self.token_buckets = tuple(sorted({key.tokens for key in self.step_keys}))
         capture = tuple(self.drafter.cfg.target_layer_ids) if self.drafter is not None else ()
         self._step_config = StepConfig(num_speculative_tokens=k, mode=verification, confidence=self.confidence,
                                        implementation=self.implementation, interpret=interpret,
                                        capture_layers=capture)
         self.loop_config = self._loop_config(device_loop_token_buckets)
-        self._programs = StepPrograms(target, self.drafter, self._step_config, self.step_keys)
-        self._loop_program = None
+        self._programs = StepPrograms(target, self.drafter, self._step_config, self.step_keys,
+                                     num_stop_ids=self.num_stop_ids)
+        self._loop_programs: dict[bool, object] = {}  # sampling -> the compiled device loop
         self._target_params = nnx.state(target)
         self._drafter_params = nnx.state(self.drafter) if self.drafter is not None else None
         self._state: DecodeState | None = None
@@ -264,11 +265,16 @@ class Engine:
                 self._state = self._init_state()
             params = (self._target_params, self._drafter_params)
             lowered = self._programs.lower(*params, self._state, self._example_plan)
-            if self._loop_program is None:
-                fn = jax.jit(make_loop_fn(self.target, self.drafter, self.loop_config), donate_argnums=(2,))
-                lowered["loop"] = fn.lower(*params, self._state, self._example_loop_inputs())
+            for sampling in (False, True):
+                if sampling not in self._loop_programs:
+                    cfg = dataclasses.replace(self.loop_config,
+                                              step=dataclasses.replace(self._step_config, sampling=sampling))
+                    fn = jax.jit(make_loop_fn(self.target, self.drafter, cfg), donate_argnums=(2,))
+                    lowered[("loop", sampling)] = fn.lower(*params, self._state, self._example_loop_inputs())
             done = compile_in_pool(lowered, progress=show, desc="compiling")
-            self._loop_program = done.pop("loop", self._loop_program)
+            for sampling in (False, True):
+                if ("loop", sampling) in done:
+                    self._loop_programs[sampling] = done.pop(("loop", sampling))
             self._programs.install(done)
             if self.planner.profile_pending and self.k:
                 self._profile_costs(show)
@@ -297,7 +303,7 @@ class Engine:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(self.step_keys), unit="bucket", desc="profiling", file=sys.stderr, leave=False)
-        by_tokens = {key.tokens: key for key in self.step_keys}
+        by_tokens = {key.tokens: key for key in self.step_keys if not key.sampling}
 
         def time_bucket(t: int) -> None:
             key = by_tokens[t]
@@ -310,7 +316,7 @@ class Engine:
             plan = dataclasses.replace(plan, budget=np.asarray(min(t - n, n * k), np.int32),
                                        commit=np.asarray(False))
             self._state, out = self._programs.run(key, self._target_params, self._drafter_params, self._state,
-                                                  jax.device_put(plan))
+                                                  plan)
             jax.block_until_ready(out)
 
         self.planner.profile(self.token_buckets, time_bucket, progress=bar)
@@ -431,7 +437,7 @@ class Engine:
     def _launch(self, step: ScheduledStep):
         """Dispatch one step (its plan in one transfer); the output is copied back asynchronously."""
         self._state, out = self._programs.run(step.key, self._target_params, self._drafter_params, self._state,
-                                              jax.device_put(step.plan))
+                                              step.plan)
         for leaf in jax.tree.leaves(out):
             leaf.copy_to_host_async()
         return out
@@ -446,29 +452,32 @@ class Engine:
         steps = verify_steps = 0
         verified_per_step: list[int] = []
         budget_per_step: list[int] = []
-        host_s = 0.0
+        host = {"schedule": 0.0, "dispatch": 0.0, "commit": 0.0}  # seconds the host spent, by part
         t0 = time.perf_counter()
         with compile_counter() as compiled:
             try:
                 while sched.has_work or in_flight:
                     h0 = time.perf_counter()
                     step = sched.schedule() if sched.has_work else None
+                    h1 = time.perf_counter()
                     if step is not None:
                         in_flight.append((step, self._launch(step)))
                         steps += 1
                     elif not in_flight:
                         raise RuntimeError("the scheduler could not place any work (page pool too small?)")
-                    host_s += time.perf_counter() - h0
+                    h2 = time.perf_counter()
+                    host["schedule"] += h1 - h0
+                    host["dispatch"] += h2 - h1
                     while in_flight and (len(in_flight) > depth or step is None):
                         done, out = in_flight.popleft()
                         out = jax.device_get(out)  # waits for that step only
-                        h1 = time.perf_counter()
+                        h3 = time.perf_counter()
                         events = sched.commit(done, out)
                         if done.num_decode:
                             verify_steps += 1
                             verified_per_step.append(int(np.sum(out.num_verified)))
                             budget_per_step.append(done.budget)
-                        host_s += time.perf_counter() - h1
+                        host["commit"] += time.perf_counter() - h3
                         for req, new in events:
                             yield req.index, new
             except BaseException:
@@ -477,13 +486,14 @@ class Engine:
             finally:
                 wall = time.perf_counter() - t0
                 self.num_compiles += len(compiled)
+                per_step = {f"host_{part}_ms_per_step": 1e3 * v / max(steps, 1) for part, v in host.items()}
                 stats.update(run_stats(requests, k=self.k, mode=self.mode, loop="host", wall=wall, steps=steps,
                                        verify_steps=verify_steps, verified_per_step=verified_per_step,
-                                       budget_per_step=budget_per_step, host_s=host_s, compiles=len(compiled),
-                                       preemptions=sched.num_preemptions,
+                                       budget_per_step=budget_per_step, host_s=sum(host.values()),
+                                       compiles=len(compiled), preemptions=sched.num_preemptions,
                                        prefill_tokens=sched.prefill_tokens_computed,
                                        prefix_tokens_reused=sched.prefix_tokens_reused,
-                                       async_scheduling=self.async_scheduling))
+                                       async_scheduling=self.async_scheduling, **per_step))
 
     def _recover(self, sched: Scheduler) -> None:
         """An interrupted run (an exception, or a closed stream): free its pages and slots. If the device state
@@ -524,8 +534,9 @@ class Engine:
                     inputs = loop_inputs(live, config=self.loop_config, block_tables=tables, cost_table=cost,
                                          max_steps=self.loop_config.output_len)
                     d0 = time.perf_counter()
-                    self._state, out = self._loop_program(self._target_params, self._drafter_params, self._state,
-                                                          jax.device_put(inputs))
+                    program = self._loop_programs[any(r.params.temperature > 0 for r in live)]
+                    self._state, out = program(self._target_params, self._drafter_params, self._state,
+                                               jax.device_put(inputs))
                     out = jax.device_get(out)
                     device_s += time.perf_counter() - d0
                     fill_requests(live, out, self.k)

@@ -19,9 +19,10 @@ import sys
 import threading
 
 import jax
+import numpy as np
 
 from spec_decode.buckets import StepKey
-from spec_decode.step import StepConfig, make_step_fn
+from spec_decode.step import StepConfig, StepPlan, make_step_fn
 
 __all__ = ["CompileReport", "StepPrograms", "compile_counter", "compile_in_pool"]
 
@@ -103,15 +104,56 @@ def compile_in_pool(lowered: dict, *, progress: bool, desc: str) -> dict:
     return out
 
 
-class StepPrograms:
-    """One compiled step program per key of the closed set (``keys``), the state donated."""
+_INT_FIELDS = ("rows", "prefill_len", "prefill_start", "prefill_last", "resume_token", "scheduled", "top_k", "seed",
+               "limit", "prefill_emitted")
 
-    def __init__(self, target, drafter, base: StepConfig, keys: tuple[StepKey, ...]):
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedPlan:
+    """A host :class:`~spec_decode.step.StepPlan` in three arrays (three transfers instead of seventeen)."""
+
+    ints: jax.Array  # int32[R, 10 + M + B]  the per-row integer fields, the stop ids, the block table
+    floats: jax.Array  # f32[R, 2]            temperature, top_p
+    tokens: jax.Array  # int32[T + 2]         the prefill tokens, then the budget and the commit flag
+
+
+def pack_plan(plan: StepPlan) -> PackedPlan:
+    """Numpy side: the plan's arrays stacked by dtype."""
+    cols = [np.asarray(getattr(plan, f), np.int32)[:, None] for f in _INT_FIELDS]
+    ints = np.concatenate(cols + [np.asarray(plan.stop_ids, np.int32), np.asarray(plan.block_tables, np.int32)],
+                          axis=1)
+    floats = np.stack([np.asarray(plan.temperature, np.float32), np.asarray(plan.top_p, np.float32)], axis=1)
+    tokens = np.concatenate([np.asarray(plan.prefill_tokens, np.int32),
+                             np.asarray([plan.budget, plan.commit], np.int32)])
+    return PackedPlan(ints, floats, tokens)
+
+
+def unpack_plan(packed: PackedPlan, *, num_stop_ids: int) -> StepPlan:
+    """Device side (traced): the :class:`StepPlan` back, by slicing."""
+    n = len(_INT_FIELDS)
+    f = {name: packed.ints[:, i] for i, name in enumerate(_INT_FIELDS)}
+    f["prefill_last"] = f["prefill_last"] != 0
+    return StepPlan(**f, stop_ids=packed.ints[:, n:n + num_stop_ids], block_tables=packed.ints[:, n + num_stop_ids:],
+                    temperature=packed.floats[:, 0], top_p=packed.floats[:, 1], prefill_tokens=packed.tokens[:-2],
+                    budget=packed.tokens[-2], commit=packed.tokens[-1] != 0)
+
+
+class StepPrograms:
+    """One compiled step program per key of the closed set (``keys``), the state donated. A program takes the
+    plan packed (:class:`PackedPlan`): :meth:`run` packs and sends a host plan in three transfers."""
+
+    def __init__(self, target, drafter, base: StepConfig, keys: tuple[StepKey, ...], *, num_stop_ids: int):
         self.keys = tuple(keys)
         self._fns = {}
         for key in self.keys:
-            step = make_step_fn(target, drafter, dataclasses.replace(base, num_logit_rows=key.logit_rows))
-            self._fns[key] = jax.jit(step, donate_argnums=(2,))
+            step = make_step_fn(target, drafter, dataclasses.replace(base, num_logit_rows=key.logit_rows,
+                                                                       sampling=key.sampling))
+
+            def packed_step(target_params, drafter_params, state, packed, step=step):
+                return step(target_params, drafter_params, state, unpack_plan(packed, num_stop_ids=num_stop_ids))
+
+            self._fns[key] = jax.jit(packed_step, donate_argnums=(2,))
         self._compiled: dict[StepKey, object] = {}
 
     @property
@@ -119,19 +161,19 @@ class StepPrograms:
         return len(self._compiled) == len(self.keys)
 
     def lower(self, target_params, drafter_params, state, plan_for) -> dict:
-        """``{key: Lowered}`` of the programs not compiled yet; ``plan_for(key)`` gives an example plan."""
-        return {key: self._fns[key].lower(target_params, drafter_params, state, plan_for(key))
+        """``{key: Lowered}`` of the programs not compiled yet; ``plan_for(key)`` gives an example host plan."""
+        return {key: self._fns[key].lower(target_params, drafter_params, state, pack_plan(plan_for(key)))
                 for key in self.keys if key not in self._compiled}
 
     def install(self, compiled: dict) -> None:
         self._compiled.update(compiled)
 
-    def run(self, key: StepKey, target_params, drafter_params, state, plan):
-        """Run the program of ``key`` (dispatch only: returns device futures). A key outside the closed set is a
-        bug, never a compile."""
+    def run(self, key: StepKey, target_params, drafter_params, state, plan: StepPlan):
+        """Run the program of ``key`` on a host plan (dispatch only: returns device futures). A key outside the
+        closed set is a bug, never a compile."""
         fn = self._compiled.get(key)
         if fn is None:
             raise RuntimeError(f"no compiled program for {key}: not in the engine's closed set {self.keys} (or "
                                f"Engine.warmup() was not run)")
-        return fn(target_params, drafter_params, state, plan)
+        return fn(target_params, drafter_params, state, jax.device_put(pack_plan(plan)))
 

@@ -248,8 +248,9 @@ class Scheduler:
             budget = max(0, min(int(budget), int(scheduled.sum())))
         num_tokens = n_pre + len(decode) + budget
         t = token_bucket(self.token_buckets, num_tokens)
+        sampling = any(req.params.temperature > 0 for req, _ in prefill + decode)
         key = StepKey(t, logit_rows(t, rows=self.num_slots, num_speculative_tokens=k,
-                                    max_total_logit_rows=self.max_total_logit_rows))
+                                    max_total_logit_rows=self.max_total_logit_rows), sampling)
 
         # 4. the plan arrays: prefill rows first, then decode rows, then padding rows
         row_reqs: list[Request | None] = [r for r, _ in prefill] + [r for r, _ in decode]

@@ -62,14 +62,17 @@ class StepConfig:
 
     ``num_speculative_tokens`` (K) drafts per decode row, ``mode`` the verification mode, ``confidence`` where
     adaptive confidences come from (``"head"`` or ``"estimator"``), ``num_logit_rows`` the verify-logits rows
-    materialised (the memory bound), ``implementation`` the kernels. Sampling and top-k / top-p are not part of
-    the key: one program serves greedy, sampled and filtered rows, and skips the sampled and filtering paths at
-    run time (``lax.cond``) when no row of the step needs them.
+    materialised (the memory bound), ``implementation`` the kernels. ``sampling``: False compiles the greedy rule
+    alone (no draft distributions, no top-k / top-p: they never change an argmax); True serves every row, greedy
+    rows included (temperature <= 0 is greedy per row), with top-k / top-p applied to target and draft
+    distributions. A static switch, not a ``lax.cond``: on a GPU a conditional makes the host wait for its
+    predicate, which would stall the dispatch of the step and with it the async scheduling.
     """
 
     num_speculative_tokens: int
     mode: str
     confidence: str = "head"
+    sampling: bool = False
     num_logit_rows: int = 1
     implementation: str = "auto"
     interpret: bool | None = None
@@ -241,15 +244,8 @@ def make_step_fn(target, drafter, config: StepConfig):
         emitted = jnp.where(is_prefill, plan.prefill_emitted, state.num_emitted[slot])
         max_emit = jnp.where(active, plan.limit - emitted, 0)  # tokens the row may still emit
         anchor = jnp.where(is_decode, state.last_token[slot], 0)
-        # run-time switches (one program serves every mix of rows): the sampled and filtering paths run only
-        # when some row of this step needs them
-        any_sampled = jnp.any(active & (plan.temperature > 0.0))
-        any_filtered = jnp.any(active & ((plan.top_k > 0) | (plan.top_p < 1.0)))
+        sampled = config.sampling
         safe_temp = jnp.where(plan.temperature <= 0.0, 1.0, plan.temperature)
-
-        def maybe_filter(scaled_logits, top_k, top_p):  # top-k / top-p, on target and draft distributions alike
-            return jax.lax.cond(any_filtered, lambda x: filter_logits(x, top_k, top_p), lambda x: x,
-                                scaled_logits)
 
         # ---- 1. draft
         if k > 0:
@@ -264,30 +260,25 @@ def make_step_fn(target, drafter, config: StepConfig):
                                      interpret=config.interpret)
             estimator = config.confidence == "estimator"
 
-            def draft_block(sampled: bool):
-                def run(h):
-                    keys = jax.vmap(lambda s, p: sampling_key(s, p, STREAM_DRAFT))(plan.seed, num_cached)
-                    d = drafter.sample_block(h, anchor, plan.temperature, keys if sampled else None,
-                                             return_probs=sampled,
-                                             logit_filter=lambda x: maybe_filter(x, plan.top_k, plan.top_p),
-                                             feature_fn=_estimator_feature if estimator else None)
-                    probs = d.probs[:, :k] if sampled else jnp.zeros((r, k, vocab), jnp.float32)
-                    conf = jnp.zeros((r, k), jnp.float32) if estimator else d.confidences[:, :k]
-                    feats = d.features[:, :k] if estimator else jnp.zeros((r, k), jnp.float32)
-                    return d.tokens[:, :k], probs, conf, feats
-                return run
-
-            drafts, draft_probs, conf, features = jax.lax.cond(any_sampled, draft_block(True), draft_block(False),
-                                                               h)
+            keys = jax.vmap(lambda s, p: sampling_key(s, p, STREAM_DRAFT))(plan.seed, num_cached)
+            d = drafter.sample_block(
+                h, anchor, plan.temperature, keys if sampled else None, return_probs=sampled,
+                logit_filter=(lambda x: filter_logits(x, plan.top_k, plan.top_p)) if sampled else None,
+                feature_fn=_estimator_feature if estimator else None)
+            drafts = d.tokens[:, :k]
+            draft_probs = d.probs[:, :k] if sampled else None
+            features = d.features[:, :k] if estimator else None
             if estimator:
                 conf = predict(state.estimator, features)
+            else:
+                conf = d.confidences[:, :k]
             conf = jnp.where(is_decode[:, None], conf, 0.0)
             sched = jnp.where(is_decode, jnp.clip(jnp.minimum(plan.scheduled, max_emit - 1), 0, k), 0)
             alloc_conf = conf if config.mode == "adaptive" else jnp.ones_like(conf)
             caps = allocate_drafts(alloc_conf, sched, plan.budget)
         else:
             drafts = jnp.zeros((r, 0), jnp.int32)
-            draft_probs = jnp.zeros((r, 0, vocab), jnp.float32)  # no drafts: plain sampling of the bonus
+            draft_probs = jnp.zeros((r, 0, vocab), jnp.float32) if sampled else None  # no drafts: plain sampling
             features = None
             conf = jnp.zeros((r, 1), jnp.float32)
             caps = jnp.zeros((r,), jnp.int32)
@@ -316,20 +307,15 @@ def make_step_fn(target, drafter, config: StepConfig):
         src = jnp.where(is_decode[lr], qsl[lr] + li, qsl[lr + 1] - 1)
         src = jnp.clip(jnp.where(lrow >= 0, src, 0), 0, t - 1)
         logits = tgt.logits(hidden[src])  # [NL, V] float32
-        row_t = safe_temp[lr][:, None]
-        logits = maybe_filter(logits / row_t, plan.top_k[lr], plan.top_p[lr]) * row_t
+        if sampled:  # greedy programs skip the filter: it never changes an argmax
+            row_t = safe_temp[lr][:, None]
+            logits = filter_logits(logits / row_t, plan.top_k[lr], plan.top_p[lr]) * row_t
 
         # ---- 4. rejection sampling (prefill-final rows: zero drafts, the bonus is the first token)
         anchor_pos = jnp.where(is_decode, num_cached, num_cached + plan.prefill_len - 1)
 
-        def reject(sampled: bool):
-            def run(logits):
-                return rejection_sample_packed(logits, lqsl, drafts, draft_probs if sampled else None, plan.seed,
-                                               anchor_pos, temperature=plan.temperature if sampled else 0.0,
-                                               row_mask=n_logit > 0)
-            return run
-
-        rej = jax.lax.cond(any_sampled, reject(True), reject(False), logits)
+        rej = rejection_sample_packed(logits, lqsl, drafts, draft_probs, plan.seed, anchor_pos,
+                                      temperature=plan.temperature if sampled else 0.0, row_mask=n_logit > 0)
         num_acc = jnp.where(is_decode, rej.num_accepted, 0)
 
         # ---- 5. stop

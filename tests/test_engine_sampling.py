@@ -49,7 +49,7 @@ class CurrentConfidenceBudget(Engine):
             dry = dataclasses.replace(plan, commit=np.asarray(False))
             # same drafts: keys depend on (seed, position) only; commit=False leaves lengths and tokens as they are
             self._state, out = self._programs.run(step.key, self._target_params, self._drafter_params, self._state,
-                                                  jax.device_put(dry))
+                                                  dry)
             conf = np.asarray(out.confidences)[dec]
             budget = self.planner.budget(conf, plan.scheduled[dec], num_sampling_rows=len(dec),
                                          num_non_draft_tokens=len(dec))

@@ -53,7 +53,7 @@ def test_nothing_compiles_after_warm_up(target, drafter, mode, k, async_scheduli
     compilations, counted by JAX's own monitoring events."""
     eng = Engine(target, drafter if k else None, num_speculative_tokens=k, verification=mode,
                  async_scheduling=async_scheduling, precompile=True, **COMMON)
-    assert eng.warmup_report.programs == len(eng.step_keys) + 1  # every step program and the device loop
+    assert eng.warmup_report.programs == len(eng.step_keys) + 2  # every step program, the two device loops
     rng = np.random.default_rng(7)
     with compile_counter() as compiled:
         for call in range(3):
