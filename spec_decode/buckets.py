@@ -7,7 +7,9 @@ compiles the whole list before the first request (``docs/ENGINE.md``, "The close
   sized to the engine's slots, as the JAX serving engines size theirs; idle slots are zero-length padding rows.
 * **packed tokens** ``T``: powers of two from ``min_token_bucket`` up to the largest step the scheduler can build,
   ``max_num_seqs * (1 + K) + max_num_batched_tokens`` (every slot verifying ``K`` drafts while a prefill chunk
-  rides along), whose own size (rounded up to ``min_token_bucket``) is the last bucket;
+  rides along), whose own size, rounded up to a multiple of 512 (or to a power of two below that), is the last
+  bucket: the kernels tile packed tokens in blocks of up to 512, so a bucket is always a whole number of tiles
+  (a 576-token bucket read past its end on the H200);
 * **verify-logits rows**: a function of ``T`` (:func:`logit_rows`): never more than ``max_total_logit_rows``.
 
 * **sampling**: a greedy program (the argmax rule alone) and a sampling program (every row: greedy rows stay
@@ -43,7 +45,8 @@ def token_buckets(*, max_num_seqs: int, num_speculative_tokens: int, max_num_bat
     """Packed-token sizes of the closed set, ascending (see the module docstring)."""
     lo = next_pow2(max(min_token_bucket, 1))
     most = max_num_seqs * (1 + num_speculative_tokens) + max_num_batched_tokens
-    top = -(-most // lo) * lo
+    tile = max(lo, min(512, next_pow2(most)))
+    top = -(-most // tile) * tile
     out = []
     t = lo
     while t < top:
