@@ -238,12 +238,15 @@ class Engine:
     def _example_plan(self, key: StepKey) -> StepPlan:
         """A plan of ``key``'s shape with every slot a padding row (warm-up and profiling fill it in)."""
         r = self.max_num_seqs
-        z = np.zeros(r, np.int32)
+
+        def z():  # a fresh array per field: profiling writes into them
+            return np.zeros(r, np.int32)
+
         return StepPlan(rows=np.full(r, -1, np.int32), prefill_tokens=np.zeros(key.tokens, np.int32),
-                        prefill_len=z, prefill_start=z, prefill_last=np.zeros(r, bool),
+                        prefill_len=z(), prefill_start=z(), prefill_last=np.zeros(r, bool),
                         resume_token=np.full(r, -1, np.int32), block_tables=np.zeros((r, self.max_blocks), np.int32),
-                        scheduled=z, budget=np.asarray(0, np.int32), temperature=np.zeros(r, np.float32),
-                        top_k=z, top_p=np.ones(r, np.float32), seed=z, limit=z, prefill_emitted=z,
+                        scheduled=z(), budget=np.asarray(0, np.int32), temperature=np.zeros(r, np.float32),
+                        top_k=z(), top_p=np.ones(r, np.float32), seed=z(), limit=z(), prefill_emitted=z(),
                         stop_ids=np.full((r, self.num_stop_ids), -1, np.int32), commit=np.asarray(True))
 
     # ------------------------------------------------------------------ warm-up
