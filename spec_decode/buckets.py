@@ -8,8 +8,7 @@ compiles the whole list before the first request (``docs/ENGINE.md``, "The close
 * **packed tokens** ``T``: powers of two from ``min_token_bucket`` up to the largest step the scheduler can build,
   ``max_num_seqs * (1 + K) + max_num_batched_tokens`` (every slot verifying ``K`` drafts while a prefill chunk
   rides along), whose own size, rounded up to a multiple of 512 (or to a power of two below that), is the last
-  bucket: the kernels tile packed tokens in blocks of up to 512, so a bucket is always a whole number of tiles
-  (a 576-token bucket read past its end on the H200);
+  bucket, so every bucket is a whole number of the kernels' token tiles;
 * **verify-logits rows**: a function of ``T`` (:func:`logit_rows`): never more than ``max_total_logit_rows``.
 
 * **sampling**: a greedy program (the argmax rule alone) and a sampling program (every row: greedy rows stay
