@@ -172,8 +172,11 @@ def cmd_generate(args) -> int:
         if tokenizer is None:
             raise UsageError("no tokenizer for a text prompt: pass --tokenizer DIR, or token ids with --ids")
         prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    # one request: prefill chunks of up to 128 tokens and the host loop's programs only (unless --loop device)
+    # keep the closed program set small, so the warm-up on a CPU takes seconds
     engine = Engine(target, drafter, num_speculative_tokens=args.k, verification=args.verification,
-                    max_num_seqs=1, max_model_len=args.max_model_len, tokenizer=tokenizer)
+                    max_num_seqs=1, max_model_len=args.max_model_len, tokenizer=tokenizer,
+                    max_num_batched_tokens=128, device_loop=args.loop == "device")
     load_s = time.perf_counter() - t0
     # the prompt itself (ids in the vocabulary, its length against --max-model-len) before anything is printed
     build_requests([prompt], tokenizer=tokenizer, vocab_size=target.cfg.vocab_size,

@@ -90,6 +90,8 @@ class Engine:
       async_scheduling: plan and launch each step before the previous one is read back (default); ``False``
         reads every step back before planning the next.
       precompile: compile the whole closed set now (else the first ``generate`` / ``stream`` does).
+      device_loop: compile the device loop's programs at warm-up too (default); ``False`` leaves them out of the
+        warm-up (fewer programs when only the host loop is used: the first ``loop="device"`` call compiles them).
       compilation_cache: keep compiled programs on disk (:mod:`spec_decode.compilation_cache`).
     """
 
@@ -100,7 +102,7 @@ class Engine:
                  implementation: str = "auto", interpret: bool | None = None, cache_dtype=None,
                  min_token_bucket: int = 8, device_loop_token_buckets: int = 4, max_stop_token_ids: int = 16,
                  enable_prefix_caching: bool = True, async_scheduling: bool = True, precompile: bool = False,
-                 compilation_cache: bool = True):
+                 compilation_cache: bool = True, device_loop: bool = True):
         cfg = target.cfg
         if verification not in MODES:
             raise ValueError(f"verification must be one of {MODES}, got {verification!r}")
@@ -169,6 +171,7 @@ class Engine:
         self._programs = StepPrograms(target, self.drafter, self._step_config, self.step_keys,
                                      num_stop_ids=self.num_stop_ids)
         self._loop_programs: dict[bool, object] = {}  # sampling -> the compiled device loop
+        self._warm_device_loop = bool(device_loop)
         self._target_params = nnx.state(target)
         self._drafter_params = nnx.state(self.drafter) if self.drafter is not None else None
         self._state: DecodeState | None = None
@@ -258,8 +261,8 @@ class Engine:
         with self._exclusive():
             return self._warmup(progress)
 
-    def _warmup(self, progress: bool | None) -> CompileReport:
-        if self.warmup_report is not None:
+    def _warmup(self, progress: bool | None, *, device_loop: bool = False) -> CompileReport:
+        if self.warmup_report is not None and (not device_loop or self._loop_programs):
             return self.warmup_report
         show = sys.stderr.isatty() if progress is None else bool(progress)
         t0 = time.perf_counter()
@@ -268,7 +271,7 @@ class Engine:
                 self._state = self._init_state()
             params = (self._target_params, self._drafter_params)
             lowered = self._programs.lower(*params, self._state, self._example_plan)
-            for sampling in (False, True):
+            for sampling in (False, True) if (self._warm_device_loop or device_loop) else ():
                 if sampling not in self._loop_programs:
                     cfg = dataclasses.replace(self.loop_config,
                                               step=dataclasses.replace(self._step_config, sampling=sampling))
@@ -279,10 +282,14 @@ class Engine:
                 if ("loop", sampling) in done:
                     self._loop_programs[sampling] = done.pop(("loop", sampling))
             self._programs.install(done)
-            if self.planner.profile_pending and self.k:
+            if self.planner.profile_pending and self.k and self._programs.ready:
                 self._profile_costs(show)
         self.num_compiles += len(compiled)
         report = CompileReport(programs=len(lowered), compiled=len(compiled), seconds=time.perf_counter() - t0)
+        if self.warmup_report is not None:  # the device loop, compiled on its first use
+            report = CompileReport(self.warmup_report.programs + report.programs,
+                                   self.warmup_report.compiled + report.compiled,
+                                   self.warmup_report.seconds + report.seconds)
         self.warmup_report = report
         print(f"minimax-jax: warm-up: {report}", file=sys.stderr)
         return report
@@ -408,7 +415,7 @@ class Engine:
         requests = self._requests(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
                                   ignore_eos, sampling_params)
         with self._exclusive():
-            self._warmup(None)
+            self._warmup(None, device_loop=loop == "device")
             if loop == "device":
                 return self._device_loop(requests)
             show = len(requests) > self.max_num_seqs if progress is None else bool(progress)

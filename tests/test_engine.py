@@ -28,7 +28,9 @@ from tests.engine_models import (
 # more prompts than slots (max_num_seqs = 2).
 PROMPT_LENS = [20, 15, 30, 13, 26]
 MAX_NEW = [12, 9, 16, 5, 14]
-COMMON = dict(max_num_seqs=2, max_model_len=96, max_num_batched_tokens=16, implementation="reference")
+# min_token_bucket 32 and no device loop: a small closed set to compile (test_engine_serving covers the rest)
+COMMON = dict(max_num_seqs=2, max_model_len=96, max_num_batched_tokens=16, implementation="reference",
+              min_token_bucket=32, device_loop=False)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +97,7 @@ def test_adaptive_budget_trims_with_a_cost_table(target, drafters, prompts, refe
     """A steep verify cost makes the planner verify fewer drafts; outputs stay exact."""
     steep = CostTable.from_measurements({8: 1.0, 16: 3.0, 32: 6.0})
     eng = Engine(target, drafters[7], num_speculative_tokens=7, verification="adaptive", cost_table=steep,
-                 min_token_bucket=8, **COMMON)
+                 **{**COMMON, "min_token_bucket": 8})
     res = eng.generate(prompts, sampling_params=greedy_params(MAX_NEW), progress=False)
     assert [r.token_ids for r in res] == references
     full = engine_for(target, drafters[7], "fixed", 7).generate(prompts, sampling_params=greedy_params(MAX_NEW),

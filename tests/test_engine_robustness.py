@@ -34,7 +34,7 @@ def target():
 def engine(target):
     return Engine(target, bigram_drafter(target, block_size=7), num_speculative_tokens=3, verification="adaptive",
                   cost_table=None, max_num_seqs=2, max_model_len=96, max_num_batched_tokens=16,
-                  implementation="reference", tokenizer=CharTokenizer())
+                  implementation="reference", tokenizer=CharTokenizer(), min_token_bucket=32, device_loop=False)
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +188,7 @@ def test_existing_checks_stay(target, kwargs, match):
 def test_plain_sampling_without_speculation(target):
     """verification="none" with temperature > 0 failed after device work (no draft distribution was passed)."""
     eng = Engine(target, None, verification="none", max_num_seqs=2, max_model_len=96, max_num_batched_tokens=16,
-                 implementation="reference")
+                 implementation="reference", min_token_bucket=32, device_loop=False)
     a = tokens(eng, [PROMPT] * 3, max_new_tokens=NEW, temperature=0.8, seed=4, ignore_eos=True)
     b = tokens(eng, [PROMPT] * 3, max_new_tokens=NEW, temperature=0.8, seed=4, ignore_eos=True)
     assert a == b and all(len(t) == NEW for t in a)  # reproducible from the seed

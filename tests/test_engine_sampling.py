@@ -57,7 +57,7 @@ class CurrentConfidenceBudget(Engine):
             tokens = np.zeros(t, np.int32)
             tokens[: step.num_prefill_tokens] = plan.prefill_tokens[: step.num_prefill_tokens]
             plan = dataclasses.replace(plan, budget=np.asarray(budget, np.int32), prefill_tokens=tokens)
-            key = next(key for key in self.step_keys if key.tokens == t)
+            key = next(key for key in self.step_keys if key.tokens == t and key.sampling == step.key.sampling)
             step = dataclasses.replace(step, plan=plan, budget=budget, key=key)
         return super()._launch(step)
 
@@ -110,7 +110,8 @@ def chi2_pvalue(samples, probs):
 def test_adaptive_sampling_matches_target_only_sampling(pair, top_p):
     target, drafter = pair
     eng = Engine(target, drafter, num_speculative_tokens=2, verification="adaptive", cost_table=COSTS,
-                 max_num_seqs=1, max_model_len=32, implementation="reference")
+                 max_num_seqs=1, max_model_len=32, implementation="reference", device_loop=False,
+                 max_num_batched_tokens=16)
     toks, st = sample_tokens(eng, temperature=1.0, top_p=top_p)
     p2, p3 = exact_marginals(target, top_p=top_p)
     assert st["mean_verified_drafts_per_step"] > 0.5  # drafts were verified (and some rejected)
@@ -123,7 +124,7 @@ def test_budget_from_current_confidences_is_biased(pair):
     target, drafter = pair
     control = CurrentConfidenceBudget(target, drafter, num_speculative_tokens=2, verification="adaptive",
                                       cost_table=COSTS, max_num_seqs=1, max_model_len=32,
-                                      implementation="reference")
+                                      implementation="reference", device_loop=False, max_num_batched_tokens=16)
     toks, _ = sample_tokens(control, temperature=1.0)
     p2, _ = exact_marginals(target)
     # the control verifies draft 1 only when it is even: even second tokens are over-represented
