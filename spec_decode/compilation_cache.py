@@ -1,11 +1,13 @@
-"""JAX's persistent compilation cache, on by default for the engine.
+"""The engine's caches on disk: JAX's persistent compilation cache and the profiled cost tables, on by default.
 
 ``Engine(...)`` calls :func:`enable`: compiled programs (the closed step set, the device loop, their Triton
 kernels) are written to ``$MINIMAX_JAX_CACHE_DIR`` or ``$XDG_CACHE_HOME/minimax-jax/jax`` (default
 ``~/.cache/minimax-jax/jax``), so a second process with the same model and settings loads them instead of
 compiling. Small programs are kept too (JAX's default keeps only programs that took a second or more to
-compile). Opting out: ``MINIMAX_JAX_COMPILATION_CACHE=0`` in the environment, or ``Engine(...,
-compilation_cache=False)``. A ``jax_compilation_cache_dir`` the user set is left as it is.
+compile). The cost tables the engine profiles at warm-up are kept beside them (``.../minimax-jax/cost_tables``), one
+JSON file per (device, model, drafter, dtype, engine settings, jax version): a second engine with the same key loads
+its table instead of profiling. Opting out of both: ``MINIMAX_JAX_COMPILATION_CACHE=0`` in the environment, or
+``Engine(..., compilation_cache=False)``. A ``jax_compilation_cache_dir`` the user set is left as it is.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 
 import jax
 
-__all__ = ["cache_dir", "enable"]
+__all__ = ["cache_dir", "cost_table_path", "enable", "enabled"]
 
 
 def cache_dir() -> str:
@@ -25,9 +27,21 @@ def cache_dir() -> str:
     return os.path.join(base, "minimax-jax", "jax")
 
 
+def enabled() -> bool:
+    """False when the environment opts out (``MINIMAX_JAX_COMPILATION_CACHE=0``)."""
+    return os.environ.get("MINIMAX_JAX_COMPILATION_CACHE", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def cost_table_path(key: str) -> str:
+    """The file of the cost table profiled under ``key`` (a digest of what the timings depend on)."""
+    base = os.path.join(os.path.dirname(cache_dir()), "cost_tables")
+    os.makedirs(base, exist_ok=True)
+    return os.path.join(base, f"{key}.json")
+
+
 def enable(path: str | None = None) -> str | None:
     """Turn the persistent cache on (unless opted out or already configured); returns its directory or None."""
-    if os.environ.get("MINIMAX_JAX_COMPILATION_CACHE", "1").strip().lower() in ("0", "false", "off", "no"):
+    if not enabled():
         return None
     current = jax.config.jax_compilation_cache_dir
     if current:

@@ -29,6 +29,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import hashlib
+import os
 import sys
 import threading
 import time
@@ -45,7 +47,7 @@ from minimax_jax.decode import choose_implementation
 from minimax_jax.draft_cache import draft_cache_bytes_per_page
 from spec_decode import compilation_cache as persistent_cache
 from spec_decode.buckets import StepKey, logit_rows, step_keys
-from spec_decode.cost_table import CostTable
+from spec_decode.cost_table import CostTable, load_cost_table, save_cost_table
 from spec_decode.device_loop import LoopConfig, fill_requests, loop_inputs, make_loop_fn
 from spec_decode.page_pool import PagePool
 from spec_decode.planner import Planner
@@ -92,7 +94,8 @@ class Engine:
       precompile: compile the whole closed set now (else the first ``generate`` / ``stream`` does).
       device_loop: compile the device loop's programs at warm-up too (default); ``False`` leaves them out of the
         warm-up (fewer programs when only the host loop is used: the first ``loop="device"`` call compiles them).
-      compilation_cache: keep compiled programs on disk (:mod:`spec_decode.compilation_cache`).
+      compilation_cache: keep compiled programs and profiled cost tables on disk
+        (:mod:`spec_decode.compilation_cache`).
     """
 
     def __init__(self, target, drafter=None, *, num_speculative_tokens: int = 7, verification: str = "adaptive",
@@ -181,6 +184,7 @@ class Engine:
         self.warmup_report: CompileReport | None = None
         self.num_compiles = 0  # programs this engine compiled (XLA compilations, counted by JAX's monitoring)
         self.compilation_cache_dir = persistent_cache.enable() if compilation_cache else None
+        self._cache_costs = bool(compilation_cache) and persistent_cache.enabled()
         if precompile:
             self.warmup()
 
@@ -283,7 +287,7 @@ class Engine:
                     self._loop_programs[sampling] = done.pop(("loop", sampling))
             self._programs.install(done)
             if self.planner.profile_pending and self.k and self._programs.ready:
-                self._profile_costs(show)
+                self._load_or_profile_costs(show)
         self.num_compiles += len(compiled)
         report = CompileReport(programs=len(lowered), compiled=len(compiled), seconds=time.perf_counter() - t0)
         if self.warmup_report is not None:  # the device loop, compiled on its first use
@@ -299,6 +303,33 @@ class Engine:
 
         return loop_inputs([], config=self.loop_config, block_tables=np.zeros((0, self.max_blocks), np.int32),
                            cost_table=CostTableArrays.from_table(None), max_steps=0)
+
+    def _cost_table_key(self) -> str:
+        """What the profiled timings depend on: device, model and drafter shapes, dtypes, the engine's programs."""
+        dev = jax.devices()[0]
+        parts = [dev.platform, getattr(dev, "device_kind", ""), jax.__version__, repr(self.target.cfg),
+                 repr(self.drafter.cfg) if self.drafter is not None else "", str(self.target.dtype),
+                 str(jnp.dtype(self.cache_dtype)), repr(self._step_config), repr(self.step_keys), self.max_model_len,
+                 self.num_pages]
+        return hashlib.sha256("\n".join(map(str, parts)).encode()).hexdigest()[:32]
+
+    def _load_or_profile_costs(self, show: bool) -> None:
+        """The cost table from the engine's cache when one was profiled under the same key, else profiled now
+        (with a progress bar and the time on stderr) and saved there."""
+        path = persistent_cache.cost_table_path(self._cost_table_key()) if self._cache_costs else None
+        if path is not None and os.path.exists(path):
+            try:
+                self.planner.table = load_cost_table(path)
+                self.planner.profile_pending = False
+                return
+            except (ValueError, KeyError, OSError) as e:  # a stale or damaged file: profile again
+                warnings.warn(f"ignoring the cached cost table {path}: {e}", stacklevel=3)
+        t0 = time.perf_counter()
+        self._profile_costs(show)
+        print(f"minimax-jax: profiled the cost table of {len(self.token_buckets)} step programs in "
+              f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        if path is not None and self.planner.table is not None:
+            save_cost_table(self.planner.table, path)
 
     def _profile_costs(self, show: bool) -> None:
         """Time every step program on every slot decoding (``commit=False``: lengths and tokens stay), at a context

@@ -152,3 +152,24 @@ def test_a_second_process_loads_every_program_from_the_compilation_cache(tmp_pat
     (programs, first), (_, second) = counts
     assert first >= programs > 0 and second == 0, counts
     assert any(tmp_path.iterdir())
+
+
+def test_a_profiled_cost_table_is_kept_and_loaded_by_the_next_engine(target, drafter, tmp_path, monkeypatch):
+    """The warm-up profile is saved under a key of what the timings depend on; an engine with the same key loads it
+    instead of profiling, one with other settings profiles its own."""
+    from spec_decode import compilation_cache
+
+    monkeypatch.setenv("MINIMAX_JAX_COMPILATION_CACHE", "1")
+    monkeypatch.setenv("MINIMAX_JAX_CACHE_DIR", str(tmp_path / "jax"))
+    monkeypatch.setattr(compilation_cache, "enable", lambda path=None: None)  # keep JAX's own cache off here
+    kw = dict(num_speculative_tokens=3, verification="adaptive", precompile=True, device_loop=False,
+              **{**COMMON, "min_token_bucket": 16})
+    first = Engine(target, drafter, **kw)
+    files = list((tmp_path / "cost_tables").iterdir())
+    assert len(files) == 1 and first.cost_table is not None
+    calls = []
+    monkeypatch.setattr(Engine, "_profile_costs", lambda self, show: calls.append(self))
+    second = Engine(target, drafter, **kw)
+    assert calls == [] and second.cost_table.verify_seconds == first.cost_table.verify_seconds
+    other = Engine(target, drafter, **{**kw, "max_num_seqs": 2})
+    assert calls == [other]  # another key: profiled (here: the patched profiler)
