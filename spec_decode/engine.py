@@ -47,7 +47,7 @@ from minimax_jax.decode import choose_implementation
 from minimax_jax.draft_cache import draft_cache_bytes_per_page
 from spec_decode import compilation_cache as persistent_cache
 from spec_decode.buckets import StepKey, logit_rows, step_keys
-from spec_decode.cost_table import CostTable, load_cost_table, save_cost_table
+from spec_decode.cost_table import CostTable, CostTableArrays, load_cost_table, save_cost_table
 from spec_decode.device_loop import LoopConfig, fill_requests, loop_inputs, make_loop_fn
 from spec_decode.page_pool import PagePool
 from spec_decode.planner import Planner
@@ -299,8 +299,6 @@ class Engine:
         return report
 
     def _example_loop_inputs(self):
-        from spec_decode.cost_table import CostTableArrays
-
         return loop_inputs([], config=self.loop_config, block_tables=np.zeros((0, self.max_blocks), np.int32),
                            cost_table=CostTableArrays.from_table(None), max_steps=0)
 
