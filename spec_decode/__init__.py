@@ -9,11 +9,18 @@ Pure pieces, each in its own module:
 * :mod:`spec_decode.estimator`: online acceptance estimator for drafters without a confidence head.
 * :mod:`spec_decode.rejection`: lossless greedy/stochastic rejection sampling over a ragged verify batch.
 * :mod:`spec_decode.sampling_params`: per-request sampling settings, the top-k / top-p filter.
-* :mod:`spec_decode.step`: one speculative step as a pure function over an explicit state (jitted per bucket).
-* :mod:`spec_decode.scheduler`: the host side: admission, chunked prefill, pages, buckets, preemption.
-* :mod:`spec_decode.engine`: ``Engine.generate`` / ``Engine.stream``, continuous batching.
-* :mod:`spec_decode.device_loop`: jitted offline batch decoding (``generate(loop="device")``,
-  ``generate_offline``): the whole loop of a fixed batch in one compiled program.
+* :mod:`spec_decode.step`: one speculative step as a pure function over an explicit state.
+
+The engine, one concern per module (``docs/ENGINE.md`` draws the host loop):
+
+* :mod:`spec_decode.buckets` / :mod:`spec_decode.programs`: the closed set of step programs, compiled at warm-up.
+* :mod:`spec_decode.request`: requests validated once (``build_requests``); :mod:`spec_decode.results`: results.
+* :mod:`spec_decode.page_pool`: pages, reference counts, automatic prefix caching.
+* :mod:`spec_decode.planner`: the budget rule and its cost table; :mod:`spec_decode.scheduler`: the host side
+  (admission, prefill, pages, preemption, async upper bounds).
+* :mod:`spec_decode.engine`: ``Engine.warmup`` / ``generate`` / ``stream``, continuous batching, ``generate_offline``.
+* :mod:`spec_decode.device_loop`: jitted offline batch decoding (``generate(loop="device")``).
+* :mod:`spec_decode.compilation_cache`: the persistent compilation cache; :mod:`spec_decode.cli`: the command line.
 """
 
 from spec_decode.allocator import allocate_drafts, survival

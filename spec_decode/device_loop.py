@@ -89,6 +89,7 @@ class LoopOutputs:
     target_steps: jax.Array  # int32[R]        verify steps of the row
     accepted_per_position: jax.Array  # int32[R, K]
     verified_per_position: jax.Array  # int32[R, K]
+    predicted_per_position: jax.Array  # f32[R, K]   sums of the predicted survival at verified positions
     verified_per_step: jax.Array  # int32[R, S]     the row's verified drafts at each decode step (-1: not in it)
     budget_per_step: jax.Array  # int32[S]
     finished: jax.Array  # bool[R]
@@ -104,6 +105,7 @@ class _Carry:
     target_steps: jax.Array
     accepted: jax.Array
     verified: jax.Array
+    predicted: jax.Array
     verified_per_step: jax.Array
     budget_per_step: jax.Array
     step: jax.Array
@@ -127,7 +129,7 @@ def make_loop_fn(target, drafter, config: LoopConfig):
         zeros_r = jnp.zeros((r,), jnp.int32)
         carry = _Carry(state=state, tokens=jnp.full((r, w), -1, jnp.int32), emitted=zeros_r, target_steps=zeros_r,
                        accepted=jnp.zeros((r, kk), jnp.int32), verified=jnp.zeros((r, kk), jnp.int32),
-                       verified_per_step=jnp.full((r, w), -1, jnp.int32),
+                       predicted=jnp.zeros((r, kk), jnp.float32), verified_per_step=jnp.full((r, w), -1, jnp.int32),
                        budget_per_step=jnp.zeros((w,), jnp.int32), step=jnp.zeros((), jnp.int32))
         max_steps = jnp.clip(inputs.max_steps, 0, w)
         bucket_sizes = jnp.asarray(buckets, jnp.int32)
@@ -175,12 +177,15 @@ def make_loop_fn(target, drafter, config: LoopConfig):
             tokens = c.tokens.at[jnp.arange(r)[:, None], dest].set(out.tokens, mode="drop")
             j = jnp.arange(kk, dtype=jnp.int32)[None, :]
             acc = jnp.minimum(out.num_accepted, out.num_emitted)[:, None]
+            in_verified = (j < out.num_verified[:, None]) & live[:, None]
+            survival = jnp.cumprod(jnp.clip(out.confidences, 0.0, 1.0), axis=1)[:, :kk]
             s = c.step
             return _Carry(
                 state=st, tokens=tokens, emitted=c.emitted + count,
                 target_steps=c.target_steps + live,
                 accepted=c.accepted + ((j < acc) & live[:, None]),
-                verified=c.verified + ((j < out.num_verified[:, None]) & live[:, None]),
+                verified=c.verified + in_verified,
+                predicted=c.predicted + jnp.where(in_verified, survival, 0.0) if k else c.predicted,
                 verified_per_step=c.verified_per_step.at[:, s].set(jnp.where(live, out.num_verified, -1)),
                 budget_per_step=c.budget_per_step.at[s].set(budget),
                 step=s + 1,
@@ -191,6 +196,7 @@ def make_loop_fn(target, drafter, config: LoopConfig):
         return carry.state, LoopOutputs(tokens=carry.tokens, num_tokens=carry.emitted,
                                         target_steps=carry.target_steps, accepted_per_position=carry.accepted[:, :k],
                                         verified_per_position=carry.verified[:, :k],
+                                        predicted_per_position=carry.predicted[:, :k],
                                         verified_per_step=carry.verified_per_step,
                                         budget_per_step=carry.budget_per_step, finished=finished, steps=carry.step)
 
@@ -231,5 +237,6 @@ def fill_requests(requests, out: LoopOutputs, k: int) -> None:
         for j in range(k):
             req.accepted_per_position[j] += int(out.accepted_per_position[s, j])
             req.verified_per_position[j] += int(out.verified_per_position[s, j])
+            req.predicted_per_position[j] += float(out.predicted_per_position[s, j])
         per_step = out.verified_per_step[s]
         req.verified_drafts_per_step.extend(int(x) for x in per_step[per_step >= 0])

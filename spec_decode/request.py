@@ -50,6 +50,7 @@ class Request:
     target_steps: int = 0
     accepted_per_position: np.ndarray | None = None
     verified_per_position: np.ndarray | None = None
+    predicted_per_position: list[float] | None = None  # sums of the predicted survival at each verified position
     verified_drafts_per_step: list[int] = dataclasses.field(default_factory=list)
     preemptions: int = 0
 

@@ -66,18 +66,28 @@ def run_stats(requests: Sequence[Request], *, k: int, mode: str, loop: str, wall
               compiles: int, preemptions: int, prefill_tokens: int, prefix_tokens_reused: int, **extra) -> dict:
     """The run statistics (``results.stats``), the same keys for the host and the device loop.
 
-    ``prefill_tokens`` were computed, ``prefix_tokens_reused`` came from the prefix cache instead."""
+    ``prefill_tokens`` were computed, ``prefix_tokens_reused`` came from the prefix cache instead.
+    ``per_position_acceptance[j]``: of the requests' verify steps that verified draft ``j + 1``, the fraction that
+    accepted drafts ``1..j+1``; ``predicted_per_position_acceptance[j]``: the mean survival (product of the step's
+    confidences up to ``j + 1``) the allocator ranked those drafts by; ``calibration_error``: the gap between the
+    two, averaged over positions weighted by their verified counts."""
     out_tokens = sum(len(r.output) for r in requests)
     decode_emitted = sum(max(len(r.output) - 1, 0) for r in requests if r.target_steps)
     row_steps = sum(r.target_steps for r in requests)
     acc = np.sum([r.accepted_per_position for r in requests], axis=0) if k else np.zeros(0)
     ver = np.sum([r.verified_per_position for r in requests], axis=0) if k else np.zeros(0)
+    pred = np.sum([r.predicted_per_position for r in requests], axis=0) if k else np.zeros(0)
+    seen = ver > 0
+    gap = np.abs(pred[seen] / ver[seen] - acc[seen] / ver[seen]) if k else np.zeros(0)
+    calibration_error = float(np.sum(gap * ver[seen]) / np.sum(ver[seen])) if k and seen.any() else math.nan
     looked_up = prefill_tokens + prefix_tokens_reused
     return dict(
         wall_time_s=wall, output_tokens=out_tokens, output_tokens_per_s=out_tokens / wall if wall else 0.0,
         steps=steps, verify_steps=verify_steps,
         mean_acceptance_length=decode_emitted / row_steps if row_steps else 0.0,
         per_position_acceptance=[float(a / v) if v else math.nan for a, v in zip(acc[:k], ver[:k])],
+        predicted_per_position_acceptance=[float(p / v) if v else math.nan for p, v in zip(pred[:k], ver[:k])],
+        calibration_error=calibration_error,
         verified_drafts_per_step=[int(x) for x in verified_per_step],
         budget_per_step=[int(x) for x in budget_per_step],
         mean_verified_drafts_per_step=float(np.mean(verified_per_step)) if len(verified_per_step) else 0.0,

@@ -108,6 +108,7 @@ class Scheduler:
         request.limit = min(request.params.max_new_tokens, self.max_model_len - len(request.prompt))
         request.accepted_per_position = [0] * k
         request.verified_per_position = [0] * k
+        request.predicted_per_position = [0.0] * k
         self._inflight[request.index] = collections.deque()
         self._bounds[request.index] = [0, 0]  # sums over its steps in flight: cached_max, emit_min
         self.waiting.append(request)
@@ -349,6 +350,7 @@ class Scheduler:
         verified, finished = out.num_verified.tolist(), out.finished.tolist()
         tokens = out.tokens.tolist()
         conf_rows, conf_slots = [], []
+        predicted: list[tuple[Request, int, int]] = []  # (request, row, verified drafts)
         for i, req in enumerate(step.row_requests):
             if req is None:
                 continue
@@ -371,6 +373,8 @@ class Scheduler:
                         a[j] += 1
                     for j in range(ver):
                         v[j] += 1
+                    if ver:
+                        predicted.append((req, i, ver))
                 if holds_slot:
                     req.num_cached += 1 + acc
                     if k:
@@ -389,4 +393,11 @@ class Scheduler:
                 req.status = RequestStatus.FINISHED
         if conf_rows:
             self.stale_conf[conf_slots] = out.confidences[conf_rows, :k]
+        if predicted:  # the survival the allocator ranked by: its prediction that the first j+1 are accepted
+            survival = np.cumprod(np.clip(out.confidences[[i for _, i, _ in predicted], :k], 0.0, 1.0),
+                                  axis=1).tolist()
+            for (req, _, ver), surv in zip(predicted, survival):
+                p = req.predicted_per_position
+                for j in range(ver):
+                    p[j] += surv[j]
         return events

@@ -62,6 +62,9 @@ def test_adaptive_device_loop_is_the_engine_step_for_step(target, drafter, promp
     st, hst = dev.stats, host.stats
     assert st["loop"] == "device" and st["compiles"] == 0 and eng.warmup_report.programs >= 2
     assert st["budget_per_step"] == hst["budget_per_step"]
+    assert st["predicted_per_position_acceptance"] == pytest.approx(hst["predicted_per_position_acceptance"],
+                                                                     rel=1e-4, nan_ok=True)
+    assert st["calibration_error"] == pytest.approx(hst["calibration_error"], rel=1e-4)
     assert st["verified_drafts_per_step"] == hst["verified_drafts_per_step"]
     assert st["budget_per_step"][0] < sum(min(7, m - 1) for m in MAX_NEW) == 32  # the planner trimmed
     assert all(v <= b for v, b in zip(st["verified_drafts_per_step"], st["budget_per_step"]))

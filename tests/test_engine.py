@@ -91,6 +91,10 @@ def test_greedy_equals_target_only_decoding(target, drafters, prompts, reference
         assert len(st["verified_drafts_per_step"]) == len(st["budget_per_step"]) == st["verify_steps"]
         assert all(v <= b for v, b in zip(st["verified_drafts_per_step"], st["budget_per_step"]))
         assert all(v <= k * COMMON["max_num_seqs"] for v in st["verified_drafts_per_step"])
+        # predicted against observed acceptance per position (the confidences the allocator ranked by)
+        pred, obs = st["predicted_per_position_acceptance"], st["per_position_acceptance"]
+        assert len(pred) == len(obs) == k
+        assert all(0.0 <= p <= 1.0 for p in pred if p == p) and 0.0 <= st["calibration_error"] <= 1.0
 
 
 def test_adaptive_budget_trims_with_a_cost_table(target, drafters, prompts, references):
