@@ -1,4 +1,4 @@
-"""Paged KV caches for MiniMax-M3 decode (SPEC section 4): the device buffers, their shapes and slot writes.
+"""Paged KV caches for MiniMax-M3 decode (docs/ARCHITECTURE.md): device buffers, their shapes and slot writes.
 
 Device side (:class:`PagedCache`, a pytree of fixed-size buffers):
 
@@ -48,7 +48,7 @@ DEFAULT_PAGE_SIZE = 16  # models without MSA layers (and without an index_block_
 
 
 def page_size_for(cfg: MiniMaxM3Config) -> int:
-    """The KV page size: the MSA block size (one page = one MSA block; SPEC section 4), or
+    """The KV page size: the MSA block size (one page = one MSA block; docs/ARCHITECTURE.md), or
     :data:`DEFAULT_PAGE_SIZE` for a model without sparse layers and without an ``index_block_size``."""
     return cfg.index_block_size or DEFAULT_PAGE_SIZE
 

@@ -1,4 +1,4 @@
-"""Sequential temperature scaling (STS) of the DSpark confidence head (SPEC section 6).
+"""Sequential temperature scaling (STS) of the DSpark confidence head (docs/DRAFTER.md).
 
 The confidence head predicts ``c_k``: the probability that draft ``k`` is accepted given that drafts ``< k`` were.
 Adaptive verification ranks drafts by the survival ``prod_{i <= k} c_i``, so what has to be calibrated is the
@@ -131,7 +131,7 @@ def _check_records(confidence_logits, num_accepted, num_verified):
 
 def fit_sts(confidence_logits, num_accepted, num_verified=None, *, grid=None,
             num_bins: int = DEFAULT_NUM_BINS) -> STSFit:
-    """Fit per-position temperatures by sequential grid search (positions in order, SPEC section 6).
+    """Fit per-position temperatures by sequential grid search (positions in order, docs/DRAFTER.md).
 
     Args:
       confidence_logits: ``f32[N, K]`` raw confidence logits from rollouts.

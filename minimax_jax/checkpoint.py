@@ -1,6 +1,6 @@
 """Checkpoints of the target: the MiniMax-M3 safetensors name-mapping table, and orbax save/restore of NNX state.
 
-``load_model`` accepts both naming schemes of MiniMax-M3 (SPEC section 9):
+``load_model`` accepts both naming schemes of MiniMax-M3 (docs/ARCHITECTURE.md):
 
 * the MiniMax original names (``block_sparse_moe.experts.E.w1|w3|w2``, ``self_attn.index_q_proj`` ...), also
   under the ``language_model.`` prefix of the vision-language release;

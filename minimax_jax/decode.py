@@ -1,6 +1,6 @@
 """The incremental (paged, ragged) forward of MiniMax-M3: prefill chunks and verify steps of 1..1+K tokens.
 
-One call processes a packed batch of tokens from many requests (SPEC section 5):
+One call processes a packed batch of tokens from many requests (docs/ARCHITECTURE.md):
 
 * ``input_ids: int32[T]`` packed tokens; slots at or beyond ``query_start_loc[R]`` are padding;
 * ``query_start_loc: int32[R + 1]``, ``seq_lens: int32[R]`` (lengths including this step's tokens; 0 for a

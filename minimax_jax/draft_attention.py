@@ -1,4 +1,4 @@
-"""Draft-block attention of the DSpark drafter (SPEC section 6): each block slot attends to the visible context
+"""Draft-block attention of DSpark (docs/DRAFTER.md): each block slot attends to the visible context
 keys and to every key of its own block (bidirectional inside the block), under one softmax.
 
 :func:`draft_attention` is the plain-jnp implementation (two score blocks, no K/V concatenation);

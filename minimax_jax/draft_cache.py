@@ -1,4 +1,4 @@
-"""The DSpark drafter's context cache (SPEC section 6), paged like the target's cache (:mod:`minimax_jax.cache`).
+"""The DSpark drafter's context cache (docs/DRAFTER.md), paged like the target's (:mod:`minimax_jax.cache`).
 
 Per draft layer the keys/values projected from the target features of every context position, in the target's
 paged layout: ``k, v [L, H_kv, P, page, D]`` (layer ``l`` is ``[H_kv, P, page, D]``, a

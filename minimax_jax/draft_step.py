@@ -1,4 +1,4 @@
-"""The drafter's engine entry points (SPEC sections 5 and 6): :func:`draft_step`, :func:`append_context_step`
+"""The drafter's engine entry points (docs/DRAFTER.md): :func:`draft_step`, :func:`append_context_step`
 and :func:`append_context_packed_step`, jitted with ``graphdef`` static and the drafter's state passed as an
 argument (split once, Flax Gemma-sampler style), and their argument checks.
 
@@ -272,7 +272,7 @@ def append_context_step(graphdef, state, cache: DraftCache, features, start, num
 
 def append_context_packed_step(graphdef, state, cache: DraftCache, features, query_start_loc, start,
                                num_new, *, validate: bool = True) -> DraftCache:
-    """Like :func:`append_context_step` for the packed verify layout (SPEC section 5).
+    """Like :func:`append_context_step` for the packed verify layout (docs/ARCHITECTURE.md).
 
     ``features [T, m*d]`` packed over requests by ``query_start_loc int32[R + 1]``; packed token ``t`` of row
     ``r`` (``i = t - qsl[r]``) is written at position ``start[r] + i`` when ``i < num_new[r]``. For a verify

@@ -1,4 +1,4 @@
-"""The DSpark drafter in Flax NNX: DFlash backbone, Markov head, confidence head (SPEC section 6).
+"""The DSpark drafter in Flax NNX: DFlash backbone, Markov head, confidence head (docs/DRAFTER.md).
 
 Data flow of one speculative step, for ``R`` request rows (padding rows included) and block size ``K``:
 
@@ -115,7 +115,7 @@ class DraftLayer(nnx.Module):
 
 
 class MarkovHead(nnx.Module):
-    """Rank-``r`` Markov correction of the draft logits (SPEC section 6).
+    """Rank-``r`` Markov correction of the draft logits (docs/DRAFTER.md).
 
     ``e_k = W1[x_{k-1}]``. vanilla: ``B_k = W2 e_k``; gated: ``B_k = W2 (sigmoid(Wg [h_k; e_k] + bg) * e_k)``;
     rnn: ``z = [s_{k-1}; e_k; h_k]``, ``gate, cand, out = split3(Wj z + bj)``,

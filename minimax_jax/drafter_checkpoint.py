@@ -1,4 +1,4 @@
-"""DeepSpec-format DSpark drafter checkpoints: :func:`load_drafter` and :func:`save_drafter` (SPEC section 9).
+"""DeepSpec-format DSpark drafter checkpoints: :func:`load_drafter`, :func:`save_drafter` (docs/DRAFTER.md).
 
 A drafter directory holds ``config.json`` (see :meth:`DSparkConfig.from_pretrained`) and safetensors (one file or
 a sharded ``model.safetensors.index.json``) with these names (torch layout, Linear weights ``[out, in]``):

@@ -1,4 +1,4 @@
-"""DSpark drafter configuration (SPEC sections 6 and 9): :class:`DSparkConfig`, the target-layer ids whose
+"""DSpark drafter configuration (docs/DRAFTER.md): :class:`DSparkConfig`, the target-layer ids whose
 features the drafter reads (default formula and validation), and the DeepSpec ``config.json`` format.
 """
 

@@ -1,4 +1,4 @@
-"""MSA (MiniMax sparse attention) selection in plain jnp, for whole sequences (SPEC section 2).
+"""MSA (MiniMax sparse attention) selection in plain jnp, for whole sequences (docs/kernels/indexer.md).
 
 These functions are the exact, simple definition used by the plain causal forward; the paged Pallas kernels in
 ``pallas_kernels`` are checked against them (through the model's incremental decode path).

@@ -1,6 +1,6 @@
 """DSpark draft-block attention as a Pallas (Triton) kernel: each request row's paged context read once per KV head.
 
-Contract (the drafter's attention, SPEC section 6; ``minimax_jax.draft_attention.draft_attention`` with a
+Contract (the drafter's attention, docs/DRAFTER.md; ``minimax_jax.draft_attention.draft_attention`` with a
 length mask). ``q: [R, K, H_q, D]`` the block's queries (``K`` draft slots); the context caches ``k_cache,
 v_cache: [H_kv, P, page, D]`` (the target's paged layout), or the whole draft cache ``[L, H_kv, P, page, D]``
 with a ``layer``; ``block_tables: int32[R_c, nb]`` (logical block ``b`` of cache row ``c`` is physical page

@@ -1,4 +1,4 @@
-"""Ragged MSA indexer: per-token top-k key blocks over a paged index-key cache (SPEC sections 2, 4, 5).
+"""Ragged MSA indexer: per-token top-k key blocks over a paged index-key cache (docs/kernels/indexer.md).
 
 For packed token ``t`` of request ``r`` at absolute position ``pos`` and index head ``h``::
 

@@ -1,6 +1,6 @@
 """Ragged verify-batch metadata, computed on the device.
 
-The contract (SPEC section 5):
+The contract (docs/ARCHITECTURE.md):
 
 * ``query_start_loc: int32[R + 1]`` is non-decreasing; request row ``r`` owns packed tokens
   ``[query_start_loc[r], query_start_loc[r + 1])``. ``R`` counts zero-length padding rows too.

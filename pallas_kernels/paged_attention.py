@@ -1,6 +1,6 @@
 """Ragged dense paged attention (the dense layers of M3): every token attends to all its keys ``j <= pos``.
 
-Same ragged contract as ``ragged_sparse_attention`` (SPEC sections 4-5) without ``block_indices``: token ``t``
+Same ragged contract as ``ragged_sparse_attention`` (ARCHITECTURE.md) without ``block_indices``: token ``t``
 of request ``r`` at absolute position ``pos`` and query head ``qh`` of KV group ``g = qh // (H_q // H_kv)``
 attend to keys ``0 .. pos`` of request ``r`` (read through ``block_tables[r]``) with softmax scale ``scale``.
 Padding slots and zero-length rows produce zeros and read nothing.

@@ -1,6 +1,6 @@
 """Ragged block-sparse (MSA) attention over a paged KV cache: the Pallas (Triton) kernels and their jnp reference.
 
-Contract (SPEC sections 3-5). Packed queries ``q: [T, H_q, D]``; paged caches ``k_cache, v_cache: [H_kv, P,
+Contract (docs/kernels/). Packed queries ``q: [T, H_q, D]``; paged caches ``k_cache, v_cache: [H_kv, P,
 page, D]``; ``block_tables: int32[R, max_blocks]`` map a request's logical block to a physical page;
 ``seq_lens: int32[R]`` include this step's tokens; ``query_start_loc: int32[R + 1]`` (request ``r`` owns
 packed tokens ``[qsl[r], qsl[r + 1])``, zero-length padding rows allowed, slots at or beyond ``qsl[R]`` are

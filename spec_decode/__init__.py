@@ -1,4 +1,4 @@
-"""Speculative decoding with adaptive verification (SPEC sections 7 and 8).
+"""Speculative decoding with adaptive verification (docs/ADAPTIVE_VERIFICATION.md).
 
 Pure pieces, each in its own module:
 

@@ -1,4 +1,4 @@
-"""Adaptive draft allocation on the device (SPEC section 7): caps[r] = how many of request r's drafts to verify.
+"""Adaptive draft allocation on the device (docs/ADAPTIVE_VERIFICATION.md): caps[r] drafts of row r verified.
 
 Survival ``a[r, j] = prod_{i <= j} c[r, i]`` is the model's probability that the first ``j + 1`` drafts of request
 ``r`` are all accepted, i.e. the expected gain of verifying draft ``j``. The step verifies the ``B`` entries of

@@ -1,4 +1,4 @@
-"""Host-side verification budget (SPEC section 7): how many drafts the next verify step checks in total.
+"""Host-side verification budget (docs/ADAPTIVE_VERIFICATION.md): drafts the next verify step checks in all.
 
 The planner maximises expected emitted tokens per second of step time:
 

@@ -1,4 +1,4 @@
-"""Profiled step costs for the budget planner (SPEC section 7).
+"""Profiled step costs for the budget planner (docs/ADAPTIVE_VERIFICATION.md).
 
 A :class:`CostTable` holds seconds per call of the engine's compiled steps at the shape buckets it compiles:
 

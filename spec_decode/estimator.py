@@ -1,4 +1,4 @@
-"""Online acceptance estimator for drafters without a confidence head (SPEC section 7).
+"""Online acceptance estimator for drafters without a confidence head (docs/ADAPTIVE_VERIFICATION.md).
 
 Model: ``p_k = sigmoid(w * f + b_k)``, the probability that draft ``k`` is accepted given drafts ``< k`` were,
 with one slope ``w`` shared by all positions and one intercept ``b_k`` per position. The feature is

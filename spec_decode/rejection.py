@@ -1,4 +1,4 @@
-"""Lossless rejection sampling of verified drafts (SPEC section 8): greedy and stochastic.
+"""Lossless rejection sampling of verified drafts (docs/ADAPTIVE_VERIFICATION.md): greedy and stochastic.
 
 Per request ``r`` with anchor at absolute position ``s = positions[r]`` and ``v = num_verified[r]`` verified drafts
 ``x_1..x_v`` (``0 <= v <= K``), verify row ``i`` (``0 <= i <= v``) is the target distribution of the token at
@@ -301,7 +301,7 @@ def rejection_sample_packed(
     Args:
       packed_logits: ``f32[T, V]``; request ``r`` owns rows ``[qsl[r], qsl[r+1])`` = its anchor followed by its
         verified drafts, so ``num_verified[r] = qsl[r+1] - qsl[r] - 1``. Rows at or beyond ``qsl[R]`` are padding.
-      query_start_loc: ``int32[R+1]`` non-decreasing (SPEC section 5). Zero-length rows are padding rows.
+      query_start_loc: ``int32[R+1]`` non-decreasing (docs/ARCHITECTURE.md); zero-length rows are padding.
       draft_tokens, draft_probs, seeds, positions, temperature, row_mask, inputs_are_probs: as in
         :func:`rejection_sample` (``positions`` = the anchor's absolute position, ``seq_lens - q_len``).
 

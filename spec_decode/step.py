@@ -1,4 +1,4 @@
-"""One speculative decoding step as a pure function over an explicit state (SPEC sections 5 to 8).
+"""One speculative decoding step as a pure function over an explicit state (docs/ENGINE.md).
 
 ``step(target_params, drafter_params, state, plan) -> (state, output)`` runs, in one jitted program per shape
 bucket:

@@ -1,4 +1,4 @@
-"""Property tests for the device-side draft allocator (SPEC section 7)."""
+"""Property tests for the device-side draft allocator (docs/ADAPTIVE_VERIFICATION.md)."""
 
 from __future__ import annotations
 

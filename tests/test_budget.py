@@ -1,4 +1,4 @@
-"""Host-side budget planner: the global argmax over a staircase cost curve (SPEC section 7)."""
+"""Host-side budget planner: the global argmax over a staircase cost curve (docs/ADAPTIVE_VERIFICATION.md)."""
 
 from __future__ import annotations
 

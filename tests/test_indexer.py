@@ -31,7 +31,7 @@ from pallas_kernels.tuning import IndexerLaunchConfig, indexer_launch_config
 
 
 def naive_index_topk(q, kc, bt, seq_lens, qsl, *, topk, local_blocks):
-    """SPEC section 2, one token at a time, float64. Returns (selection [T, H, topk], pooled [T, H, NB])."""
+    """By definition, one token at a time, float64. Returns (selection [T, H, topk], pooled [T, H, NB])."""
     q = np.asarray(q, np.float64)
     kc = np.asarray(kc, np.float64)
     t_cap, h_idx, _ = q.shape

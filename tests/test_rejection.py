@@ -72,7 +72,7 @@ def _policy_caps(policy_ids, k, drafts, conf_k, key):
             jnp.sum(surv >= 0.35, axis=1).astype(jnp.int32),  # threshold on survival
             # adaptive: the engine's global top-B over every sample row
             allocate_drafts(conf_k, sched, jnp.int32(num_rows * k // 2)),
-            # WRONG on purpose: trims draft j by looking at draft j itself (SPEC section 10)
+            # WRONG on purpose: trims draft j by looking at draft j itself (docs/ADAPTIVE_VERIFICATION.md)
             jnp.sum(jnp.cumprod((drafts != 0).astype(jnp.int32), axis=1), axis=1).astype(jnp.int32),
         ],
         axis=1,
@@ -227,7 +227,7 @@ def test_chi_square_rejects_a_1pct_bias(vocab, k, temperature, seed):
 
 
 def test_same_position_trimming_is_detected_as_lossy():
-    # SPEC section 10: deciding to verify draft k from draft k itself breaks losslessness; the test sees it.
+    # deciding to verify draft k from draft k itself breaks losslessness (docs/ADAPTIVE_VERIFICATION.md)
     vocab, k, temperature, seed = CONFIGS[0]
     target, draft, conf = make_models(vocab, seed)
     policies = jnp.full((NUM_SAMPLES,), POLICIES.index("same_position"), jnp.int32)

@@ -41,7 +41,7 @@ from pallas_kernels.tuning import (
 
 
 def naive_attention(q, kc, vc, bt, seq_lens, qsl, sel, *, scale):
-    """SPEC section 3 one (token, query head) at a time in float64. ``sel=None`` means every block (dense)."""
+    """By definition, one (token, query head) at a time in float64. ``sel=None`` means every block (dense)."""
     q = np.asarray(q, np.float64)
     kc = np.asarray(kc, np.float64)
     vc = np.asarray(vc, np.float64)
@@ -84,7 +84,7 @@ def make_batch(
     neg_tail_prob=0.2,
     spare_pages=3,
 ):
-    """A ragged batch honouring SPEC section 5, with traps for out-of-contract reads (see module
+    """A ragged batch honouring docs/ARCHITECTURE.md, with traps for out-of-contract reads (see module
     docstring)."""
     q_lens = np.asarray(q_lens, np.int32)
     seq_lens = np.asarray(seq_lens, np.int32)

@@ -7,7 +7,7 @@ It runs the drafter's own ``DraftLayer`` modules with a training attention core 
 that shares one context among all blocks of a sequence instead of one context copy per anchor; for each anchor
 it equals ``DSparkDrafter.block_hidden_reference`` (tested).
 
-**Loss** (DeepSpec, SPEC section 6), per block slot ``k = 0..K-1`` (slot ``k`` predicts token ``a + k + 1``):
+**Loss** (DeepSpec, docs/DRAFTER.md), per block slot ``k = 0..K-1`` (slot ``k`` predicts token ``a + k + 1``):
 
 * ``p_d = softmax(U_k + B_k)``: the draft distribution with the Markov bias teacher-forced on the ground truth
   (``x_{k-1}`` = token ``a + k``, the anchor for ``k = 0``; ``MarkovHead.block_bias``);
