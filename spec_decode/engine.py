@@ -399,8 +399,7 @@ class Engine:
         return requests
 
     def _check_fits(self, req: Request) -> None:
-        limit = min(req.params.max_new_tokens, self.max_model_len - len(req.prompt))
-        need = -(-min(len(req.prompt) + limit + self.k, self.max_model_len) // self.page_size)
+        need = -(-min(len(req.prompt) + req.limit + self.k, self.max_model_len) // self.page_size)
         if need > self.num_pages:
             raise ValueError(f"prompt {req.index}: {len(req.prompt)} prompt tokens + {req.params.max_new_tokens} new "
                              f"tokens need {need} KV pages, more than the pool's {self.num_pages}")
@@ -604,8 +603,7 @@ class Engine:
         """Consecutive groups of at most ``max_num_seqs`` requests whose every page fits the pool at once."""
         wave, pages = [], 0
         for r in requests:
-            limit = min(r.params.max_new_tokens, self.max_model_len - len(r.prompt))
-            need = -(-(len(r.prompt) + limit + self.k) // self.page_size)
+            need = -(-(len(r.prompt) + r.limit + self.k) // self.page_size)
             if wave and (len(wave) == self.max_num_seqs or pages + need > self.num_pages):
                 yield wave
                 wave, pages = [], 0

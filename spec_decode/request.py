@@ -55,10 +55,6 @@ class Request:
     preemptions: int = 0
 
     @property
-    def total_len(self) -> int:
-        return len(self.prompt) + len(self.output)
-
-    @property
     def is_resumed(self) -> bool:
         return bool(self.output)
 
@@ -175,5 +171,6 @@ def build_requests(prompts, *, tokenizer, vocab_size: int, eos_token_ids, max_mo
         if len(stop) > max_stop_ids:
             raise ValueError(f"prompt {i} has {len(stop)} stop token ids (EOS included), more than the engine's "
                              f"limit of {max_stop_ids}; raise it with Engine(max_stop_token_ids=...)")
-        requests.append(Request(index=i, prompt=ids, params=p, stop_ids=stop, arrival=i))
+        requests.append(Request(index=i, prompt=ids, params=p, stop_ids=stop, arrival=i,
+                                limit=min(p.max_new_tokens, max_model_len - len(ids))))
     return requests

@@ -105,7 +105,6 @@ class Scheduler:
     # ------------------------------------------------------------------ queue
     def add(self, request: Request) -> None:
         k = max(self.k, 1)
-        request.limit = min(request.params.max_new_tokens, self.max_model_len - len(request.prompt))
         request.accepted_per_position = [0] * k
         request.verified_per_position = [0] * k
         request.predicted_per_position = [0.0] * k
@@ -116,10 +115,6 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
-
-    @property
-    def requests_in_flight(self) -> bool:
-        return any(self._inflight.values())
 
     def release_all(self) -> None:
         """Free every page and slot this run holds (an interrupted run)."""
