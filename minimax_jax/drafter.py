@@ -323,8 +323,13 @@ class DSparkDrafter(nnx.Module):
 
     # ------------------------------------------------------------------ semi-autoregressive head
     def sample_block(self, h: jax.Array, anchors: jax.Array, temperature=0.0, key: jax.Array | None = None, *,
-                     return_probs: bool = True, logit_filter=None, feature_fn=None) -> DraftOutput:
+                     return_probs: bool = True, logit_filter=None, feature_fn=None,
+                     num_drafts: int | None = None) -> DraftOutput:
         """Draw the K drafts left to right from ``h [R, K, d]`` (see the module docstring).
+
+        ``num_drafts`` (static, ``<= K``): draw only the first ``num_drafts`` (the LM head, the Markov head, the
+        sampling and the confidence head run on those slots alone; the backbone's block was computed in full,
+        as it was trained).
 
         ``temperature``: scalar or ``f32[R]``; rows with ``T <= 0`` are greedy. ``key``: one PRNG key, or one per
         row (``[R]`` typed keys or raw ``uint32[R, 2]``); None means greedy for every row.
@@ -333,6 +338,10 @@ class DSparkDrafter(nnx.Module):
         needs). ``feature_fn``: optional ``f32[R, V] -> f32[R]`` of those scaled, filtered logits (``T = 1`` for
         greedy rows), returned as ``features`` (e.g. the acceptance estimator's feature).
         """
+        if num_drafts is not None:
+            if not 0 < num_drafts <= h.shape[1]:
+                raise ValueError(f"num_drafts must be in [1, {h.shape[1]}], got {num_drafts}")
+            h = h[:, :num_drafts]
         r, k = h.shape[:2]
         temps = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (r,))
         greedy = temps <= 0.0
@@ -377,7 +386,8 @@ class DSparkDrafter(nnx.Module):
         _, ys = jax.lax.scan(body, (anchors.astype(jnp.int32), state0), xs)
         ys = {name: jnp.swapaxes(val, 0, 1) for name, val in ys.items()}
         conf_logits = ys.get("confidence_logits")
-        conf = None if conf_logits is None else apply_sts(conf_logits, self.cfg.sts_temperatures)
+        sts = self.cfg.sts_temperatures
+        conf = None if conf_logits is None else apply_sts(conf_logits, None if sts is None else sts[:k])
         return DraftOutput(tokens=ys["tokens"], probs=ys.get("probs"), confidences=conf,
                            confidence_logits=conf_logits, features=ys.get("features"))
 

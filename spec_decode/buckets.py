@@ -13,6 +13,10 @@ compiles the whole list before the first request (``docs/ENGINE.md``, "The close
 
 * **sampling**: a greedy program (the argmax rule alone) and a sampling program (every row: greedy rows stay
   greedy, top-k / top-p applied) for each token bucket. A step samples when any of its rows has a temperature.
+* **draft length** ``K_d``: the positions each row drafts, one of the engine's ``draft_lengths`` (adaptive
+  verification with a profiled cost table: ``0, 1, 3, K`` by default; otherwise ``K`` alone). A program of length
+  ``K_d`` has the token buckets (of the union above) up to ``max_num_seqs * (1 + K_d) + max_num_batched_tokens``,
+  rounded up to a bucket: a step that drafts fewer positions never packs more tokens.
 
 Per-row sampling settings, stop ids and lengths are plan arrays, so no setting or arrival order can reach a
 shape that was not compiled.
@@ -22,7 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["StepKey", "logit_rows", "next_pow2", "step_keys", "token_bucket", "token_buckets"]
+__all__ = ["StepKey", "default_draft_lengths", "logit_rows", "next_pow2", "step_keys", "token_bucket",
+           "token_buckets"]
 
 
 def next_pow2(n: int) -> int:
@@ -32,11 +37,19 @@ def next_pow2(n: int) -> int:
 
 @dataclasses.dataclass(frozen=True, order=True)
 class StepKey:
-    """The shape of one compiled step program (its cache key): packed tokens, verify-logits rows, sampling."""
+    """The shape of one compiled step program (its cache key): packed tokens, verify-logits rows, sampling, and
+    the draft length (``-1``: the engine's K)."""
 
     tokens: int
     logit_rows: int
     sampling: bool = False
+    draft_len: int = -1
+
+
+def default_draft_lengths(num_speculative_tokens: int) -> tuple[int, ...]:
+    """The draft lengths an adaptive engine compiles by default: ``0, 1, 3`` and ``K`` (those ``<= K``)."""
+    k = int(num_speculative_tokens)
+    return tuple(sorted({d for d in (0, 1, 3) if d < k} | {k}))
 
 
 def token_buckets(*, max_num_seqs: int, num_speculative_tokens: int, max_num_batched_tokens: int,
@@ -68,10 +81,24 @@ def logit_rows(tokens: int, *, rows: int, num_speculative_tokens: int, max_total
 
 
 def step_keys(*, max_num_seqs: int, num_speculative_tokens: int, max_num_batched_tokens: int,
-              min_token_bucket: int, max_total_logit_rows: int) -> tuple[StepKey, ...]:
-    """Every program of the host loop: greedy ones, then sampling ones, each ascending by tokens."""
-    kw = dict(rows=max_num_seqs, num_speculative_tokens=num_speculative_tokens,
-              max_total_logit_rows=max_total_logit_rows)
-    buckets = token_buckets(max_num_seqs=max_num_seqs, num_speculative_tokens=num_speculative_tokens,
-                            max_num_batched_tokens=max_num_batched_tokens, min_token_bucket=min_token_bucket)
-    return tuple(StepKey(t, logit_rows(t, **kw), sampling) for sampling in (False, True) for t in buckets)
+              min_token_bucket: int, max_total_logit_rows: int,
+              draft_lengths: tuple[int, ...] | None = None) -> tuple[StepKey, ...]:
+    """Every program of the host loop: greedy ones, then sampling ones, each by draft length, then tokens.
+
+    ``draft_lengths`` None: ``K`` alone (keys carry ``draft_len = K``)."""
+    k = num_speculative_tokens
+    lengths = (k,) if draft_lengths is None else tuple(sorted(set(draft_lengths)))
+    if any(not 0 <= d <= k for d in lengths):
+        raise ValueError(f"draft lengths must lie in [0, K={k}], got {lengths}")
+    kw = dict(rows=max_num_seqs, max_total_logit_rows=max_total_logit_rows)
+    union = sorted({t for d in lengths for t in token_buckets(
+        max_num_seqs=max_num_seqs, num_speculative_tokens=d, max_num_batched_tokens=max_num_batched_tokens,
+        min_token_bucket=min_token_bucket)})
+    keys = []
+    for sampling in (False, True):
+        for d in lengths:
+            most = max_num_seqs * (1 + d) + max_num_batched_tokens
+            top = next(t for t in union if t >= most)
+            keys += [StepKey(t, logit_rows(t, num_speculative_tokens=d, **kw), sampling, d)
+                     for t in union if t <= top]
+    return tuple(keys)

@@ -1,6 +1,7 @@
-"""Host-side verification budget (docs/ADAPTIVE_VERIFICATION.md): drafts the next verify step checks in all.
+"""Host-side verification plan (docs/ADAPTIVE_VERIFICATION.md): how many positions the next step drafts, and how
+many drafts it verifies in all.
 
-The planner maximises expected emitted tokens per second of step time:
+The planner maximises expected emitted tokens per second of step time. For one draft length (the engine's K):
 
 ```
 scores   = sort_desc(a_stale[r, j] for j < scheduled_drafts[r])        # survival of an EARLIER step
@@ -14,6 +15,20 @@ The verify cost is a staircase (compiled shape buckets), so ``value`` can fall a
 later: the search is global over every ``b``, never a first-descent stop. The confidences come from an earlier
 step, so the budget never depends on the drafts being verified (which keeps the allocation lossless, and lets
 the host plan while the device drafts). A missing or flat cost table means "verify everything": ``B = maxB``.
+
+**Draft length.** With a cost table that has draft lengths (:attr:`CostTable.draft_lengths`), the plan also
+chooses ``K_d`` among them: row ``r`` may then verify ``min(scheduled_drafts[r], K_d)`` drafts, and the step pays
+``draft_length_cost(K_d)`` on top:
+
+```
+value(d, b) = (num_sampling_rows + sum(scores_d[:b])) / (draft_cost[R] + draft_length_cost[d] + verify_cost[T + b])
+(K_d, B)    = argmax over d and b <= maxB_d, the smallest d, then the smallest b, on ties
+              unless it beats value(K, maxB_K) by min_predicted_gain: then (K, maxB_K)
+```
+
+``K_d = 0`` is a plan too: draft nothing, decode one token per row (the drafter's context still follows the
+emitted tokens, a cost the verify side of the table carries). :func:`choose_plan` returns both;
+:func:`choose_budget` is the one-length rule.
 
 The last line is TensorRT-LLM's guard (``compute_verify_token_budget`` in
 ``tensorrt_llm/_torch/speculative/dspark_planner.py``, ``minimum_predicted_gain``, one percent for profiled
@@ -33,9 +48,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_decode.allocator import survival
-from spec_decode.cost_table import CostTable, CostTableArrays, lookup_device
+from spec_decode.cost_table import CostTable, CostTableArrays, draft_length_cost_device, lookup_device
 
-__all__ = ["DEFAULT_MIN_PREDICTED_GAIN", "budget_values", "choose_budget", "choose_budget_device"]
+__all__ = ["DEFAULT_MIN_PREDICTED_GAIN", "budget_values", "choose_budget", "choose_budget_device", "choose_plan",
+           "choose_plan_device"]
 
 _TIE_RTOL = 1e-9  # values this close (relative) to the best count as ties
 DEFAULT_MIN_PREDICTED_GAIN = 0.01  # a trim must beat value(maxB) by 1%
@@ -74,14 +90,20 @@ def budget_values(
     num_non_draft_tokens: int,
     cost_table: CostTable,
     max_total_logit_rows: int,
+    draft_len: int | None = None,
 ) -> np.ndarray:
-    """``float64[maxB + 1]``: ``value(b)`` for every candidate budget (see the module docstring)."""
+    """``float64[maxB + 1]``: ``value(b)`` for every candidate budget (see the module docstring); with
+    ``draft_len``, ``value(draft_len, b)``: rows verify at most ``draft_len`` drafts and the step pays its cost."""
     conf, sched = _validated(stale_confidences, scheduled_drafts)
+    extra = 0.0
+    if draft_len is not None:
+        sched = np.minimum(sched, int(draft_len))
+        extra = cost_table.draft_length_cost(int(draft_len))
     max_b = _max_budget(sched, max_total_logit_rows)
     scores = _sorted_scores(conf, sched)[:max_b]
     gain = num_sampling_rows + np.concatenate([[0.0], np.cumsum(scores)])  # [maxB + 1]
     r = conf.shape[0]
-    draft = cost_table.draft_cost(r)
+    draft = cost_table.draft_cost(r) + extra
     cost = draft + cost_table.verify_costs(num_non_draft_tokens + np.arange(max_b + 1))
     return gain / np.maximum(cost, 1e-12)
 
@@ -150,6 +172,51 @@ def choose_budget(
     return b
 
 
+def choose_plan(
+    stale_confidences,
+    scheduled_drafts,
+    *,
+    num_sampling_rows: int,
+    num_non_draft_tokens: int,
+    cost_table: CostTable | None,
+    max_total_logit_rows: int,
+    draft_lengths: tuple[int, ...] | None = None,
+    min_predicted_gain: float = DEFAULT_MIN_PREDICTED_GAIN,
+) -> tuple[int, int]:
+    """``(B, K_d)``: the drafts the next step verifies in total, and the positions it drafts per row.
+
+    Same arguments as :func:`choose_budget`, plus ``draft_lengths``: the ``K_d`` the engine compiled (the
+    table's :attr:`~CostTable.draft_lengths` by default), searched together with ``B`` (module docstring). The
+    full plan, ``K = max(draft_lengths)`` with ``maxB``, is kept unless another beats it by ``min_predicted_gain``.
+    Without draft lengths (or a flat table) this is ``(choose_budget(...), K)``, ``K`` the confidences' width.
+    """
+    conf, sched = _validated(stale_confidences, scheduled_drafts)
+    k = conf.shape[1]
+    if draft_lengths is None:
+        draft_lengths = cost_table.draft_lengths if cost_table is not None else ()
+    lengths = sorted({int(d) for d in draft_lengths if 0 <= int(d) <= k})
+    kw = dict(num_sampling_rows=num_sampling_rows, num_non_draft_tokens=num_non_draft_tokens,
+              cost_table=cost_table, max_total_logit_rows=max_total_logit_rows)
+    full_len = lengths[-1] if lengths else k
+    if len(lengths) < 2 or cost_table is None or cost_table.is_flat or not cost_table.draft_lengths:
+        sched_full = np.minimum(sched, full_len)
+        return choose_budget(conf, sched_full, min_predicted_gain=min_predicted_gain, **kw), full_len
+    choose_budget(conf, sched, min_predicted_gain=min_predicted_gain, **kw)  # validates the scalars
+    best = (-np.inf, 0, 0)  # (value, d, b)
+    for d in lengths:
+        values = budget_values(conf, sched, draft_len=d, **kw)
+        top = values.max()
+        b = int(np.flatnonzero(values >= top - _TIE_RTOL * abs(top))[0])
+        if top > best[0] * (1 + _TIE_RTOL) or not np.isfinite(best[0]):
+            best = (top, d, b)
+        if d == full_len:
+            full = (values[-1], d, len(values) - 1)
+    value, d, b = best
+    if min_predicted_gain > 0 and (d, b) != full[1:] and value < (1.0 + min_predicted_gain) * full[0]:
+        return full[2], full[1]
+    return b, d
+
+
 # float32 ties: values within this relative distance of the best count as ties (the host's 1e-9 is below float32
 # resolution; a gap this small is noise in any profiled table).
 _TIE_RTOL_F32 = 1e-6
@@ -174,20 +241,36 @@ def choose_budget_device(
     ``min_predicted_gain`` is static. Values are float32; budgets equal the host's except where two candidate
     values lie within float32 noise of each other (:data:`_TIE_RTOL_F32`).
     """
+    chosen, _, _ = _budget_and_values_device(stale_confidences, scheduled_drafts, num_rows=num_rows,
+                                             num_sampling_rows=num_sampling_rows,
+                                             num_non_draft_tokens=num_non_draft_tokens, cost_table=cost_table,
+                                             max_total_logit_rows=max_total_logit_rows,
+                                             min_predicted_gain=min_predicted_gain)
+    return chosen
+
+
+def _budget_and_values_device(stale_confidences, scheduled_drafts, *, num_rows, num_sampling_rows,
+                              num_non_draft_tokens, cost_table: CostTableArrays, max_total_logit_rows,
+                              min_predicted_gain: float, draft_len: int | None = None):
+    """``(B, value(B), value(maxB))`` of the one-length rule (``draft_len``: its cost added, sched pre-clipped)."""
     conf = jnp.asarray(stale_confidences, jnp.float32)
     sched = jnp.asarray(scheduled_drafts, jnp.int32)
     r, k = conf.shape
-    max_b = jnp.maximum(0, jnp.minimum(jnp.sum(sched), jnp.asarray(max_total_logit_rows, jnp.int32) - num_rows))
+    max_b = _max_budget_device(sched, num_rows, max_total_logit_rows)
+    t = cost_table
+    extra = draft_length_cost_device(t, draft_len) if draft_len is not None else 0.0
     if k == 0 or r == 0:
-        return jnp.zeros((), jnp.int32)
+        cost = (lookup_device(t.draft_buckets, t.draft_seconds, t.num_draft, num_rows) + extra
+                + lookup_device(t.verify_buckets, t.verify_seconds, t.num_verify, num_non_draft_tokens))
+        value = jnp.asarray(num_sampling_rows, jnp.float32) / jnp.maximum(cost, 1e-12)
+        return jnp.zeros((), jnp.int32), value, value
     a = survival(conf, sched).reshape(-1)  # -inf outside each row's scheduled drafts
     scores = -jnp.sort(-a)  # descending; the -inf entries last (and never reached: b <= max_b <= their count)
     scores = jnp.where(jnp.isneginf(scores), 0.0, scores)
     b = jnp.arange(r * k + 1, dtype=jnp.int32)
     gain = jnp.asarray(num_sampling_rows, jnp.float32) + jnp.concatenate(
         [jnp.zeros((1,), jnp.float32), jnp.cumsum(scores)])
-    t = cost_table
-    cost = (lookup_device(t.draft_buckets, t.draft_seconds, t.num_draft, num_rows)
+    cost = (lookup_device(t.draft_buckets, t.draft_seconds, t.num_draft, num_rows) + extra
             + lookup_device(t.verify_buckets, t.verify_seconds, t.num_verify, num_non_draft_tokens + b))
     values = jnp.where(b <= max_b, gain / jnp.maximum(cost, 1e-12), -jnp.inf)
     best = jnp.max(values)
@@ -195,4 +278,60 @@ def choose_budget_device(
     if min_predicted_gain > 0:
         trim_pays = values[chosen] >= (1.0 + min_predicted_gain) * values[max_b]
         chosen = jnp.where((chosen < max_b) & ~trim_pays, max_b, chosen)
-    return jnp.where(t.flat, max_b, chosen).astype(jnp.int32)
+    chosen = jnp.where(t.flat, max_b, chosen).astype(jnp.int32)
+    return chosen, values[chosen], values[max_b]
+
+
+def choose_plan_device(
+    stale_confidences: jax.Array,
+    scheduled_drafts: jax.Array,
+    *,
+    num_rows: jax.Array,
+    num_sampling_rows: jax.Array,
+    num_non_draft_tokens: jax.Array,
+    cost_table: CostTableArrays,
+    max_total_logit_rows: jax.Array | int,
+    draft_lengths: tuple[int, ...],
+    min_predicted_gain: float = DEFAULT_MIN_PREDICTED_GAIN,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`choose_plan` in jnp: ``(B int32[], i int32[])`` with ``draft_lengths[i]`` the chosen ``K_d``.
+
+    ``draft_lengths`` is static (the lengths the loop compiled, ascending); arguments as
+    :func:`choose_budget_device`. A table without draft lengths, or a flat one, gives the last length and the
+    one-length budget."""
+    lengths = tuple(sorted(int(d) for d in draft_lengths))
+    sched = jnp.asarray(scheduled_drafts, jnp.int32)
+    kw = dict(num_rows=num_rows, num_sampling_rows=num_sampling_rows, num_non_draft_tokens=num_non_draft_tokens,
+              cost_table=cost_table, max_total_logit_rows=max_total_logit_rows, min_predicted_gain=0.0)
+    last = len(lengths) - 1
+    if len(lengths) == 1:
+        b = choose_budget_device(stale_confidences, jnp.minimum(sched, lengths[0]),
+                                 **{**kw, "min_predicted_gain": min_predicted_gain})
+        return b, jnp.asarray(last, jnp.int32)
+    best_value, best_b, best_i, full_value = None, None, None, None
+    for i, d in enumerate(lengths):
+        b, value, value_full = _budget_and_values_device(stale_confidences, jnp.minimum(sched, d), draft_len=d,
+                                                         **kw)
+        if best_value is None:
+            best_value, best_b, best_i = value, b, jnp.asarray(i, jnp.int32)
+        else:
+            better = value > best_value * (1 + _TIE_RTOL_F32)  # ties keep the shorter length
+            best_value = jnp.where(better, value, best_value)
+            best_b = jnp.where(better, b, best_b)
+            best_i = jnp.where(better, i, best_i)
+        if i == last:
+            full_value, full_b = value_full, _max_budget_device(jnp.minimum(sched, d), num_rows,
+                                                                max_total_logit_rows)
+    if min_predicted_gain > 0:
+        keep_full = ((best_i != last) | (best_b != full_b)) & (best_value < (1.0 + min_predicted_gain) * full_value)
+        best_b = jnp.where(keep_full, full_b, best_b)
+        best_i = jnp.where(keep_full, last, best_i)
+    one = choose_budget_device(stale_confidences, jnp.minimum(sched, lengths[-1]),
+                               **{**kw, "min_predicted_gain": min_predicted_gain})
+    no_lengths = cost_table.flat | (cost_table.num_draft_lengths == 0)
+    return (jnp.where(no_lengths, one, best_b).astype(jnp.int32),
+            jnp.where(no_lengths, last, best_i).astype(jnp.int32))
+
+
+def _max_budget_device(sched, num_rows, max_total_logit_rows):
+    return jnp.maximum(0, jnp.minimum(jnp.sum(sched), jnp.asarray(max_total_logit_rows, jnp.int32) - num_rows))

@@ -3,7 +3,14 @@
 A :class:`CostTable` holds seconds per call of the engine's compiled steps at the shape buckets it compiles:
 
 * the verify step, keyed by the total number of verify tokens (anchors plus verified drafts) it was compiled for;
-* the draft step, keyed by the number of request rows.
+* the draft step, keyed by the number of request rows;
+* the draft length: the extra seconds a step pays for drafting ``K_d`` positions per row, keyed by ``K_d``
+  (0 for ``K_d = 0``, or for a table without draft lengths: then the verify costs include the drafting).
+
+A step that drafts ``K_d`` positions and verifies ``T`` packed tokens at ``R`` rows costs
+``draft_cost(R) + draft_length_cost(K_d) + verify_cost(T)``. The engine profiles its whole step programs at every
+(``K_d``, ``T``) of its closed set and splits them into the two terms (:func:`split_step_costs`): the drafter's
+work does not depend on ``T`` and the target's does not depend on ``K_d``.
 
 :class:`CostTableArrays` is the same table as fixed-size device arrays and :func:`lookup_device` its lookup in
 jnp, for the planner that runs inside the jitted offline loop (``spec_decode.device_loop``).
@@ -38,14 +45,16 @@ __all__ = [
     "COST_TABLE_FILENAME",
     "CostTable",
     "CostTableArrays",
+    "draft_length_cost_device",
     "load_cost_table",
     "profile_cost_table",
     "save_cost_table",
+    "split_step_costs",
     "time_callable",
 ]
 
 COST_TABLE_FILENAME = "cost_table.json"
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2 added the draft lengths; version 1 files (none) still load
 
 
 def _normalise(
@@ -74,6 +83,28 @@ def _normalise(
     return tuple(out_b), tuple(out_s)
 
 
+def _normalise_lengths(lengths: Sequence[int], seconds: Sequence[float]) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """Draft lengths (``>= 0``, distinct) sorted, with their timings made non-decreasing."""
+    if len(lengths) != len(seconds):
+        raise ValueError(f"draft lengths: {len(lengths)} lengths but {len(seconds)} timings")
+    pairs = []
+    for d, s in zip(lengths, seconds):
+        if isinstance(d, bool) or int(d) != d or int(d) < 0:
+            raise ValueError(f"draft lengths must be integers >= 0, got {d!r}")
+        s = float(s)
+        if not math.isfinite(s) or s < 0:
+            raise ValueError(f"draft lengths: timings must be finite and >= 0, got {s!r} for length {d}")
+        pairs.append((int(d), s))
+    pairs.sort()
+    if len({d for d, _ in pairs}) != len(pairs):
+        raise ValueError(f"draft lengths must be distinct, got {sorted(d for d, _ in pairs)}")
+    out_s, running = [], 0.0
+    for _, s in pairs:
+        running = max(running, s)
+        out_s.append(running)
+    return tuple(d for d, _ in pairs), tuple(out_s)
+
+
 def _lookup(buckets: tuple[int, ...], seconds: tuple[float, ...], n) -> np.ndarray:
     """Step function inside the buckets, linear extrapolation above the largest one (vectorised over n)."""
     n = np.maximum(np.asarray(n, np.int64), 0)
@@ -93,10 +124,11 @@ def _lookup(buckets: tuple[int, ...], seconds: tuple[float, ...], n) -> np.ndarr
 
 @dataclass(frozen=True)
 class CostTable:
-    """Seconds per verify step (by total verify tokens) and per draft step (by request rows).
+    """Seconds per verify step (by total verify tokens), per draft step (by request rows) and per draft length.
 
     Construction sorts the buckets and forces the timings non-decreasing (running max); the raw measurements
-    are kept in ``metadata`` by the profiler if wanted.
+    are kept in ``metadata`` by the profiler if wanted. ``draft_lengths`` are the ``K_d`` a planner may choose
+    from (empty: only the engine's K, whose drafting the verify costs include).
     """
 
     verify_buckets: tuple[int, ...] = ()
@@ -104,14 +136,19 @@ class CostTable:
     draft_buckets: tuple[int, ...] = ()
     draft_seconds: tuple[float, ...] = ()
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    draft_lengths: tuple[int, ...] = ()
+    draft_length_seconds: tuple[float, ...] = ()
 
     def __post_init__(self):
         vb, vs = _normalise("verify", self.verify_buckets, self.verify_seconds)
         db, ds = _normalise("draft", self.draft_buckets, self.draft_seconds)
+        dl, dls = _normalise_lengths(self.draft_lengths, self.draft_length_seconds)
         object.__setattr__(self, "verify_buckets", vb)
         object.__setattr__(self, "verify_seconds", vs)
         object.__setattr__(self, "draft_buckets", db)
         object.__setattr__(self, "draft_seconds", ds)
+        object.__setattr__(self, "draft_lengths", dl)
+        object.__setattr__(self, "draft_length_seconds", dls)
         object.__setattr__(self, "metadata", dict(self.metadata))
 
     @classmethod
@@ -120,11 +157,14 @@ class CostTable:
         verify: Mapping[int, float],
         draft: Mapping[int, float] | None = None,
         *,
+        draft_lengths: Mapping[int, float] | None = None,
         metadata: Mapping[str, Any] | None = None,
     ) -> CostTable:
-        """Build from ``{bucket: seconds}`` mappings."""
+        """Build from ``{bucket: seconds}`` mappings (``draft_lengths``: ``{K_d: seconds}``)."""
         draft = draft or {}
-        return cls(tuple(verify), tuple(verify.values()), tuple(draft), tuple(draft.values()), metadata or {})
+        lengths = draft_lengths or {}
+        return cls(tuple(verify), tuple(verify.values()), tuple(draft), tuple(draft.values()), metadata or {},
+                   tuple(lengths), tuple(lengths.values()))
 
     def verify_cost(self, num_tokens: int) -> float:
         """Seconds of a verify step over ``num_tokens`` packed tokens."""
@@ -133,6 +173,14 @@ class CostTable:
     def draft_cost(self, num_requests: int) -> float:
         """Seconds of a draft step over ``num_requests`` request rows (0 when no draft timings exist)."""
         return float(_lookup(self.draft_buckets, self.draft_seconds, num_requests))
+
+    def draft_length_cost(self, draft_len: int) -> float:
+        """Extra seconds of a step that drafts ``draft_len`` positions per row: the smallest tabled length
+        ``>= draft_len`` (the largest one's above it); 0 for a table without draft lengths."""
+        if not self.draft_lengths:
+            return 0.0
+        i = int(np.searchsorted(np.asarray(self.draft_lengths), int(draft_len), side="left"))
+        return float(self.draft_length_seconds[min(i, len(self.draft_lengths) - 1)])
 
     def verify_costs(self, num_tokens) -> np.ndarray:
         """Vectorised :meth:`verify_cost`: ``float64`` array shaped like ``num_tokens``."""
@@ -152,6 +200,7 @@ class CostTable:
             "format_version": _FORMAT_VERSION,
             "verify": {str(b): s for b, s in zip(self.verify_buckets, self.verify_seconds)},
             "draft": {str(b): s for b, s in zip(self.draft_buckets, self.draft_seconds)},
+            "draft_lengths": {str(d): s for d, s in zip(self.draft_lengths, self.draft_length_seconds)},
             "metadata": dict(self.metadata),
         }
 
@@ -160,13 +209,14 @@ class CostTable:
         if not isinstance(data, Mapping) or "verify" not in data:
             raise ValueError("cost table data must be a mapping with a 'verify' entry")
         version = data.get("format_version", _FORMAT_VERSION)
-        if version != _FORMAT_VERSION:
+        if version not in (1, _FORMAT_VERSION):
             raise ValueError(
                 f"unsupported cost table format_version {version!r} (expected {_FORMAT_VERSION})"
             )
         verify = {int(k): float(v) for k, v in data["verify"].items()}
         draft = {int(k): float(v) for k, v in data.get("draft", {}).items()}
-        return cls.from_measurements(verify, draft, metadata=data.get("metadata", {}))
+        lengths = {int(k): float(v) for k, v in data.get("draft_lengths", {}).items()}
+        return cls.from_measurements(verify, draft, draft_lengths=lengths, metadata=data.get("metadata", {}))
 
     def save(self, path: str | os.PathLike) -> str:
         """See :func:`save_cost_table`."""
@@ -196,6 +246,9 @@ class CostTableArrays:
     draft_seconds: jax.Array  # f32[C]
     num_draft: jax.Array  # int32[]
     flat: jax.Array  # bool[]
+    draft_lengths: jax.Array  # int32[C]
+    draft_length_seconds: jax.Array  # f32[C]
+    num_draft_lengths: jax.Array  # int32[]
 
     CAPACITY = 32
 
@@ -205,7 +258,8 @@ class CostTableArrays:
         c = cls.CAPACITY
         vb, vs = (table.verify_buckets, table.verify_seconds) if table is not None else ((), ())
         db, ds = (table.draft_buckets, table.draft_seconds) if table is not None else ((), ())
-        if len(vb) > c or len(db) > c:
+        dl, dls = (table.draft_lengths, table.draft_length_seconds) if table is not None else ((), ())
+        if len(vb) > c or len(db) > c or len(dl) > c:
             raise ValueError(f"a cost table for the device loop holds at most {c} buckets per side, got "
                              f"{len(vb)} verify and {len(db)} draft buckets")
 
@@ -216,7 +270,8 @@ class CostTableArrays:
 
         return cls(pad(vb, np.int32), pad(vs, np.float32), np.asarray(len(vb), np.int32),
                    pad(db, np.int32), pad(ds, np.float32), np.asarray(len(db), np.int32),
-                   np.asarray(table is None or table.is_flat))
+                   np.asarray(table is None or table.is_flat),
+                   pad(dl, np.int32), pad(dls, np.float32), np.asarray(len(dl), np.int32))
 
 
 def lookup_device(buckets: jax.Array, seconds: jax.Array, count: jax.Array, n: jax.Array) -> jax.Array:
@@ -233,6 +288,45 @@ def lookup_device(buckets: jax.Array, seconds: jax.Array, count: jax.Array, n: j
     slope = jnp.where(count >= 2, two, s_last / jnp.maximum(b_last, 1.0))
     above = s_last + slope * (n.astype(jnp.float32) - b_last)
     return jnp.where(count == 0, 0.0, jnp.where(idx < count, inside, above))
+
+
+def draft_length_cost_device(table: CostTableArrays, draft_len) -> jax.Array:
+    """jnp twin of :meth:`CostTable.draft_length_cost` (float32; ``draft_len`` may have any shape)."""
+    d = jnp.asarray(draft_len, jnp.int32)
+    count = table.num_draft_lengths
+    valid = jnp.arange(table.draft_lengths.shape[0], dtype=jnp.int32) < count
+    idx = jnp.sum((valid & (table.draft_lengths < d[..., None])).astype(jnp.int32), axis=-1)
+    return jnp.where(count == 0, 0.0, table.draft_length_seconds[jnp.minimum(idx, jnp.maximum(count - 1, 0))])
+
+
+def split_step_costs(measured: Mapping[tuple[int, int], float], *, metadata: Mapping[str, Any] | None = None
+                     ) -> CostTable:
+    """A :class:`CostTable` from whole-step timings ``{(draft_len, tokens): seconds}`` of a closed program set.
+
+    The model is additive, ``step(K_d, T) = draft_length_cost(K_d) + verify_cost(T)``, relative to the smallest
+    draft length ``d0`` (``draft_length_cost(d0) = 0``, so the verify costs hold what every step pays: the
+    target's forward and the drafter's context write). Each length's cost is the median, over the token buckets
+    both were compiled at, of its difference to ``d0`` (clipped at 0, then non-decreasing in ``K_d``); a bucket's
+    verify cost is the median, over the lengths compiled at it, of the step time less that length's cost. The
+    medians pool every program's timing, which is what makes the split steadier than any one program's time.
+    """
+    if not measured:
+        raise ValueError("split_step_costs needs at least one (draft_len, tokens) timing")
+    lengths = sorted({d for d, _ in measured})
+    d0 = lengths[0]
+    base = {t: s for (d, t), s in measured.items() if d == d0}
+    extra = {d0: 0.0}
+    for d in lengths[1:]:
+        diffs = [s - base[t] for (dd, t), s in measured.items() if dd == d and t in base]
+        if not diffs:
+            raise ValueError(f"draft length {d} shares no token bucket with draft length {d0}: cannot split")
+        extra[d] = max(0.0, statistics.median(diffs))
+    verify = {}
+    for t in sorted({t for _, t in measured}):
+        verify[t] = max(0.0, statistics.median(s - extra[d] for (d, tt), s in measured.items() if tt == t))
+    table = CostTable.from_measurements(verify, draft_lengths=extra if len(lengths) > 1 else None,
+                                        metadata=metadata)
+    return table
 
 
 def _table_path(path: str | os.PathLike) -> str:

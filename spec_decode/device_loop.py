@@ -13,11 +13,13 @@ most ``max_num_seqs`` requests whose pages fit the pool:
 
    * rows: every slot whose request is unfinished (a finished slot's row is padding);
    * drafts per row: ``K``, clipped in the step to what the row may still emit;
-   * the budget: :func:`spec_decode.budget.choose_budget_device`, the host rule in jnp, over the planner's cost
-     table and the **previous** step's confidences carried in the state (a budget from this step's
-     confidences would let a draft influence its own admission; only the allocation inside the step uses them);
-   * the packed-token bucket: the smallest of a few buckets of the closed set holding ``rows + budget``, each one
-     branch of a ``lax.switch`` over the same step compiled at that size;
+   * the draft length and the budget: :func:`spec_decode.budget.choose_plan_device`, the host rule in jnp, over
+     the planner's cost table and the **previous** step's confidences carried in the state (a plan from this
+     step's confidences would let a draft influence its own admission; only the allocation inside the step uses
+     them);
+   * the program: for the chosen draft length, the smallest of a few packed-token buckets of the closed set
+     holding ``rows + budget``; every (draft length, bucket) is one branch of a ``lax.switch`` over the step
+     compiled at that shape;
 
    the loop ends when every row has finished. One read-back per wave.
 
@@ -35,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_decode.budget import DEFAULT_MIN_PREDICTED_GAIN, choose_budget_device
+from spec_decode.budget import DEFAULT_MIN_PREDICTED_GAIN, choose_plan_device
 from spec_decode.cost_table import CostTableArrays
 from spec_decode.step import DecodeState, StepConfig, StepPlan, make_step_fn
 
@@ -47,15 +49,17 @@ class LoopConfig:
     """Static shape and settings of the loop program (its compilation key).
 
     ``rows`` (R) the engine's slots; ``output_len`` (W) the output buffer width, also the bound on decode steps
-    (every step emits at least one token per unfinished row); ``token_buckets`` the verify sizes (ascending, from
-    the closed set) with their verify-logits rows ``logit_rows``.
+    (every step emits at least one token per unfinished row); ``draft_lengths`` the ``K_d`` the plan chooses
+    from (ascending), and per length ``token_buckets`` the verify sizes (ascending, from the closed set) with
+    their verify-logits rows ``logit_rows``.
     """
 
     step: StepConfig
     rows: int
     output_len: int
-    token_buckets: tuple[int, ...]
-    logit_rows: tuple[int, ...]
+    draft_lengths: tuple[int, ...]
+    token_buckets: tuple[tuple[int, ...], ...]
+    logit_rows: tuple[tuple[int, ...], ...]
     max_total_logit_rows: int
     num_stop_ids: int
     max_blocks: int
@@ -92,6 +96,8 @@ class LoopOutputs:
     predicted_per_position: jax.Array  # f32[R, K]   sums of the predicted survival at verified positions
     verified_per_step: jax.Array  # int32[R, S]     the row's verified drafts at each decode step (-1: not in it)
     budget_per_step: jax.Array  # int32[S]
+    draft_len_per_step: jax.Array  # int32[S]        K_d of each decode step
+    live_per_step: jax.Array  # int32[S]        rows that decoded at each step
     finished: jax.Array  # bool[R]
     steps: jax.Array  # int32[]         decode iterations run
 
@@ -108,6 +114,8 @@ class _Carry:
     predicted: jax.Array
     verified_per_step: jax.Array
     budget_per_step: jax.Array
+    draft_len_per_step: jax.Array
+    live_per_step: jax.Array
     step: jax.Array
 
 
@@ -119,9 +127,16 @@ def make_loop_fn(target, drafter, config: LoopConfig):
     k = step_cfg.num_speculative_tokens
     r, w = config.rows, config.output_len
     mode = step_cfg.mode
-    buckets = tuple(config.token_buckets)
-    steps = [make_step_fn(target, drafter, dataclasses.replace(step_cfg, num_logit_rows=nl))
-             for nl in config.logit_rows]
+    lengths = tuple(config.draft_lengths)
+    branches, offsets = [], []  # (step fn, tokens) per (draft length, bucket); offsets[i]: length i's first
+    for d, buckets, rows in zip(lengths, config.token_buckets, config.logit_rows):
+        offsets.append(len(branches))
+        branches += [(make_step_fn(target, drafter, dataclasses.replace(step_cfg, num_logit_rows=nl, draft_len=d)), t)
+                     for t, nl in zip(buckets, rows)]
+    offsets_arr = np.asarray(offsets, np.int32)
+    counts_arr = np.asarray([len(b) for b in config.token_buckets], np.int32)
+    sizes_arr = np.asarray([t for _, t in branches], np.int32)
+    lengths_arr = np.asarray(lengths, np.int32)
     kk = max(k, 1)
 
     def program(target_params, drafter_params, state: DecodeState, inputs: LoopInputs):
@@ -130,9 +145,9 @@ def make_loop_fn(target, drafter, config: LoopConfig):
         carry = _Carry(state=state, tokens=jnp.full((r, w), -1, jnp.int32), emitted=zeros_r, target_steps=zeros_r,
                        accepted=jnp.zeros((r, kk), jnp.int32), verified=jnp.zeros((r, kk), jnp.int32),
                        predicted=jnp.zeros((r, kk), jnp.float32), verified_per_step=jnp.full((r, w), -1, jnp.int32),
-                       budget_per_step=jnp.zeros((w,), jnp.int32), step=jnp.zeros((), jnp.int32))
+                       budget_per_step=jnp.zeros((w,), jnp.int32), draft_len_per_step=jnp.zeros((w,), jnp.int32),
+                       live_per_step=jnp.zeros((w,), jnp.int32), step=jnp.zeros((), jnp.int32))
         max_steps = jnp.clip(inputs.max_steps, 0, w)
-        bucket_sizes = jnp.asarray(buckets, jnp.int32)
 
         def live_rows(st: DecodeState):
             return (inputs.rows >= 0) & ~st.done[slot]
@@ -146,17 +161,24 @@ def make_loop_fn(target, drafter, config: LoopConfig):
             sched = jnp.where(live, jnp.clip(max_emit - 1, 0, k), 0)
             n_live = jnp.sum(live, dtype=jnp.int32)
             cap = config.max_total_logit_rows
+            last_length = jnp.asarray(len(lengths) - 1, jnp.int32)
             if mode == "adaptive":
-                budget = choose_budget_device(c.state.prev_confidences[slot, :k], sched, num_rows=n_live,
-                                              num_sampling_rows=n_live, num_non_draft_tokens=n_live,
-                                              cost_table=inputs.cost_table, max_total_logit_rows=cap,
-                                              min_predicted_gain=config.min_predicted_gain)
+                budget, li = choose_plan_device(c.state.prev_confidences[slot, :k], sched, num_rows=n_live,
+                                                num_sampling_rows=n_live, num_non_draft_tokens=n_live,
+                                                cost_table=inputs.cost_table, max_total_logit_rows=cap,
+                                                draft_lengths=lengths, min_predicted_gain=config.min_predicted_gain)
             elif mode == "fixed":
-                budget = jnp.maximum(0, jnp.minimum(jnp.sum(sched), cap - n_live))
+                budget, li = jnp.maximum(0, jnp.minimum(jnp.sum(sched), cap - n_live)), last_length
             else:
-                budget = jnp.zeros((), jnp.int32)
-            fits = bucket_sizes >= n_live + budget  # the last bucket always does (it holds every row's 1 + K)
-            bucket = jnp.where(jnp.any(fits), jnp.argmax(fits), len(buckets) - 1).astype(jnp.int32)
+                budget, li = jnp.zeros((), jnp.int32), last_length
+            draft_len = jnp.asarray(lengths_arr)[li]
+            sched = jnp.minimum(sched, draft_len)
+            budget = jnp.minimum(budget, jnp.sum(sched))
+            # the length's smallest bucket holding the step (its last always does: every row's 1 + K_d)
+            first, count = jnp.asarray(offsets_arr)[li], jnp.asarray(counts_arr)[li]
+            idx = jnp.arange(len(branches), dtype=jnp.int32)
+            fits = (idx >= first) & (idx < first + count) & (jnp.asarray(sizes_arr) >= n_live + budget)
+            bucket = jnp.where(jnp.any(fits), jnp.argmax(fits), first + count - 1).astype(jnp.int32)
             plan = StepPlan(rows=jnp.where(live, inputs.rows, -1), prefill_tokens=None, prefill_len=zeros_r,
                             prefill_start=zeros_r, prefill_last=jnp.zeros((r,), bool),
                             resume_token=jnp.full((r,), -1, jnp.int32), block_tables=inputs.block_tables,
@@ -170,7 +192,7 @@ def make_loop_fn(target, drafter, config: LoopConfig):
                               dataclasses.replace(plan, prefill_tokens=jnp.zeros((t,), jnp.int32)))
                 return run
 
-            st, out = jax.lax.switch(bucket, [branch(fn, t) for fn, t in zip(steps, buckets)], c.state, plan)
+            st, out = jax.lax.switch(bucket, [branch(fn, t) for fn, t in branches], c.state, plan)
             count = jnp.where(live, out.num_emitted, 0)
             cols = jnp.arange(out.tokens.shape[1], dtype=jnp.int32)[None, :]
             dest = jnp.where(cols < count[:, None], c.emitted[:, None] + cols, w)  # w: dropped
@@ -188,6 +210,8 @@ def make_loop_fn(target, drafter, config: LoopConfig):
                 predicted=c.predicted + jnp.where(in_verified, survival, 0.0) if k else c.predicted,
                 verified_per_step=c.verified_per_step.at[:, s].set(jnp.where(live, out.num_verified, -1)),
                 budget_per_step=c.budget_per_step.at[s].set(budget),
+                draft_len_per_step=c.draft_len_per_step.at[s].set(draft_len),
+                live_per_step=c.live_per_step.at[s].set(n_live),
                 step=s + 1,
             )
 
@@ -198,7 +222,9 @@ def make_loop_fn(target, drafter, config: LoopConfig):
                                         verified_per_position=carry.verified[:, :k],
                                         predicted_per_position=carry.predicted[:, :k],
                                         verified_per_step=carry.verified_per_step,
-                                        budget_per_step=carry.budget_per_step, finished=finished, steps=carry.step)
+                                        budget_per_step=carry.budget_per_step,
+                                        draft_len_per_step=carry.draft_len_per_step,
+                                        live_per_step=carry.live_per_step, finished=finished, steps=carry.step)
 
     return program
 

@@ -46,7 +46,7 @@ from minimax_jax.cache import cache_bytes_per_page, page_size_for
 from minimax_jax.decode import choose_implementation
 from minimax_jax.draft_cache import draft_cache_bytes_per_page
 from spec_decode import compilation_cache as persistent_cache
-from spec_decode.buckets import StepKey, logit_rows, step_keys
+from spec_decode.buckets import StepKey, default_draft_lengths, logit_rows, step_keys
 from spec_decode.cost_table import CostTable, CostTableArrays, load_cost_table, save_cost_table
 from spec_decode.device_loop import LoopConfig, fill_requests, loop_inputs, make_loop_fn
 from spec_decode.page_pool import PagePool
@@ -55,7 +55,7 @@ from spec_decode.programs import CompileReport, StepPrograms, compile_counter, c
 from spec_decode.request import Request, build_requests
 from spec_decode.results import GenerationResult, GenerationResults, request_result, run_stats
 from spec_decode.scheduler import ScheduledStep, Scheduler
-from spec_decode.step import MODES, DecodeState, StepConfig, StepPlan, init_state
+from spec_decode.step import CONFIDENCES, MODES, DecodeState, StepConfig, StepPlan, init_state
 
 __all__ = ["Engine", "GenerationResult", "GenerationResults", "generate_offline"]
 
@@ -82,6 +82,14 @@ class Engine:
         the fixed mode respect it at any concurrency (fixed K verifies fewer drafts, evenly, when it binds).
       cost_table: what adaptive verification trades acceptance against: ``"profile"`` (default: every program
         of the closed set is timed at warm-up), a :class:`CostTable`, or ``None`` (flat: verify everything).
+      draft_lengths: the draft lengths ``K_d`` adaptive verification chooses from each step (each one a set of
+        programs of the closed set): default ``(0, 1, 3, K)`` with a profiled table, the table's own lengths
+        with a given one, else ``(K,)``; ``(K,)`` holds the draft length at K (only the verified count adapts).
+        Fixed and none verification draft K (none: 0) always.
+      confidence: where adaptive confidences come from: ``"head"`` (the drafter's confidence head after STS),
+        ``"calibrated"`` (the head's, recalibrated online from the verified positions: a per-position Platt fit
+        refit every 100 steps), ``"estimator"`` (the online estimator on the draft distributions; the only
+        choice for a drafter without a head). Default: ``"head"`` when the drafter has one.
       tokenizer: encodes string prompts and decodes outputs (``encode(str) -> list[int]``, ``decode(ids)``).
       implementation / interpret: the kernels (``decode.choose_implementation``).
       min_token_bucket: the smallest packed-token bucket of the closed set.
@@ -105,7 +113,8 @@ class Engine:
                  implementation: str = "auto", interpret: bool | None = None, cache_dtype=None,
                  min_token_bucket: int = 8, device_loop_token_buckets: int = 4, max_stop_token_ids: int = 16,
                  enable_prefix_caching: bool = True, async_scheduling: bool = True, precompile: bool = False,
-                 compilation_cache: bool = True, device_loop: bool = True):
+                 compilation_cache: bool = True, device_loop: bool = True, draft_lengths=None,
+                 confidence: str | None = None):
         cfg = target.cfg
         if verification not in MODES:
             raise ValueError(f"verification must be one of {MODES}, got {verification!r}")
@@ -144,12 +153,8 @@ class Engine:
             warnings.warn(f"fixed verification: a step with more than {self.max_total_logit_rows // (1 + k)} "
                           f"requests verifies fewer than K={k} drafts each (spread evenly) to stay within "
                           f"max_total_logit_rows={self.max_total_logit_rows}", stacklevel=2)
-        self.confidence = "head"
-        if k > 0 and not drafter.has_confidence_head:
-            self.confidence = "estimator"
-            if verification == "adaptive":
-                warnings.warn("the drafter has no confidence head (or its checkpoint lacks the weights): adaptive "
-                              "verification runs on the online acceptance estimator", stacklevel=2)
+        self.confidence = self._confidence(confidence, k, verification)
+        self.draft_lengths = self._draft_lengths(draft_lengths, cost_table)
         self.cache_dtype = target.dtype if cache_dtype is None else cache_dtype
         self.implementation = choose_implementation(implementation, cfg, page_size=self.page_size,
                                                     dtype=self.cache_dtype, interpret=interpret)
@@ -158,13 +163,14 @@ class Engine:
         self.num_stop_ids = max_stop_token_ids
         self.async_scheduling = bool(async_scheduling)
         self.planner = Planner(mode=verification, max_total_logit_rows=self.max_total_logit_rows,
-                               cost_table=cost_table)
+                               cost_table=cost_table, num_speculative_tokens=k, draft_lengths=self.draft_lengths)
         self.pool = PagePool(self.num_pages, self.page_size, self.max_blocks,
                              enable_prefix_caching=bool(enable_prefix_caching))
         # the closed program set
         self.step_keys = step_keys(max_num_seqs=max_num_seqs, num_speculative_tokens=k,
                                    max_num_batched_tokens=max_num_batched_tokens,
-                                   min_token_bucket=min_token_bucket, max_total_logit_rows=self.max_total_logit_rows)
+                                   min_token_bucket=min_token_bucket, max_total_logit_rows=self.max_total_logit_rows,
+                                   draft_lengths=self.draft_lengths)
         self.token_buckets = tuple(sorted({key.tokens for key in self.step_keys}))
         capture = tuple(self.drafter.cfg.target_layer_ids) if self.drafter is not None else ()
         self._step_config = StepConfig(num_speculative_tokens=k, mode=verification, confidence=self.confidence,
@@ -189,6 +195,45 @@ class Engine:
             self.warmup()
 
     # ------------------------------------------------------------------ set-up helpers
+    def _confidence(self, confidence, k: int, verification: str) -> str:
+        has_head = k > 0 and self.drafter.has_confidence_head
+        if confidence is None:
+            if k > 0 and not has_head and verification == "adaptive":
+                warnings.warn("the drafter has no confidence head (or its checkpoint lacks the weights): adaptive "
+                              "verification runs on the online acceptance estimator", stacklevel=3)
+            return "head" if has_head or k == 0 else "estimator"
+        if confidence not in CONFIDENCES:
+            raise ValueError(f"confidence must be one of {CONFIDENCES}, got {confidence!r}")
+        if confidence in ("head", "calibrated") and k > 0 and not has_head:
+            raise ValueError(f"confidence={confidence!r} needs a drafter with a confidence head; this one has none "
+                             f"(use 'estimator')")
+        return confidence
+
+    def _draft_lengths(self, draft_lengths, cost_table) -> tuple[int, ...]:
+        k = self.k
+        if draft_lengths is not None:
+            try:
+                lengths = tuple(sorted({int(d) for d in draft_lengths}))
+            except (TypeError, ValueError):
+                raise ValueError(f"draft_lengths must be a sequence of integers, got {draft_lengths!r}") from None
+            if not lengths or any(d < 0 or d > k or isinstance(d, bool) for d in lengths):
+                raise ValueError(f"draft_lengths must be a non-empty set of integers in [0, K={k}], got "
+                                 f"{draft_lengths!r}")
+            if self.mode != "adaptive" and lengths != (k,):
+                raise ValueError(f"draft_lengths other than ({k},) need verification='adaptive' (fixed and none "
+                                 f"draft K, none K = 0), got {draft_lengths!r}")
+            if len(lengths) > 1 and (cost_table is None or cost_table == "flat"):
+                raise ValueError("draft_lengths with more than one length need a cost table (cost_table='profile' "
+                                 "or a CostTable): with a flat table there is nothing to choose by")
+            return lengths
+        if self.mode != "adaptive":
+            return (k,)
+        if isinstance(cost_table, CostTable):
+            return tuple(sorted({d for d in cost_table.draft_lengths if d <= k} | {k}))
+        if isinstance(cost_table, str) and cost_table == "profile":
+            return default_draft_lengths(k)
+        return (k,)
+
     def _pool_size(self, num_pages, memory_fraction) -> int:
         if num_pages is not None and memory_fraction is not None:
             raise ValueError("give num_pages or memory_fraction, not both")
@@ -219,16 +264,19 @@ class Engine:
         return per_page
 
     def _loop_config(self, num_buckets: int) -> LoopConfig:
-        """The device loop's static shape: the engine's slots, ``max_model_len`` wide outputs, the largest decode
-        buckets of the closed set."""
-        decode_max = self.max_num_seqs * (1 + self.k)
-        fitting = [t for t in self.token_buckets if t < decode_max] + [
-            next(t for t in self.token_buckets if t >= decode_max)]
-        buckets = tuple(fitting[-num_buckets:])
-        kw = dict(rows=self.max_num_seqs, num_speculative_tokens=self.k,
-                  max_total_logit_rows=self.max_total_logit_rows)
+        """The device loop's static shape: the engine's slots, ``max_model_len`` wide outputs, per draft length
+        the largest decode buckets of the closed set."""
+        per_length, rows = [], []
+        for d in self.draft_lengths:
+            decode_max = self.max_num_seqs * (1 + d)
+            have = sorted(key.tokens for key in self.step_keys if key.draft_len == d and not key.sampling)
+            fitting = [t for t in have if t < decode_max] + [next(t for t in have if t >= decode_max)]
+            buckets = tuple(fitting[-num_buckets:])
+            per_length.append(buckets)
+            rows.append(tuple(logit_rows(t, rows=self.max_num_seqs, num_speculative_tokens=d,
+                                         max_total_logit_rows=self.max_total_logit_rows) for t in buckets))
         return LoopConfig(step=self._step_config, rows=self.max_num_seqs, output_len=self.max_model_len,
-                          token_buckets=buckets, logit_rows=tuple(logit_rows(t, **kw) for t in buckets),
+                          draft_lengths=self.draft_lengths, token_buckets=tuple(per_length), logit_rows=tuple(rows),
                           max_total_logit_rows=self.max_total_logit_rows, num_stop_ids=self.num_stop_ids,
                           max_blocks=self.max_blocks)
 
@@ -240,7 +288,8 @@ class Engine:
     def _init_state(self) -> DecodeState:
         return init_state(self.target, self.drafter, num_slots=self.max_num_seqs, num_pages=self.num_pages,
                           max_model_len=self.max_model_len, num_speculative_tokens=self.k,
-                          use_estimator=self.confidence == "estimator", cache_dtype=self.cache_dtype)
+                          use_estimator=self.confidence == "estimator", cache_dtype=self.cache_dtype,
+                          confidence=self.confidence)
 
     def _example_plan(self, key: StepKey) -> StepPlan:
         """A plan of ``key``'s shape with every slot a padding row (warm-up and profiling fill it in)."""
@@ -324,7 +373,7 @@ class Engine:
                 warnings.warn(f"ignoring the cached cost table {path}: {e}", stacklevel=3)
         t0 = time.perf_counter()
         self._profile_costs(show)
-        print(f"minimax-jax: profiled the cost table of {len(self.token_buckets)} step programs in "
+        print(f"minimax-jax: profiled the cost table of {sum(not key.sampling for key in self.step_keys)} step programs in "
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
         if path is not None and self.planner.table is not None:
             save_cost_table(self.planner.table, path)
@@ -341,24 +390,24 @@ class Engine:
         if show:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(self.step_keys), unit="bucket", desc="profiling", file=sys.stderr, leave=False)
-        by_tokens = {key.tokens: key for key in self.step_keys if not key.sampling}
+            bar = tqdm(total=7, unit="round", desc="profiling", file=sys.stderr, leave=False)
+        by_shape = {(key.draft_len, key.tokens): key for key in self.step_keys if not key.sampling}
 
-        def time_bucket(t: int) -> None:
-            key = by_tokens[t]
+        def time_program(d: int, t: int) -> None:
+            key = by_shape[d, t]
             n = min(r, t)
             plan = self._example_plan(key)
             plan.rows[:n] = np.arange(n)
-            plan.scheduled[:n] = k
+            plan.scheduled[:n] = d
             plan.limit[:n] = self.max_model_len
             plan.block_tables[:] = tables
-            plan = dataclasses.replace(plan, budget=np.asarray(min(t - n, n * k), np.int32),
+            plan = dataclasses.replace(plan, budget=np.asarray(min(t - n, n * d), np.int32),
                                        commit=np.asarray(False))
             self._state, out = self._programs.run(key, self._target_params, self._drafter_params, self._state,
                                                   plan)
             jax.block_until_ready(out)
 
-        self.planner.profile(self.token_buckets, time_bucket, progress=bar)
+        self.planner.profile(sorted(by_shape), time_program, repeats=7, progress=bar)
         if bar is not None:
             bar.close()
         self._state = _with_lengths(self._state, np.zeros(r, np.int32))
@@ -490,6 +539,8 @@ class Engine:
         steps = verify_steps = 0
         verified_per_step: list[int] = []
         budget_per_step: list[int] = []
+        draft_len_per_step: list[int] = []
+        drafted_per_step: list[int] = []
         host = {"schedule": 0.0, "dispatch": 0.0, "commit": 0.0}  # seconds the host spent, by part
         t0 = time.perf_counter()
         with compile_counter() as compiled:
@@ -515,6 +566,8 @@ class Engine:
                             verify_steps += 1
                             verified_per_step.append(int(np.sum(out.num_verified)))
                             budget_per_step.append(done.budget)
+                            draft_len_per_step.append(max(done.key.draft_len, 0))
+                            drafted_per_step.append(done.num_decode * max(done.key.draft_len, 0))
                         host["commit"] += time.perf_counter() - h3
                         for req, new in events:
                             yield req.index, new
@@ -528,6 +581,8 @@ class Engine:
                 stats.update(run_stats(requests, k=self.k, mode=self.mode, loop="host", wall=wall, steps=steps,
                                        verify_steps=verify_steps, verified_per_step=verified_per_step,
                                        budget_per_step=budget_per_step, host_s=sum(host.values()),
+                                       draft_length_per_step=draft_len_per_step,
+                                       drafted_per_step=drafted_per_step,
                                        compiles=len(compiled), preemptions=sched.num_preemptions,
                                        prefill_tokens=sched.prefill_tokens_computed,
                                        prefix_tokens_reused=sched.prefix_tokens_reused,
@@ -548,7 +603,7 @@ class Engine:
         sched = self._scheduler()
         t0 = time.perf_counter()
         steps = 0
-        verified, budgets = [], []
+        verified, budgets, lengths, drafted = [], [], [], []
         device_s = 0.0
         with compile_counter() as compiled:
             try:
@@ -583,6 +638,8 @@ class Engine:
                     per_step = np.where(out.verified_per_step[:, :n] >= 0, out.verified_per_step[:, :n], 0).sum(0)
                     verified.extend(int(x) for x in per_step)
                     budgets.extend(int(x) for x in out.budget_per_step[:n])
+                    lengths.extend(int(x) for x in out.draft_len_per_step[:n])
+                    drafted.extend(int(x) for x in out.draft_len_per_step[:n] * out.live_per_step[:n])
                     for r in live:
                         last = r.output[-1] if r.output else None
                         r.finish_reason = "stop" if last in r.stop_ids else "length"
@@ -594,9 +651,10 @@ class Engine:
         wall = time.perf_counter() - t0
         stats = run_stats(requests, k=self.k, mode=self.mode, loop="device", wall=wall, steps=steps,
                           verify_steps=len(verified), verified_per_step=verified, budget_per_step=budgets,
+                          draft_length_per_step=lengths, drafted_per_step=drafted,
                           host_s=wall - device_s, compiles=len(compiled), preemptions=0,
                           prefill_tokens=sched.prefill_tokens_computed, prefix_tokens_reused=sched.prefix_tokens_reused,
-                          token_buckets=list(self.loop_config.token_buckets), device_time_s=device_s)
+                          token_buckets=[list(b) for b in self.loop_config.token_buckets], device_time_s=device_s)
         return GenerationResults([self._result(r) for r in requests], stats)
 
     def _waves(self, requests: list[Request]):

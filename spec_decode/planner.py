@@ -1,12 +1,16 @@
-"""The budget planner of the engine: how many drafts each step verifies, and the cost table it plans from.
+"""The planner of the engine: how many positions each step drafts, how many drafts it verifies, and the cost
+table it plans from.
 
 One :class:`Planner` per engine owns
 
-* the **rule**: ``"adaptive"`` asks :func:`spec_decode.budget.choose_budget` (expected emitted tokens per second
-  of step time, from the confidences of an earlier step: lossless); ``"fixed"`` verifies every scheduled draft
-  (spread evenly by the allocator when the verify-logits bound binds); ``"none"`` verifies nothing;
-* the **cost table**: seconds of a whole step per packed-token bucket of the closed program set, given by the user
-  or profiled once at warm-up (:meth:`Planner.profile`) on the engine's own compiled programs;
+* the **rule**: ``"adaptive"`` asks :func:`spec_decode.budget.choose_plan` (expected emitted tokens per second
+  of step time, from the confidences of an earlier step: lossless) for the draft length ``K_d`` (one of the
+  engine's compiled ``draft_lengths``) and the budget; ``"fixed"`` drafts ``K`` and verifies every scheduled
+  draft (spread evenly by the allocator when the verify-logits bound binds); ``"none"`` drafts nothing;
+* the **cost table**: the draft-length and verify terms of a step's time over the closed program set, given by
+  the user or profiled once at warm-up (:meth:`Planner.profile`) on the engine's own compiled programs: every
+  (``K_d``, packed tokens) program timed, interleaved over several rounds, and split into the two terms
+  (:func:`spec_decode.cost_table.split_step_costs`);
 * the **device form** of the same table (:meth:`Planner.device_table`), so the jitted device loop plans from the
   very numbers the host loop plans from.
 
@@ -21,8 +25,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from spec_decode.budget import DEFAULT_MIN_PREDICTED_GAIN, choose_budget
-from spec_decode.cost_table import CostTable, CostTableArrays
+from spec_decode.budget import DEFAULT_MIN_PREDICTED_GAIN, choose_plan
+from spec_decode.cost_table import CostTable, CostTableArrays, split_step_costs
 
 __all__ = ["Planner"]
 
@@ -35,11 +39,16 @@ class Planner:
       max_total_logit_rows: the verify-logits bound of a step (rows of vocabulary logits).
       cost_table: ``"profile"`` (default: measured at warm-up), a :class:`CostTable`, or ``None`` / ``"flat"``
         (verify everything: no trade-off).
+      num_speculative_tokens: K.
+      draft_lengths: the ``K_d`` the engine compiled (default ``(K,)``); the adaptive rule chooses among them.
     """
 
     def __init__(self, *, mode: str, max_total_logit_rows: int, cost_table="profile",
-                 min_predicted_gain: float = DEFAULT_MIN_PREDICTED_GAIN):
+                 min_predicted_gain: float = DEFAULT_MIN_PREDICTED_GAIN, num_speculative_tokens: int = 0,
+                 draft_lengths: Sequence[int] | None = None):
         self.mode = mode
+        self.k = int(num_speculative_tokens)
+        self.draft_lengths = tuple(sorted(set(draft_lengths))) if draft_lengths else (self.k,)
         self.max_total_logit_rows = int(max_total_logit_rows)
         self.min_predicted_gain = min_predicted_gain
         self.table: CostTable | None = None
@@ -54,44 +63,66 @@ class Planner:
             raise ValueError(f"cost_table must be 'profile', None or a CostTable, got {cost_table!r}")
 
     # ------------------------------------------------------------------ the rule
-    def budget(self, stale_confidences, scheduled, *, num_sampling_rows: int, num_non_draft_tokens: int) -> int:
-        """Drafts the next step verifies in total: ``stale_confidences f32[n, K]`` (an earlier step's, of the
-        step's ``n`` decode rows), ``scheduled int[n]`` (drafts each may verify), ``num_sampling_rows`` (rows
-        that emit a token whatever the drafts), ``num_non_draft_tokens`` (anchors and prefill tokens)."""
+    def plan(self, stale_confidences, scheduled, *, num_sampling_rows: int,
+             num_non_draft_tokens: int) -> tuple[int, int]:
+        """``(budget, K_d)`` of the next step: drafts it verifies in total, positions each row drafts.
+
+        ``stale_confidences f32[n, K]`` (an earlier step's, of the step's ``n`` decode rows), ``scheduled int[n]``
+        (drafts each may verify), ``num_sampling_rows`` (rows that emit a token whatever the drafts),
+        ``num_non_draft_tokens`` (anchors and prefill tokens)."""
         n = len(scheduled)
+        full = self.draft_lengths[-1]
         # rows that sample without drafting (a prefill's last chunk) take logit rows too
         cap = self.max_total_logit_rows - (num_sampling_rows - n)
-        total = int(np.sum(scheduled))
+        total = int(np.sum(np.minimum(scheduled, full)))
         if self.mode == "none" or n == 0:
-            return 0
+            return 0, self.draft_lengths[0]
         if self.mode == "fixed":
-            return max(0, min(total, cap - n))
-        return choose_budget(stale_confidences, scheduled, num_sampling_rows=num_sampling_rows,
-                             num_non_draft_tokens=num_non_draft_tokens, cost_table=self.table,
-                             max_total_logit_rows=cap, min_predicted_gain=self.min_predicted_gain)
+            return max(0, min(total, cap - n)), full
+        return choose_plan(stale_confidences, scheduled, num_sampling_rows=num_sampling_rows,
+                           num_non_draft_tokens=num_non_draft_tokens, cost_table=self.table,
+                           max_total_logit_rows=cap, draft_lengths=self.draft_lengths,
+                           min_predicted_gain=self.min_predicted_gain)
+
+    def budget(self, stale_confidences, scheduled, *, num_sampling_rows: int, num_non_draft_tokens: int) -> int:
+        """The budget of :meth:`plan` alone."""
+        return self.plan(stale_confidences, scheduled, num_sampling_rows=num_sampling_rows,
+                         num_non_draft_tokens=num_non_draft_tokens)[0]
 
     # ------------------------------------------------------------------ the table
-    def profile(self, buckets: Sequence[int], time_bucket: Callable[[int], None], *, repeats: int = 5,
-                warmup: int = 1, progress=None) -> CostTable:
-        """Time one step at every packed-token bucket and keep the table (median of ``repeats`` runs each).
+    def profile(self, programs: Sequence[tuple[int, int]], time_program: Callable[[int, int], None], *,
+                repeats: int = 7, warmup: int = 1, progress=None) -> CostTable:
+        """Time one step of every ``(K_d, tokens)`` program and keep the table split into its two terms.
 
-        ``time_bucket(t)`` runs one step of bucket ``t`` and blocks until it is done. The spread (min and max
-        of the runs) is kept in the table's metadata."""
-        measured, spread = {}, {}
-        for t in buckets:
+        ``time_program(d, t)`` runs one step of that program and blocks until it is done. The programs are timed
+        in ``repeats`` interleaved rounds (a drift of the device's clocks spreads over all of them instead of
+        biasing one); each keeps its median. The table's metadata holds the medians, each program's spread (min
+        and max of its runs), and ``noise``: the median relative spread against the median relative gap between
+        neighbouring buckets (what the planner acts on)."""
+        programs = [tuple(map(int, p)) for p in programs]
+        for p in programs:
             for _ in range(warmup):
-                time_bucket(t)
-            runs = []
-            for _ in range(repeats):
+                time_program(*p)
+        runs = {p: [] for p in programs}
+        for _ in range(repeats):
+            for p in programs:
                 t0 = time.perf_counter()
-                time_bucket(t)
-                runs.append(time.perf_counter() - t0)
-            measured[t] = statistics.median(runs)
-            spread[str(t)] = [min(runs), max(runs)]
+                time_program(*p)
+                runs[p].append(time.perf_counter() - t0)
             if progress is not None:
                 progress.update(1)
-        self.table = CostTable.from_measurements(measured, metadata={"source": "engine warm-up profile",
-                                                                     "repeats": repeats, "spread_s": spread})
+        medians = {p: statistics.median(v) for p, v in runs.items()}
+        spread = {f"{d}/{t}": [min(runs[d, t]), max(runs[d, t])] for d, t in programs}
+        rel_spread = [(max(v) - min(v)) / max(statistics.median(v), 1e-12) for v in runs.values()]
+        gaps = []
+        for d in sorted({d for d, _ in programs}):
+            ts = sorted(t for dd, t in programs if dd == d)
+            gaps += [abs(medians[d, b] - medians[d, a]) / max(medians[d, a], 1e-12) for a, b in zip(ts, ts[1:])]
+        meta = {"source": "engine warm-up profile", "repeats": repeats, "spread_s": spread,
+                "median_s": {f"{d}/{t}": s for (d, t), s in medians.items()},
+                "noise": {"median_relative_spread": statistics.median(rel_spread),
+                          "median_relative_gap": statistics.median(gaps) if gaps else None}}
+        self.table = split_step_costs(medians, metadata=meta)
         self.profile_pending = False
         return self.table
 
@@ -101,6 +132,7 @@ class Planner:
         if self.mode != "adaptive" or table is None:
             return CostTableArrays.from_table(None)
         if buckets is not None:
-            table = CostTable.from_measurements({int(b): table.verify_cost(int(b)) for b in buckets},
-                                                metadata=table.metadata)
+            table = CostTable.from_measurements(
+                {int(b): table.verify_cost(int(b)) for b in buckets},
+                draft_lengths=dict(zip(table.draft_lengths, table.draft_length_seconds)), metadata=table.metadata)
         return CostTableArrays.from_table(table)

@@ -147,8 +147,9 @@ class StepPrograms:
         self.keys = tuple(keys)
         self._fns = {}
         for key in self.keys:
-            step = make_step_fn(target, drafter, dataclasses.replace(base, num_logit_rows=key.logit_rows,
-                                                                       sampling=key.sampling))
+            step = make_step_fn(target, drafter, dataclasses.replace(
+                base, num_logit_rows=key.logit_rows, sampling=key.sampling,
+                draft_len=None if key.draft_len < 0 else key.draft_len))
 
             def packed_step(target_params, drafter_params, state, packed, step=step):
                 return step(target_params, drafter_params, state, unpack_plan(packed, num_stop_ids=num_stop_ids))

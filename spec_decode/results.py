@@ -63,14 +63,16 @@ def request_result(req: Request, *, k: int, tokenizer=None) -> GenerationResult:
 
 def run_stats(requests: Sequence[Request], *, k: int, mode: str, loop: str, wall: float, steps: int,
               verify_steps: int, verified_per_step: Sequence[int], budget_per_step: Sequence[int], host_s: float,
-              compiles: int, preemptions: int, prefill_tokens: int, prefix_tokens_reused: int, **extra) -> dict:
+              compiles: int, preemptions: int, prefill_tokens: int, prefix_tokens_reused: int,
+              draft_length_per_step: Sequence[int] = (), drafted_per_step: Sequence[int] = (), **extra) -> dict:
     """The run statistics (``results.stats``), the same keys for the host and the device loop.
 
     ``prefill_tokens`` were computed, ``prefix_tokens_reused`` came from the prefix cache instead.
     ``per_position_acceptance[j]``: of the requests' verify steps that verified draft ``j + 1``, the fraction that
     accepted drafts ``1..j+1``; ``predicted_per_position_acceptance[j]``: the mean survival (product of the step's
     confidences up to ``j + 1``) the allocator ranked those drafts by; ``calibration_error``: the gap between the
-    two, averaged over positions weighted by their verified counts."""
+    two, averaged over positions weighted by their verified counts. ``draft_length_per_step`` is the ``K_d`` each
+    decode step drafted, ``drafted_per_step`` the draft tokens it produced (decode rows times ``K_d``)."""
     out_tokens = sum(len(r.output) for r in requests)
     decode_emitted = sum(max(len(r.output) - 1, 0) for r in requests if r.target_steps)
     row_steps = sum(r.target_steps for r in requests)
@@ -91,6 +93,10 @@ def run_stats(requests: Sequence[Request], *, k: int, mode: str, loop: str, wall
         verified_drafts_per_step=[int(x) for x in verified_per_step],
         budget_per_step=[int(x) for x in budget_per_step],
         mean_verified_drafts_per_step=float(np.mean(verified_per_step)) if len(verified_per_step) else 0.0,
+        draft_length_per_step=[int(x) for x in draft_length_per_step],
+        mean_draft_length=float(np.mean(draft_length_per_step)) if len(draft_length_per_step) else 0.0,
+        drafted_tokens_per_step=[int(x) for x in drafted_per_step],
+        mean_drafted_tokens_per_step=float(np.mean(drafted_per_step)) if len(drafted_per_step) else 0.0,
         host_time_per_step_s=host_s / steps if steps else 0.0, compiles=compiles, preemptions=preemptions,
         verification=mode, num_speculative_tokens=k, loop=loop,
         prefill_tokens=prefill_tokens, prefix_cache_tokens=prefix_tokens_reused,

@@ -25,8 +25,8 @@ Policy, step by step:
    slot is free, pages are available and the step's prefill token budget (``max_num_batched_tokens``) lasts. An
    admitted request first takes the cached pages of its longest cached prompt prefix (:mod:`spec_decode.page_pool`)
    and prefills only the rest. Admitted work that does not fit waits; nothing crashes.
-3. **Budget**: the :class:`~spec_decode.planner.Planner` chooses how many drafts the step verifies, from the
-   confidences of an earlier step (lossless).
+3. **Plan**: the :class:`~spec_decode.planner.Planner` chooses how many positions the step drafts (``K_d``) and
+   how many drafts it verifies, from the confidences of an earlier step (lossless).
 4. **Shape**: rows are always the engine's slots; the packed tokens go to the smallest bucket of the closed set
    (:mod:`spec_decode.buckets`).
 5. **Prefix caching**: every full page of a prefill chunk is registered in the pool once the step is built, so
@@ -236,17 +236,18 @@ class Scheduler:
         ends = [req.num_cached + n == len(req.prefill_target) for req, n in prefill]
         fresh_first = [end and not req.is_resumed for (req, _), end in zip(prefill, ends)]
         scheduled = np.asarray([s for _, s in decode], np.int64)
-        budget = 0
+        budget, draft_len = 0, min(self.planner.draft_lengths)  # no decode rows: the cheapest program
         if k and decode:
             stale = self.stale_conf[[r.slot for r, _ in decode]][:, :k]
-            budget = self.planner.budget(stale, scheduled, num_sampling_rows=len(decode) + sum(fresh_first),
-                                         num_non_draft_tokens=n_pre + len(decode))
-            budget = max(0, min(int(budget), int(scheduled.sum())))
+            budget, draft_len = self.planner.plan(stale, scheduled, num_sampling_rows=len(decode) + sum(fresh_first),
+                                                  num_non_draft_tokens=n_pre + len(decode))
+            decode = [(r, min(s, draft_len)) for r, s in decode]
+            budget = max(0, min(int(budget), sum(s for _, s in decode)))
         num_tokens = n_pre + len(decode) + budget
         t = token_bucket(self.token_buckets, num_tokens)
         sampling = any(req.params.temperature > 0 for req, _ in prefill + decode)
-        key = StepKey(t, logit_rows(t, rows=self.num_slots, num_speculative_tokens=k,
-                                    max_total_logit_rows=self.max_total_logit_rows), sampling)
+        key = StepKey(t, logit_rows(t, rows=self.num_slots, num_speculative_tokens=draft_len,
+                                    max_total_logit_rows=self.max_total_logit_rows), sampling, draft_len)
 
         # 4. the plan arrays: prefill rows first, then decode rows, then padding rows
         row_reqs: list[Request | None] = [r for r, _ in prefill] + [r for r, _ in decode]

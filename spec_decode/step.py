@@ -3,9 +3,11 @@
 ``step(target_params, drafter_params, state, plan) -> (state, output)`` runs, in one jitted program per shape
 bucket:
 
-1. **draft** (decode rows): the DSpark drafter drafts ``K`` tokens after each row's anchor (the last emitted
+1. **draft** (decode rows): the DSpark drafter drafts ``K_d <= K`` tokens after each row's anchor (the last emitted
    token), with Markov-corrected draft distributions and per-position confidences (the confidence head after STS,
-   or the online estimator's predictions from the draft distributions);
+   the same recalibrated online, or the online estimator's predictions from the draft distributions). ``K_d`` is
+   the program's draft length, chosen by the planner: the backbone runs the whole block as trained, the heads
+   only the first ``K_d`` slots; ``K_d = 0`` drafts nothing (the drafter's context still follows, step 7);
 2. **allocate**: ``caps = allocate_drafts(confidences, scheduled, budget)``: the global top-``budget`` survivals of
    *this* step's confidences. The budget itself was chosen from an *earlier* step's confidences (by the host
    planner, or by the device loop's planner), which is what keeps adaptive verification lossless: a confidence
@@ -60,8 +62,10 @@ MODES = ("adaptive", "fixed", "none")
 class StepConfig:
     """Static settings of one compiled step (hashable; part of the compilation key).
 
-    ``num_speculative_tokens`` (K) drafts per decode row, ``mode`` the verification mode, ``confidence`` where
-    adaptive confidences come from (``"head"`` or ``"estimator"``), ``num_logit_rows`` the verify-logits rows
+    ``num_speculative_tokens`` (K) the engine's drafts per decode row and ``draft_len`` (``K_d <= K``, ``None``: K)
+    the positions this program drafts; ``mode`` the verification mode; ``confidence`` where adaptive confidences
+    come from (``"head"``; ``"calibrated"``: the head's, recalibrated online from the verified positions;
+    ``"estimator"``: the online estimator on the draft distributions); ``num_logit_rows`` the verify-logits rows
     materialised (the memory bound), ``implementation`` the kernels. ``sampling``: False compiles the greedy rule
     alone (no draft distributions, no top-k / top-p: they never change an argmax); True serves every row, greedy
     rows included (temperature <= 0 is greedy per row), with top-k / top-p applied to target and draft
@@ -77,6 +81,10 @@ class StepConfig:
     implementation: str = "auto"
     interpret: bool | None = None
     capture_layers: tuple[int, ...] = ()
+    draft_len: int | None = None
+
+
+CONFIDENCES = ("head", "calibrated", "estimator")
 
 
 @jax.tree_util.register_dataclass
@@ -150,8 +158,11 @@ class StepOutput:
 
 
 def init_state(target, drafter, *, num_slots: int, num_pages: int, max_model_len: int, num_speculative_tokens: int,
-               use_estimator: bool, cache_dtype=None) -> DecodeState:
+               use_estimator: bool, cache_dtype=None, confidence: str = "head") -> DecodeState:
     """A fresh :class:`DecodeState`: empty caches, every slot empty (confidences 1.0).
+
+    ``use_estimator`` (or ``confidence="calibrated"``) keeps an online estimator in the state; for
+    ``"calibrated"`` it starts as the identity on the head's confidences (slope 1, intercepts 0).
 
     The drafter's context cache shares the target's page pool: ``num_pages`` pages of the target's page size,
     block tables ``[num_slots, cdiv(max_model_len, page)]`` (the plans' width) that each step fills with the
@@ -170,10 +181,21 @@ def init_state(target, drafter, *, num_slots: int, num_pages: int, max_model_len
         last_token=jnp.zeros((num_slots,), jnp.int32),
         prev_confidences=jnp.ones((num_slots, max(k, 1)), jnp.float32),
         # distinct buffers for every leaf: the state is donated, and one buffer may not be donated twice
-        estimator=jax.tree.map(jnp.copy, init_estimator(k)) if use_estimator and k > 0 else None,
+        estimator=(jax.tree.map(jnp.copy, init_estimator(k, **_ESTIMATOR_INIT[confidence]))
+                   if (use_estimator or confidence == "calibrated") and k > 0 else None),
         num_emitted=jnp.zeros((num_slots,), jnp.int32),
         done=jnp.zeros((num_slots,), bool),
     )
+
+
+# the estimator's start: its own defaults on draft features; the identity when recalibrating the head's confidences
+_ESTIMATOR_INIT = {"head": {}, "estimator": {}, "calibrated": {"slope": 1.0, "intercept": 0.0}}
+
+
+def _head_feature(confidences: jax.Array) -> jax.Array:
+    """The recalibration's feature: the logit of the head's confidence (clamped away from 0 and 1)."""
+    c = jnp.clip(confidences, 1e-6, 1.0 - 1e-6)
+    return jnp.log(c) - jnp.log1p(-c)
 
 
 def _scatter(values: jax.Array, slots: jax.Array, new: jax.Array, keep: jax.Array) -> jax.Array:
@@ -211,6 +233,12 @@ def _draft_cache_for(state: DecodeState, plan: StepPlan, slots: jax.Array):
     return dc.with_block_tables(plan.block_tables, slots)
 
 
+def _pad_positions(features: jax.Array, k: int) -> jax.Array:
+    """``f32[R, K_d]`` features to the estimator's ``K`` positions (the undrafted ones are never verified, so never
+    observed: their value does not matter)."""
+    return jnp.pad(features, ((0, 0), (0, k - features.shape[1])))
+
+
 def _estimator_feature(scaled_logits: jax.Array) -> jax.Array:
     """The estimator's feature of a draft distribution: ``logit(max q)`` of the (already scaled) logits."""
     return confidence_feature_from_logits(scaled_logits, 1.0)
@@ -225,7 +253,13 @@ def make_step_fn(target, drafter, config: StepConfig):
     """
     if config.mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {config.mode!r}")
+    if config.confidence not in CONFIDENCES:
+        raise ValueError(f"confidence must be one of {CONFIDENCES}, got {config.confidence!r}")
     k = config.num_speculative_tokens
+    kd = k if config.draft_len is None or config.draft_len < 0 else int(config.draft_len)
+    if not 0 <= kd <= k:
+        raise ValueError(f"draft_len must be in [0, K={k}], got {config.draft_len}")
+    online = config.confidence in ("estimator", "calibrated")
     tgraph, _ = nnx.split(target)
     dgraph = nnx.split(drafter)[0] if (drafter is not None and k > 0) else None
     capture = tuple(i for i in config.capture_layers if i >= 0)
@@ -247,11 +281,12 @@ def make_step_fn(target, drafter, config: StepConfig):
         sampled = config.sampling
         safe_temp = jnp.where(plan.temperature <= 0.0, 1.0, plan.temperature)
 
-        # ---- 1. draft
+        # ---- 1. draft (K_d of the K positions; K_d = 0: none)
         if k > 0:
             drafter = nnx.merge(dgraph, drafter_params)
             # the draft cache lives on the target's pages: this step's slots take the plan's block tables
             dc = _draft_cache_for(state, plan, jnp.where(active, slot, -1))
+        if kd > 0:
             # each decode row drafts from its slot's context, read in place (no per-step copy of the cache);
             # other rows see no context
             h = drafter.block_hidden(dc, anchor, num_cached,
@@ -264,30 +299,31 @@ def make_step_fn(target, drafter, config: StepConfig):
             d = drafter.sample_block(
                 h, anchor, plan.temperature, keys if sampled else None, return_probs=sampled,
                 logit_filter=(lambda x: filter_logits(x, plan.top_k, plan.top_p)) if sampled else None,
-                feature_fn=_estimator_feature if estimator else None)
-            drafts = d.tokens[:, :k]
-            draft_probs = d.probs[:, :k] if sampled else None
-            features = d.features[:, :k] if estimator else None
+                feature_fn=_estimator_feature if estimator else None, num_drafts=kd)
+            drafts = d.tokens
+            draft_probs = d.probs if sampled else None
+            features = None
             if estimator:
-                conf = predict(state.estimator, features)
-            else:
-                conf = d.confidences[:, :k]
+                features = d.features
+            elif config.confidence == "calibrated":
+                features = _head_feature(d.confidences)
+            conf = predict(state.estimator, _pad_positions(features, k))[:, :kd] if online else d.confidences
             conf = jnp.where(is_decode[:, None], conf, 0.0)
-            sched = jnp.where(is_decode, jnp.clip(jnp.minimum(plan.scheduled, max_emit - 1), 0, k), 0)
+            sched = jnp.where(is_decode, jnp.clip(jnp.minimum(plan.scheduled, max_emit - 1), 0, kd), 0)
             alloc_conf = conf if config.mode == "adaptive" else jnp.ones_like(conf)
             caps = allocate_drafts(alloc_conf, sched, plan.budget)
         else:
             drafts = jnp.zeros((r, 0), jnp.int32)
             draft_probs = jnp.zeros((r, 0, vocab), jnp.float32) if sampled else None  # no drafts: plain sampling
             features = None
-            conf = jnp.zeros((r, 1), jnp.float32)
+            conf = jnp.zeros((r, 0 if k else 1), jnp.float32)
             caps = jnp.zeros((r,), jnp.int32)
 
         # ---- 2. pack: prefill chunks (host-packed, rows first) then [anchor, drafts] per decode row
         q_len = jnp.where(is_prefill, plan.prefill_len, jnp.where(is_decode, 1 + caps, 0))
         qsl = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_len, dtype=jnp.int32)])
         dec_tokens = jnp.concatenate([anchor[:, None], drafts], axis=1)
-        offs = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+        offs = jnp.arange(kd + 1, dtype=jnp.int32)[None, :]
         place = is_decode[:, None] & (offs <= caps[:, None])
         dest = jnp.where(place, qsl[:-1, None] + offs, t)
         input_ids = plan.prefill_tokens.at[dest.reshape(-1)].set(dec_tokens.reshape(-1), mode="drop")
@@ -318,11 +354,12 @@ def make_step_fn(target, drafter, config: StepConfig):
                                       temperature=plan.temperature if sampled else 0.0, row_mask=n_logit > 0)
         num_acc = jnp.where(is_decode, rej.num_accepted, 0)
 
-        # ---- 5. stop
-        count, finished = _stop(rej.output_tokens, rej.num_emitted, plan.stop_ids, max_emit)
+        # ---- 5. stop (outputs padded to the engine's K + 1 columns whatever K_d)
+        out_tokens = jnp.pad(rej.output_tokens, ((0, 0), (0, k - kd)), constant_values=-1)
+        count, finished = _stop(out_tokens, rej.num_emitted, plan.stop_ids, max_emit)
         finished = finished & active
-        col = jnp.arange(rej.output_tokens.shape[1], dtype=jnp.int32)[None, :]
-        tokens = jnp.where(col < count[:, None], rej.output_tokens, -1)
+        col = jnp.arange(out_tokens.shape[1], dtype=jnp.int32)[None, :]
+        tokens = jnp.where(col < count[:, None], out_tokens, -1)
 
         # ---- 6. commit
         commit = plan.commit & active
@@ -338,6 +375,8 @@ def make_step_fn(target, drafter, config: StepConfig):
             done=_scatter(state.done, slot, finished, commit),
         )
         if k > 0:
+            # positions past K_d were not drafted: they keep their last confidences (the next plan's input)
+            conf = jnp.concatenate([conf, state.prev_confidences[slot, kd:k]], axis=1)
             prev_conf = jnp.where(is_decode[:, None], conf, 1.0)  # a row that just prefilled starts at 1.0
             new_state["prev_confidences"] = _scatter(state.prev_confidences, slot, prev_conf,
                                                      commit & (is_decode | (is_prefill & plan.prefill_last)))
@@ -356,8 +395,11 @@ def make_step_fn(target, drafter, config: StepConfig):
             lengths = _scatter(dc.lengths, slot, num_cached + num_new, commit)
             new_state["draft_cache"] = drafter.write_context(dc, features_cat, jnp.where(write, slot[tr], -1),
                                                              num_cached[tr] + ti, lengths)
-            if config.confidence == "estimator":
-                est = update(state.estimator, features, num_acc, jnp.where(commit & is_decode, caps, 0))
+            if online:
+                if features is None:  # K_d = 0: nothing verified, nothing to learn
+                    features = jnp.zeros((r, 0), jnp.float32)
+                est = update(state.estimator, _pad_positions(features, k), num_acc,
+                             jnp.where(commit & is_decode, caps, 0))
                 # a timing run (commit False) leaves the estimator untouched (not even its step counter)
                 new_state["estimator"] = jax.tree.map(lambda a, b: jnp.where(plan.commit, a, b), est,
                                                       state.estimator)

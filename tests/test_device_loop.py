@@ -107,10 +107,32 @@ def test_profiled_cost_table_and_the_estimator(target, prompts, references):
     with pytest.warns(UserWarning, match="online acceptance estimator"):
         res = generate_offline(target, drafter, prompts[:3], sampling_params=[SamplingParams(max_new_tokens=m)
                                                                                for m in MAX_NEW[:3]],
-                               num_speculative_tokens=3, verification="adaptive", **COMMON)
+                               num_speculative_tokens=3, verification="adaptive", draft_lengths=(0, 3), **COMMON)
     assert [r.token_ids for r in res] == references[:3]
-    assert res.stats["token_buckets"] == [16, 32]  # the largest 2 decode buckets of the closed set
+    # per draft length, the largest 2 decode buckets of the closed set (0 drafts: the 8 rows fit the smallest)
+    assert res.stats["token_buckets"] == [[8], [16, 32]]
     assert all(0 <= v <= b for v, b in zip(res.stats["verified_drafts_per_step"], res.stats["budget_per_step"]))
+    assert set(res.stats["draft_length_per_step"]) <= {0, 3}
+
+
+def test_draft_lengths_device_loop_is_the_engine_step_for_step(target, drafter, prompts, references):
+    """A table with draft lengths 0 and 3 on which neither always wins: the device loop chooses the host's draft
+    length and budget at every step (same tokens, same per-request statistics, same per-step plans), both use
+    both lengths, and greedy tokens are the target's."""
+    table = CostTable.from_measurements({128: 1.0, 256: 2.0}, draft_lengths={0: 0.0, 3: 0.35})
+    eng = Engine(target, drafter, num_speculative_tokens=3, verification="adaptive", cost_table=table,
+                 async_scheduling=False, **{**COMMON, "min_token_bucket": 128, "device_loop_token_buckets": 1})
+    assert eng.draft_lengths == (0, 3)
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in MAX_NEW]
+    dev = eng.generate(prompts, sampling_params=params, loop="device")
+    host = eng.generate(prompts, sampling_params=params, loop="host")
+    assert [r.token_ids for r in dev] == [r.token_ids for r in host] == [
+        greedy_reference(target, p, n, stop=()) for p, n in zip(prompts, MAX_NEW)]
+    for d, h in zip(dev, host):
+        assert d.stats == h.stats
+    for key in ("draft_length_per_step", "budget_per_step", "verified_drafts_per_step", "drafted_tokens_per_step"):
+        assert dev.stats[key] == host.stats[key], key
+    assert set(host.stats["draft_length_per_step"]) == {0, 3}, host.stats["draft_length_per_step"]
 
 
 def test_waves_that_fit_the_pool_and_the_logits_cap(target, drafter, prompts, references):
