@@ -1,0 +1,591 @@
+"""End-to-end sweep: output tokens/s of every verification mode at every concurrency, host and device loops; and
+the confidence head's calibration on unseen code (a reliability diagram).
+
+    PYTHONPATH=. python3 scripts/bench_e2e.py --out DIR [--requests 1 8 32 64 128 256 512] [--modes ...]
+        [--loops host device] [--prompt-len 256] [--max-new-tokens 128] [--dtype bfloat16] [--time-budget-s S]
+        [--calibration] [--resume DIR/bench_e2e.jsonl]
+    PYTHONPATH=. python3 scripts/bench_e2e.py --plot-only DIR/bench_e2e.jsonl     # tables and plots from rows
+
+On the H200 (calls of at most 10 minutes; rows survive a cut, and a later call resumes from them: on the same
+``--out``, or, when each call starts with an empty ``$OUT``, from the previous call's rows copied into the tree):
+
+    PYTHONPATH=. python3 scripts/bench_e2e.py --out $OUT/e2e --requests 1 8 64 --time-budget-s 540
+    PYTHONPATH=. python3 scripts/bench_e2e.py --out $OUT/e2e --requests 1 8 64 --time-budget-s 540 \
+        --resume bench_rows/e2e_part1.jsonl                # the first call's bench_e2e.jsonl, copied back
+    PYTHONPATH=. python3 scripts/bench_e2e.py --out $OUT/cal --requests --calibration   # reliability only
+
+**Modes.** ``none`` (plain decoding, one token per step), ``fixed1``..``fixed7`` (every request verifies its K
+drafts, K = 1..7), ``adaptive`` (K = 7, the confidence head's survival ranked against the profiled cost table,
+default draft lengths), ``adaptive-held`` (adaptive with the draft length held at K: ``draft_lengths=(7,)``) and
+``adaptive-head`` (adaptive with online recalibration off: ``confidence="head"``). The last two need the Engine
+keywords ``draft_lengths`` / ``confidence``; on an Engine without them those modes are skipped with a message.
+
+**One configuration** (concurrency ``n``, mode): an engine with ``max_num_seqs = n`` and ``max_model_len`` =
+prompt + output + 64 rounded up to a page; ``warmup()`` compiles its closed program set and profiles the cost
+table (``startup_s``, kept apart from the timed call). Per loop: one warm-up ``generate`` on ``n`` held-out prompts
+(``scripts/workloads.py``: windows of Python sources the default never saw, distinct prompts), then the timed
+``generate`` on ``n`` *other* held-out prompts of the same shape (the same timed set for every mode and loop at
+that ``n``, so their tokens compare). Greedy, EOS ignored, prefix caching off (distinct prompts share nothing,
+and a loop must not reuse the pages the previous loop cached for the same prompts). Both loops run on one engine
+(host, then device). ``timed_compiles``: XLA compilations during the timed call (0: the closed set).
+
+**Row fields.** ``output_tokens_per_s`` (every request's tokens, the one sampled at prefill included, over the
+timed call's wall time); ``ms_per_output_token`` = wall / (output tokens / n): the per-request inter-token latency;
+``mean_acceptance_length`` (tokens emitted per verify step, bonus included); ``mean_verified_drafts_per_step``
+(over the batch); ``mean_drafted_tokens_per_step`` / ``draft_length_per_step`` (None on an Engine that does not
+report them); ``per_position_acceptance`` / ``predicted_per_position_acceptance`` / ``calibration_error`` (observed
+vs predicted survival at the verified positions); ``host_time_per_step_s``; ``match_host`` (device rows: fraction of
+requests whose tokens equal the host loop's) and ``match_none`` (fraction equal to mode ``none``'s at the same
+``n`` and loop; greedy, so every mode should give 1.0 in f32; bf16 near-ties can flip). Rows carry a digest per
+request's tokens so the matches survive split runs.
+
+**Outputs** in ``--out``: ``bench_e2e.jsonl`` (a row per (n, mode, loop), appended and flushed as each finishes;
+an existing file resumes: its configurations are skipped), ``bench_e2e.json`` (``meta`` + all rows),
+``bench_e2e.md`` (tokens/s table per loop: rows concurrency, columns modes; and the ratio of each adaptive mode
+to the best of ``none``/``fixed1..7``, and to ``fixed7``), ``tokens_per_s.png``, ``adaptive_ratio.png`` (reference
+lines at 0.98 and 1.05). ``--time-budget-s``: a new configuration starts only if the elapsed time plus the previous
+configuration's duration fits.
+
+**Calibration** (``--calibration``): ``spec_decode.rollout.batched_rollout`` with full verification (every draft
+of the block verified), greedy, on ``--calibration-prompts`` held-out windows x ``--calibration-new-tokens``.
+Prediction for position ``k`` = the survival the drafter's calibrated confidences give, ``prod_{i<=k}
+sigmoid(logit_i / T_i)`` (the drafter's STS temperatures), against "the first ``k`` drafts were all accepted"
+(``minimax_jax.calibration.acceptance_labels``) at the verified positions; ECE per position with 20 bins
+(``expected_calibration_error``). ``calibration.json``: per-position mean predicted / observed, ECE calibrated and
+raw, per-bin counts / mean predicted / observed frequency; ``reliability.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import inspect
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+ALL_MODES = ["none"] + [f"fixed{k}" for k in range(1, 8)] + ["adaptive", "adaptive-held", "adaptive-head"]
+BASELINES = ["none"] + [f"fixed{k}" for k in range(1, 8)]
+ADAPTIVE = ["adaptive", "adaptive-held", "adaptive-head"]
+ROWS_FILE, JSON_FILE, MD_FILE = "bench_e2e.jsonl", "bench_e2e.json", "bench_e2e.md"
+NUM_BINS = 20
+
+
+# ----------------------------------------------------------------------------------------------- modes
+def mode_settings(mode: str, k: int) -> dict:
+    """Engine keywords of a mode: ``verification``, ``num_speculative_tokens`` and the mode's extra keywords."""
+    if mode == "none":
+        return {"verification": "none", "num_speculative_tokens": 0}
+    if mode.startswith("fixed") and mode[5:].isdigit():
+        return {"verification": "fixed", "num_speculative_tokens": int(mode[5:])}
+    if mode == "adaptive":
+        return {"verification": "adaptive", "num_speculative_tokens": k}
+    if mode == "adaptive-held":
+        return {"verification": "adaptive", "num_speculative_tokens": k, "draft_lengths": (k,)}
+    if mode == "adaptive-head":
+        return {"verification": "adaptive", "num_speculative_tokens": k, "confidence": "head"}
+    raise ValueError(f"unknown mode {mode!r} (none, fixed1..fixed7, adaptive, adaptive-held, adaptive-head)")
+
+
+def engine_accepts(name: str) -> bool:
+    from spec_decode import Engine
+
+    return name in inspect.signature(Engine.__init__).parameters
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def digest(tokens) -> str:
+    return hashlib.sha1(np.asarray(tokens, np.int64).tobytes()).hexdigest()[:12]
+
+
+def clean(v):
+    """JSON-safe: NaN/inf -> None, numpy scalars and tuples to plain values."""
+    if isinstance(v, dict):
+        return {str(k): clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [clean(x) for x in v]
+    if isinstance(v, np.ndarray):
+        return clean(v.tolist())
+    if isinstance(v, (np.floating, float)):
+        return float(v) if math.isfinite(v) else None
+    if isinstance(v, np.integer):
+        return int(v)
+    return v
+
+
+def config_key(row: dict) -> tuple:
+    return (row["n"], row["mode"], row["loop"], row["prompt_len"], row["max_new_tokens"], row["dtype"])
+
+
+def load_rows(path: str) -> list[dict]:
+    rows = []
+    if path and os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError:  # a line cut by a killed run
+                        print(f"bench_e2e: skipping a damaged line of {path}", file=sys.stderr)
+    return rows
+
+
+def matches(a: list[str] | None, b: list[str] | None) -> float | None:
+    if not a or not b or len(a) != len(b):
+        return None
+    return float(np.mean([x == y for x, y in zip(a, b)]))
+
+
+# ----------------------------------------------------------------------------------------------- the sweep
+def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[str], done_rows: list[dict],
+               write_row) -> None:
+    """One (n, mode): build and warm up an engine, then a warm-up and a timed generate per loop in ``loops``."""
+    from minimax_jax.cache import page_size_for
+    from scripts.workloads import heldout_windows
+    from spec_decode import Engine
+    from spec_decode.programs import compile_counter
+
+    settings = mode_settings(mode, args.k)
+    extra = {key: v for key, v in settings.items() if key not in ("verification", "num_speculative_tokens")}
+    max_model_len = round_up(args.prompt_len + args.max_new_tokens + 64, page_size_for(target.cfg))
+    t0 = time.perf_counter()
+    eng = Engine(target, drafter if settings["verification"] != "none" else None,
+                 num_speculative_tokens=settings["num_speculative_tokens"], verification=settings["verification"],
+                 max_num_seqs=n, max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                 min_token_bucket=args.min_token_bucket, tokenizer=tokenizer,
+                 enable_prefix_caching=args.prefix_caching, implementation=args.implementation,
+                 device_loop="device" in loops, precompile=False, **extra)
+    construct_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    report = eng.warmup()
+    startup_s = time.perf_counter() - t1
+    bos = tokenizer.bos_token_id
+    warm_prompts = heldout_windows(tokenizer, n, args.prompt_len, offset=0, bos=bos)
+    timed_prompts = heldout_windows(tokenizer, n, args.prompt_len, offset=n, bos=bos)
+    kw = {"max_new_tokens": args.max_new_tokens, "ignore_eos": True, "temperature": 0.0, "progress": False}
+    same = [r for r in done_rows if r["n"] == n and (r["prompt_len"], r["max_new_tokens"], r["dtype"]) == (
+        args.prompt_len, args.max_new_tokens, args.dtype)]  # rows whose timed prompts are this call's
+    by_loop = {r["loop"]: r for r in same if r["mode"] == mode}
+    for loop in loops:
+        eng.generate(warm_prompts, loop=loop, **kw)
+        with compile_counter() as compiled:
+            res = eng.generate(timed_prompts, loop=loop, **kw)
+        st = res.stats
+        wall, out_tokens = st["wall_time_s"], st["output_tokens"]
+        row = {
+            "n": n, "mode": mode, "loop": loop, "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
+            "dtype": args.dtype, "verification": eng.mode, "K": eng.k,
+            "draft_lengths": getattr(eng, "draft_lengths", extra.get("draft_lengths")),
+            "confidence": getattr(eng, "confidence", None), "max_model_len": max_model_len,
+            "output_tokens": out_tokens, "output_tokens_per_s": st["output_tokens_per_s"],
+            "ms_per_output_token": 1e3 * wall / (out_tokens / n) if out_tokens else None,
+            "wall_time_s": wall, "steps": st["steps"], "verify_steps": st["verify_steps"],
+            "ms_per_step": 1e3 * wall / max(st["steps"], 1),
+            "mean_acceptance_length": st["mean_acceptance_length"],
+            "mean_verified_drafts_per_step": st["mean_verified_drafts_per_step"],
+            "mean_drafted_tokens_per_step": st.get("mean_drafted_tokens_per_step"),
+            "draft_length_per_step": st.get("draft_length_per_step"),
+            "per_position_acceptance": st["per_position_acceptance"],
+            "predicted_per_position_acceptance": st["predicted_per_position_acceptance"],
+            "calibration_error": st["calibration_error"],
+            "timed_compiles": len(compiled), "construct_s": construct_s, "startup_s": startup_s,
+            "warmup_programs": report.programs, "warmup_compiled": report.compiled,
+            "host_time_per_step_s": st["host_time_per_step_s"],
+            "prefix_cache_tokens": st["prefix_cache_tokens"], "preemptions": st["preemptions"],
+            "token_digests": [digest(r.token_ids) for r in res],
+        }
+        if loop != "host" and "host" in by_loop:
+            row["match_host"] = matches(by_loop["host"]["token_digests"], row["token_digests"])
+        none_rows = [r for r in same if r["mode"] == "none"]
+        ref = next((r for r in none_rows if r["loop"] == loop), none_rows[0] if none_rows else None)
+        if mode == "none" and ref is None:
+            ref = row
+        row["match_none"] = matches(ref["token_digests"], row["token_digests"]) if ref is not None else None
+        row = clean(row)
+        by_loop[loop] = row
+        same.append(row)
+        done_rows.append(row)
+        write_row(row)
+        print(f"bench_e2e: n={n} {mode} {loop}: {row['output_tokens_per_s']:.1f} tok/s, "
+              f"{row['ms_per_output_token'] or 0:.3f} ms/token, acceptance {row['mean_acceptance_length']:.2f}, "
+              f"compiles {row['timed_compiles']}, match_none {row['match_none']}", flush=True)
+        del res
+    del eng
+    gc.collect()
+
+
+def run_sweep(args, pair, rows: list[dict], rows_path: str, t_start: float, write_outputs) -> None:
+    target, drafter, tokenizer = pair
+    done = {config_key(r) for r in rows}
+    last_config_s = 0.0
+    with open(rows_path, "a") as f:
+        def write_row(row):
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+        for n in args.requests:
+            for mode in args.modes:
+                loops = [lp for lp in args.loops
+                         if (n, mode, lp, args.prompt_len, args.max_new_tokens, args.dtype) not in done]
+                if not loops:
+                    print(f"bench_e2e: n={n} {mode}: recorded already, skipped", flush=True)
+                    continue
+                missing = [key for key in mode_settings(mode, args.k) if key not in (
+                    "verification", "num_speculative_tokens") and not engine_accepts(key)]
+                if missing:
+                    print(f"bench_e2e: n={n} {mode}: skipped: this Engine has no {', '.join(missing)} argument",
+                          flush=True)
+                    continue
+                elapsed = time.perf_counter() - t_start
+                if args.time_budget_s is not None and elapsed + last_config_s > args.time_budget_s:
+                    print(f"bench_e2e: time budget: {elapsed:.0f} s elapsed + {last_config_s:.0f} s for the last "
+                          f"configuration > {args.time_budget_s:.0f} s; stopping before n={n} {mode}", flush=True)
+                    return
+                c0 = time.perf_counter()
+                run_config(args, target, drafter, tokenizer, n, mode, loops, rows, write_row)
+                last_config_s = time.perf_counter() - c0
+                print(f"bench_e2e: n={n} {mode}: configuration took {last_config_s:.1f} s", flush=True)
+                write_outputs()
+
+
+def load_pair(dtype_name: str):
+    import jax.numpy as jnp
+
+    from minimax_jax.default import load_default
+
+    return load_default(dtype={"bfloat16": jnp.bfloat16, "float32": jnp.float32}[dtype_name])
+
+
+# ----------------------------------------------------------------------------------------------- calibration
+def reliability_bins(pred: np.ndarray, target: np.ndarray, num_bins: int = NUM_BINS) -> dict:
+    """Per bin (the binning of ``minimax_jax.calibration.expected_calibration_error``): count, mean prediction,
+    observed frequency (None for an empty bin)."""
+    p = np.clip(np.asarray(pred, np.float64), 1e-8, 1 - 1e-8)
+    b = np.minimum((p * num_bins).astype(np.int64), num_bins - 1)
+    counts = np.bincount(b, minlength=num_bins)
+    sp = np.bincount(b, weights=p, minlength=num_bins)
+    st = np.bincount(b, weights=np.asarray(target, np.float64), minlength=num_bins)
+    safe = np.maximum(counts, 1)
+    return {"edges": np.linspace(0, 1, num_bins + 1).tolist(), "count": counts.tolist(),
+            "mean_predicted": [float(x) if c else None for x, c in zip(sp / safe, counts)],
+            "observed": [float(x) if c else None for x, c in zip(st / safe, counts)]}
+
+
+def run_calibration(args, target, drafter, tokenizer) -> dict:
+    from minimax_jax.calibration import acceptance_labels, apply_sts, expected_calibration_error
+    from scripts.workloads import heldout_windows
+    from spec_decode.rollout import batched_rollout, ece_report
+
+    if drafter.confidence_head is None:
+        raise SystemExit("bench_e2e: --calibration needs a drafter with a confidence head")
+    kk = drafter.cfg.block_size
+    temps = drafter.cfg.sts_temperatures
+    prompts = heldout_windows(tokenizer, args.calibration_prompts, args.calibration_prompt_len,
+                              offset=args.calibration_offset, bos=tokenizer.bos_token_id)
+    t0 = time.perf_counter()
+    res = batched_rollout(target, drafter, prompts, rows=min(args.calibration_rows, len(prompts)), num_verify=kk,
+                          temperature=0.0, max_new_tokens=args.calibration_new_tokens)
+    seconds = time.perf_counter() - t0
+    conf = np.clip(np.asarray(apply_sts(res.confidence_logits[:, :kk], temps), np.float64), 0.0, 1.0)
+    surv = np.cumprod(conf, axis=1)  # what the allocator ranks drafts by
+    labels, observed = acceptance_labels(res.num_accepted, res.num_verified, kk)
+    per_pos = []
+    for k in range(kk):
+        obs = observed[:, k]
+        pred, tgt = surv[obs, k], labels[obs, k].astype(np.float64)
+        per_pos.append({"k": k + 1, "count": int(obs.sum()),
+                        "mean_predicted": float(pred.mean()) if pred.size else None,
+                        "observed": float(tgt.mean()) if tgt.size else None,
+                        "ece": expected_calibration_error(pred, tgt, num_bins=NUM_BINS),
+                        "bins": reliability_bins(pred, tgt)})
+    summary = res.summary()
+    out = {"prompts": len(prompts), "prompt_len": args.calibration_prompt_len,
+           "max_new_tokens": args.calibration_new_tokens, "K": kk, "num_verify": kk, "temperature": 0.0,
+           "sts_temperatures": list(temps) if temps is not None else None, "records": res.steps,
+           "acceptance_length": summary["acceptance_length"], "rollout_s": seconds, "num_bins": NUM_BINS,
+           "mean_predicted": [p["mean_predicted"] for p in per_pos], "observed": [p["observed"] for p in per_pos],
+           "ece": [p["ece"] for p in per_pos], "ece_check": ece_report(res, temps),
+           "ece_uncalibrated": ece_report(res, None), "count": [p["count"] for p in per_pos],
+           "per_position": per_pos}
+    return clean(out)
+
+
+def plot_reliability(cal: dict, path: str) -> bool:
+    plt = _pyplot()
+    if plt is None:
+        return False
+    fig, (ax, hx) = plt.subplots(2, 1, figsize=(6.5, 8), gridspec_kw={"height_ratios": [3, 1.3]}, sharex=True)
+    ax.plot([0, 1], [0, 1], "k--", lw=1, label="perfect calibration")
+    cmap = plt.get_cmap("viridis")
+    kk = len(cal["per_position"])
+    centers = (np.arange(cal["num_bins"]) + 0.5) / cal["num_bins"]
+    width = 1.0 / cal["num_bins"] / max(kk, 1)
+    for i, p in enumerate(cal["per_position"]):
+        b = p["bins"]
+        keep = [j for j, c in enumerate(b["count"]) if c]
+        color = cmap(i / max(kk - 1, 1))
+        ece = p["ece"]
+        ax.plot([b["mean_predicted"][j] for j in keep], [b["observed"][j] for j in keep], "o-", ms=3, color=color,
+                label=f"k={p['k']} (ECE {ece:.3f})" if ece is not None else f"k={p['k']}")
+        hx.bar(centers - 0.5 / cal["num_bins"] + (i + 0.5) * width, b["count"], width=width, color=color)
+    ax.set_ylabel("observed: first k drafts all accepted")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_title(f"confidence head on held-out code: {cal['prompts']} prompts x {cal['max_new_tokens']} tokens, "
+                 f"{cal['records']} steps", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
+    hx.set_yscale("log")
+    hx.set_xlabel("predicted survival prod_{i<=k} c_i (calibrated)")
+    hx.set_ylabel("count")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# ----------------------------------------------------------------------------------------------- reports
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("bench_e2e: matplotlib is not installed: no plots (re-draw later with --plot-only)", file=sys.stderr)
+        return None
+    return plt
+
+
+def _loops(rows: list[dict]) -> list[str]:
+    return [lp for lp in ("host", "device") if any(r["loop"] == lp for r in rows)]
+
+
+def _latest(rows: list[dict]) -> dict:
+    """(loop, mode, n) -> the last row recorded for it."""
+    out = {}
+    for r in rows:
+        out[(r["loop"], r["mode"], r["n"])] = r
+    return out
+
+
+def ratio_rows(rows: list[dict]) -> list[dict]:
+    """Per (loop, n): the best baseline (none, fixed1..7) and each adaptive mode's ratio to it and to fixed7."""
+    table = _latest(rows)
+    out = []
+    for loop in _loops(rows):
+        for n in sorted({r["n"] for r in rows if r["loop"] == loop}):
+            base = {m: table[(loop, m, n)]["output_tokens_per_s"] for m in BASELINES if (loop, m, n) in table}
+            if not base:
+                continue
+            best = max(base, key=base.get)
+            entry = {"loop": loop, "n": n, "best_baseline": best, "best_tokens_per_s": base[best]}
+            for m in ADAPTIVE:
+                if (loop, m, n) in table:
+                    v = table[(loop, m, n)]["output_tokens_per_s"]
+                    entry[f"{m}/best"] = v / base[best]
+                    entry[f"{m}/fixed7"] = v / base["fixed7"] if "fixed7" in base else None
+            out.append(entry)
+    return out
+
+
+def markdown(rows: list[dict]) -> str:
+    table = _latest(rows)
+    modes = [m for m in ALL_MODES if any(r["mode"] == m for r in rows)]
+    modes += sorted({r["mode"] for r in rows} - set(modes))
+    lines = []
+    for loop in _loops(rows):
+        ns = sorted({r["n"] for r in rows if r["loop"] == loop})
+        lines += [f"### output tokens/s, {loop} loop", "", "| requests | " + " | ".join(modes) + " |",
+                  "|---" * (len(modes) + 1) + "|"]
+        for n in ns:
+            cells = [f"{table[(loop, m, n)]['output_tokens_per_s']:,.0f}" if (loop, m, n) in table else "-"
+                     for m in modes]
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
+        lines.append("")
+    ratios = ratio_rows(rows)
+    if ratios:
+        present = [m for m in ADAPTIVE if any(f"{m}/best" in e for e in ratios)]
+        cols = [f"{m}/best" for m in present] + [f"{m}/fixed7" for m in present]
+        lines += ["### adaptive / best of none, fixed1..7 (target >= 0.98) and / fixed7 (target >= 1.05)", "",
+                  "| loop | requests | best baseline | its tokens/s | " + " | ".join(cols) + " |",
+                  "|---" * (len(cols) + 4) + "|"]
+        for e in ratios:
+            cells = [f"{e[c]:.3f}" if e.get(c) is not None else "-" for c in cols]
+            lines.append(f"| {e['loop']} | {e['n']} | {e['best_baseline']} | {e['best_tokens_per_s']:,.0f} | "
+                         + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _mode_color(plt, mode: str):
+    if mode == "none":
+        return "k"
+    if mode in ADAPTIVE:
+        return f"C{1 + ADAPTIVE.index(mode)}"
+    if mode.startswith("fixed") and mode[5:].isdigit():
+        return plt.get_cmap("Blues")(0.3 + 0.7 * int(mode[5:]) / 7)
+    return "grey"
+
+
+def plot_sweep(rows: list[dict], out_dir: str) -> bool:
+    plt = _pyplot()
+    if plt is None or not rows:
+        return False
+    table = _latest(rows)
+    loops = _loops(rows)
+    modes = [m for m in ALL_MODES if any(r["mode"] == m for r in rows)]
+    fig, axes = plt.subplots(1, len(loops), figsize=(6.5 * len(loops), 4.8), squeeze=False)
+    for ax, loop in zip(axes[0], loops):
+        for m in modes:
+            pts = sorted((n, r["output_tokens_per_s"]) for (lp, mm, n), r in table.items() if lp == loop and mm == m)
+            if pts:
+                style = "-" if m in ADAPTIVE else ("--" if m == "none" else ":")
+                ax.plot(*zip(*pts), style, marker="o", ms=3, color=_mode_color(plt, m),
+                        lw=2 if m in ADAPTIVE else 1, label=m)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(f"{loop} loop")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "tokens_per_s.png"), dpi=120)
+    plt.close(fig)
+
+    ratios = ratio_rows(rows)
+    fig, axes = plt.subplots(1, len(loops), figsize=(6.5 * len(loops), 4.5), squeeze=False)
+    for ax, loop in zip(axes[0], loops):
+        entries = [e for e in ratios if e["loop"] == loop]
+        for i, m in enumerate(ADAPTIVE):
+            for suffix, style in (("best", "-"), ("fixed7", "--")):
+                pts = [(e["n"], e[f"{m}/{suffix}"]) for e in entries if e.get(f"{m}/{suffix}") is not None]
+                if pts:
+                    ax.plot(*zip(*pts), style, marker="o", ms=3, color=f"C{i}", label=f"{m} / {suffix}")
+        ax.axhline(0.98, color="k", lw=0.8, ls=":", label="0.98 (vs best)")
+        ax.axhline(1.05, color="r", lw=0.8, ls=":", label="1.05 (vs fixed7)")
+        ax.axhline(1.0, color="grey", lw=0.5)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("tokens/s ratio")
+        ax.set_title(f"{loop} loop: adaptive / best of none, fixed1..7")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "adaptive_ratio.png"), dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_reports(rows: list[dict], out_dir: str, info: dict | None, *, quiet: bool = False) -> None:
+    if info is not None:
+        with open(os.path.join(out_dir, JSON_FILE), "w") as f:
+            json.dump({"meta": info, "rows": rows}, f, indent=1)
+    md = markdown(rows)
+    with open(os.path.join(out_dir, MD_FILE), "w") as f:
+        f.write(md + "\n")
+    if not quiet:
+        print(md, flush=True)
+    plot_sweep(rows, out_dir)
+
+
+def meta(args) -> dict:
+    from scripts.bench_engine import meta as engine_meta
+
+    info = engine_meta(args)
+    info["argv"] = sys.argv[1:]
+    return info
+
+
+# ----------------------------------------------------------------------------------------------- main
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="output directory (required unless --plot-only)")
+    ap.add_argument("--requests", type=int, nargs="*", default=[1, 8, 32, 64, 128, 256, 512])
+    ap.add_argument("--modes", nargs="+", default=list(ALL_MODES))
+    ap.add_argument("--loops", nargs="+", choices=["host", "device"], default=["host", "device"])
+    ap.add_argument("--k", type=int, default=7, help="K of the adaptive modes")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--min-token-bucket", type=int, default=8)
+    ap.add_argument("--implementation", default="auto", help="Engine(implementation=...): auto, pallas, reference")
+    ap.add_argument("--prefix-caching", action="store_true", help="keep the prefix cache on (off by default)")
+    ap.add_argument("--time-budget-s", type=float, default=None)
+    ap.add_argument("--resume", default=None, help="rows to resume from (default: OUT/bench_e2e.jsonl if present)")
+    ap.add_argument("--fresh", action="store_true", help="start a new OUT/bench_e2e.jsonl (ignore recorded rows)")
+    ap.add_argument("--plot-only", default=None, metavar="ROWS.jsonl", help="tables and plots from recorded rows")
+    ap.add_argument("--calibration", action="store_true", help="also the reliability evaluation")
+    ap.add_argument("--calibration-prompts", type=int, default=64)
+    ap.add_argument("--calibration-prompt-len", type=int, default=None, help="default: --prompt-len")
+    ap.add_argument("--calibration-new-tokens", type=int, default=128)
+    ap.add_argument("--calibration-rows", type=int, default=64, help="rollout batch (one compiled shape)")
+    ap.add_argument("--calibration-offset", type=int, default=0, help="held-out windows skipped first")
+    args = ap.parse_args(argv)
+    if args.plot_only is None and not args.out:
+        ap.error("--out is required (or --plot-only ROWS.jsonl)")
+    for m in args.modes:
+        try:
+            mode_settings(m, args.k)
+        except ValueError as e:
+            ap.error(str(e))
+    if args.calibration_prompt_len is None:
+        args.calibration_prompt_len = args.prompt_len
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.plot_only is not None:
+        out_dir = args.out or os.path.dirname(os.path.abspath(args.plot_only))
+        os.makedirs(out_dir, exist_ok=True)
+        write_reports(load_rows(args.plot_only), out_dir, None)
+        return
+    t_start = time.perf_counter()
+    os.makedirs(args.out, exist_ok=True)
+    rows_path = os.path.join(args.out, ROWS_FILE)
+    if args.fresh and os.path.exists(rows_path):
+        os.remove(rows_path)
+    rows = load_rows(rows_path)
+    if args.resume and os.path.abspath(args.resume) != os.path.abspath(rows_path):
+        extra = load_rows(args.resume)
+        with open(rows_path, "a") as f:  # the resumed rows join this directory's file
+            for r in extra:
+                f.write(json.dumps(r) + "\n")
+        rows += extra
+    if rows:
+        print(f"bench_e2e: resuming: {len(rows)} rows recorded", flush=True)
+    info = meta(args)
+
+    def write_outputs():
+        write_reports(rows, args.out, info, quiet=True)
+
+    pair = load_pair(args.dtype)
+    if args.requests and args.modes:
+        run_sweep(args, pair, rows, rows_path, t_start, write_outputs)
+    if args.calibration:
+        cal = run_calibration(args, *pair)
+        with open(os.path.join(args.out, "calibration.json"), "w") as f:
+            json.dump({"meta": info, **cal}, f, indent=1)
+        plot_reliability(cal, os.path.join(args.out, "reliability.png"))
+        print("bench_e2e: calibration: " + json.dumps({key: cal[key] for key in (
+            "records", "acceptance_length", "mean_predicted", "observed", "ece", "ece_uncalibrated")}), flush=True)
+    write_reports(rows, args.out, info)
+    print(f"bench_e2e: done in {time.perf_counter() - t_start:.1f} s; rows in {rows_path}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

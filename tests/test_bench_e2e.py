@@ -1,0 +1,86 @@
+"""``scripts/bench_e2e.py`` on CPU at tiny sizes: the embedded default in f32, two requests, three modes, both
+loops and the calibration rollout; then a second call that resumes (records nothing new) and ``--plot-only``.
+The report helpers (mode parsing, ratio and markdown tables) on synthetic rows."""
+
+import json
+import os
+
+import pytest
+
+from scripts import bench_e2e
+
+ROW_KEYS = {"n", "mode", "loop", "K", "draft_lengths", "output_tokens_per_s", "ms_per_output_token",
+            "mean_acceptance_length", "mean_verified_drafts_per_step", "mean_drafted_tokens_per_step",
+            "draft_length_per_step", "per_position_acceptance", "predicted_per_position_acceptance",
+            "calibration_error", "timed_compiles", "startup_s", "host_time_per_step_s", "wall_time_s",
+            "match_none", "token_digests"}
+
+TINY = ["--dtype", "float32", "--requests", "2", "--modes", "none", "fixed2", "adaptive", "--loops", "host",
+        "device", "--prompt-len", "32", "--max-new-tokens", "8", "--min-token-bucket", "32",
+        "--max-num-batched-tokens", "32"]
+
+
+@pytest.mark.slow
+def test_sweep_and_calibration_on_cpu(tmp_path, capsys):
+    out = tmp_path / "e2e"
+    bench_e2e.main(["--out", str(out), *TINY, "--calibration", "--calibration-prompts", "2",
+                    "--calibration-new-tokens", "8"])
+    for name in ("bench_e2e.jsonl", "bench_e2e.json", "bench_e2e.md", "tokens_per_s.png", "adaptive_ratio.png",
+                 "calibration.json", "reliability.png"):
+        assert (out / name).is_file(), name
+    rows = [json.loads(line) for line in (out / "bench_e2e.jsonl").read_text().splitlines()]
+    assert [(r["mode"], r["loop"]) for r in rows] == [(m, lp) for m in ("none", "fixed2", "adaptive")
+                                                       for lp in ("host", "device")]
+    for r in rows:
+        assert ROW_KEYS <= set(r), ROW_KEYS - set(r)
+        assert r["n"] == 2 and r["output_tokens_per_s"] > 0 and r["ms_per_output_token"] > 0
+        assert r["timed_compiles"] == 0
+        assert r["match_none"] == 1.0  # greedy, f32: every mode gives the target's own tokens
+        assert r["prefix_cache_tokens"] == 0
+        if r["loop"] == "device":
+            assert r["match_host"] == 1.0
+        assert r["K"] == {"none": 0, "fixed2": 2, "adaptive": 7}[r["mode"]]
+        if r["mode"] != "none":
+            assert r["mean_acceptance_length"] >= 1.0
+            assert len(r["per_position_acceptance"]) == r["K"]
+    summary = json.loads((out / "bench_e2e.json").read_text())
+    assert summary["meta"]["args"]["requests"] == [2] and len(summary["rows"]) == len(rows)
+    md = (out / "bench_e2e.md").read_text()
+    assert "| requests | none | fixed2 | adaptive |" in md and "adaptive/best" in md
+
+    cal = json.loads((out / "calibration.json").read_text())
+    kk = cal["K"]
+    assert kk == 7 and cal["records"] > 0
+    for key in ("mean_predicted", "observed", "ece"):
+        assert len(cal[key]) == kk and all(0.0 <= x <= 1.0 for x in cal[key]), (key, cal[key])
+    assert cal["ece"] == pytest.approx(cal["ece_check"], abs=1e-6)  # the rollout module's own ECE
+    assert all(sum(p["bins"]["count"]) == p["count"] for p in cal["per_position"])
+
+    # a second call on the same directory resumes: every configuration is recorded, nothing runs again
+    capsys.readouterr()
+    bench_e2e.main(["--out", str(out), *TINY])
+    assert "recorded already, skipped" in capsys.readouterr().out
+    assert len((out / "bench_e2e.jsonl").read_text().splitlines()) == len(rows)
+
+    redraw = tmp_path / "redraw"
+    bench_e2e.main(["--plot-only", str(out / "bench_e2e.jsonl"), "--out", str(redraw)])
+    assert {"tokens_per_s.png", "adaptive_ratio.png", "bench_e2e.md"} <= set(os.listdir(redraw))
+
+
+def test_modes_and_tables():
+    assert bench_e2e.mode_settings("fixed3", 7) == {"verification": "fixed", "num_speculative_tokens": 3}
+    assert bench_e2e.mode_settings("adaptive-held", 7)["draft_lengths"] == (7,)
+    assert bench_e2e.mode_settings("adaptive-head", 7)["confidence"] == "head"
+    assert bench_e2e.mode_settings("none", 7)["num_speculative_tokens"] == 0
+    with pytest.raises(ValueError):
+        bench_e2e.mode_settings("fixedK", 7)
+    rows = [{"n": n, "mode": m, "loop": "host", "output_tokens_per_s": v}
+            for n, m, v in ((8, "none", 100.0), (8, "fixed7", 200.0), (8, "fixed3", 250.0), (8, "adaptive", 245.0),
+                            (64, "none", 400.0), (64, "adaptive", 300.0))]
+    ratios = {e["n"]: e for e in bench_e2e.ratio_rows(rows)}
+    assert ratios[8]["best_baseline"] == "fixed3"
+    assert ratios[8]["adaptive/best"] == pytest.approx(0.98)
+    assert ratios[8]["adaptive/fixed7"] == pytest.approx(1.225)
+    assert ratios[64]["adaptive/best"] == pytest.approx(0.75) and ratios[64]["adaptive/fixed7"] is None
+    md = bench_e2e.markdown(rows)
+    assert "| 64 | 400 | - | - | 300 |" in md  # columns: none, fixed3, fixed7, adaptive
