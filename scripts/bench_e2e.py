@@ -17,7 +17,7 @@ On the H200 (calls of at most 10 minutes; rows survive a cut, and a later call r
 **Modes.** ``none`` (plain decoding, one token per step), ``fixed1``..``fixed7`` (every request verifies its K
 drafts, K = 1..7), ``adaptive`` (K = 7, the confidence head's survival ranked against the profiled cost table,
 default draft lengths), ``adaptive-held`` (adaptive with the draft length held at K: ``draft_lengths=(7,)``) and
-``adaptive-head`` (adaptive with online recalibration off: ``confidence="head"``). The last two need the Engine
+``adaptive-calibrated`` (adaptive with the head's confidences recalibrated online: ``confidence="calibrated"``). The last two need the Engine
 keywords ``draft_lengths`` / ``confidence``; on an Engine without them those modes are skipped with a message.
 
 **One configuration** (concurrency ``n``, mode): an engine with ``max_num_seqs = n`` and ``max_model_len`` =
@@ -71,9 +71,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-ALL_MODES = ["none"] + [f"fixed{k}" for k in range(1, 8)] + ["adaptive", "adaptive-held", "adaptive-head"]
+ALL_MODES = ["none"] + [f"fixed{k}" for k in range(1, 8)] + ["adaptive", "adaptive-held", "adaptive-calibrated"]
 BASELINES = ["none"] + [f"fixed{k}" for k in range(1, 8)]
-ADAPTIVE = ["adaptive", "adaptive-held", "adaptive-head"]
+ADAPTIVE = ["adaptive", "adaptive-held", "adaptive-calibrated"]
 ROWS_FILE, JSON_FILE, MD_FILE = "bench_e2e.jsonl", "bench_e2e.json", "bench_e2e.md"
 NUM_BINS = 20
 
@@ -89,9 +89,9 @@ def mode_settings(mode: str, k: int) -> dict:
         return {"verification": "adaptive", "num_speculative_tokens": k}
     if mode == "adaptive-held":
         return {"verification": "adaptive", "num_speculative_tokens": k, "draft_lengths": (k,)}
-    if mode == "adaptive-head":
-        return {"verification": "adaptive", "num_speculative_tokens": k, "confidence": "head"}
-    raise ValueError(f"unknown mode {mode!r} (none, fixed1..fixed7, adaptive, adaptive-held, adaptive-head)")
+    if mode == "adaptive-calibrated":
+        return {"verification": "adaptive", "num_speculative_tokens": k, "confidence": "calibrated"}
+    raise ValueError(f"unknown mode {mode!r} (none, fixed1..fixed7, adaptive, adaptive-held, adaptive-calibrated)")
 
 
 def engine_accepts(name: str) -> bool:

@@ -70,7 +70,7 @@ def test_sweep_and_calibration_on_cpu(tmp_path, capsys):
 def test_modes_and_tables():
     assert bench_e2e.mode_settings("fixed3", 7) == {"verification": "fixed", "num_speculative_tokens": 3}
     assert bench_e2e.mode_settings("adaptive-held", 7)["draft_lengths"] == (7,)
-    assert bench_e2e.mode_settings("adaptive-head", 7)["confidence"] == "head"
+    assert bench_e2e.mode_settings("adaptive-calibrated", 7)["confidence"] == "calibrated"
     assert bench_e2e.mode_settings("none", 7)["num_speculative_tokens"] == 0
     with pytest.raises(ValueError):
         bench_e2e.mode_settings("fixedK", 7)
