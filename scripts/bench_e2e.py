@@ -165,14 +165,19 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
                  max_num_seqs=n, max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                  min_token_bucket=args.min_token_bucket, tokenizer=tokenizer,
                  enable_prefix_caching=args.prefix_caching, implementation=args.implementation,
-                 device_loop="device" in loops, precompile=False, **extra)
+                 device_loop="device" in loops, precompile=False, sampling=args.sampling, **extra)
     construct_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     report = eng.warmup()
     startup_s = time.perf_counter() - t1
     bos = tokenizer.bos_token_id
     warm_prompts = heldout_windows(tokenizer, n, args.prompt_len, offset=0, bos=bos)
-    timed_prompts = heldout_windows(tokenizer, n, args.prompt_len, offset=n, bos=bos)
+    timed_sets = []  # the first is every mode's common set (its tokens are compared); later ones add timing
+    for i in range(args.timed_sets):
+        try:
+            timed_sets.append(heldout_windows(tokenizer, n, args.prompt_len, offset=n * (1 + i), bos=bos))
+        except ValueError:  # the held-out files give no more distinct windows
+            break
     kw = {"max_new_tokens": args.max_new_tokens, "ignore_eos": True, "temperature": 0.0, "progress": False}
     same = [r for r in done_rows if r["n"] == n and (r["prompt_len"], r["max_new_tokens"], r["dtype"]) == (
         args.prompt_len, args.max_new_tokens, args.dtype)]  # rows whose timed prompts are this call's
@@ -180,18 +185,23 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
     for loop in loops:
         eng.generate(warm_prompts, loop=loop, **kw)
         with compile_counter() as compiled:
-            res = eng.generate(timed_prompts, loop=loop, **kw)
+            runs = [eng.generate(prompts, loop=loop, **kw) for prompts in timed_sets]
+        res = runs[0]
         st = res.stats
-        wall, out_tokens = st["wall_time_s"], st["output_tokens"]
+        wall = sum(r.stats["wall_time_s"] for r in runs)
+        out_tokens = sum(r.stats["output_tokens"] for r in runs)
         row = {
             "n": n, "mode": mode, "loop": loop, "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
             "dtype": args.dtype, "verification": eng.mode, "K": eng.k,
             "draft_lengths": getattr(eng, "draft_lengths", extra.get("draft_lengths")),
             "confidence": getattr(eng, "confidence", None), "max_model_len": max_model_len,
-            "output_tokens": out_tokens, "output_tokens_per_s": st["output_tokens_per_s"],
+            "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / wall if wall else 0.0,
+            "per_set_tokens_per_s": [r.stats["output_tokens_per_s"] for r in runs],
             "ms_per_output_token": 1e3 * wall / (out_tokens / n) if out_tokens else None,
+            "mean_draft_length": st.get("mean_draft_length"),
+            "lower_s": getattr(report, "lower_seconds", None), "compile_s": getattr(report, "compile_seconds", None),
             "wall_time_s": wall, "steps": st["steps"], "verify_steps": st["verify_steps"],
-            "ms_per_step": 1e3 * wall / max(st["steps"], 1),
+            "ms_per_step": 1e3 * wall / max(sum(r.stats["steps"] for r in runs), 1),
             "mean_acceptance_length": st["mean_acceptance_length"],
             "mean_verified_drafts_per_step": st["mean_verified_drafts_per_step"],
             "mean_drafted_tokens_per_step": st.get("mean_drafted_tokens_per_step"),
@@ -524,6 +534,11 @@ def parse_args(argv=None):
     ap.add_argument("--min-token-bucket", type=int, default=8)
     ap.add_argument("--implementation", default="auto", help="Engine(implementation=...): auto, pallas, reference")
     ap.add_argument("--prefix-caching", action="store_true", help="keep the prefix cache on (off by default)")
+    ap.add_argument("--timed-sets", type=int, default=3,
+                    help="distinct prompt sets timed per configuration (tokens and wall summed; the first set's "
+                         "tokens are compared across modes)")
+    ap.add_argument("--sampling", action="store_true",
+                    help="compile the sampling programs too (the sweep is greedy: Engine(sampling=False) by default)")
     ap.add_argument("--time-budget-s", type=float, default=None)
     ap.add_argument("--resume", default=None, help="rows to resume from (default: OUT/bench_e2e.jsonl if present)")
     ap.add_argument("--fresh", action="store_true", help="start a new OUT/bench_e2e.jsonl (ignore recorded rows)")

@@ -14,9 +14,11 @@ compiles the whole list before the first request (``docs/ENGINE.md``, "The close
 * **sampling**: a greedy program (the argmax rule alone) and a sampling program (every row: greedy rows stay
   greedy, top-k / top-p applied) for each token bucket. A step samples when any of its rows has a temperature.
 * **draft length** ``K_d``: the positions each row drafts, one of the engine's ``draft_lengths`` (adaptive
-  verification with a profiled cost table: ``0, 1, 3, K`` by default; otherwise ``K`` alone). A program of length
-  ``K_d`` has the token buckets (of the union above) up to ``max_num_seqs * (1 + K_d) + max_num_batched_tokens``,
-  rounded up to a bucket: a step that drafts fewer positions never packs more tokens.
+  verification with a profiled cost table: ``0, 1, 3, K`` by default; otherwise ``K`` alone). The longest length
+  has every token bucket. A shorter one serves decode steps only (no prefill chunk rides along) at the
+  ``length_buckets`` (2) largest buckets up to the one holding every slot's ``1 + K_d`` tokens: a plan that
+  drafts less is for steps where many slots decode, and the smaller buckets would multiply the programs to compile
+  for steps the longest length serves as well. The planner only chooses a length that has a bucket for the step.
 
 Per-row sampling settings, stop ids and lengths are plan arrays, so no setting or arrival order can reach a
 shape that was not compiled.
@@ -82,8 +84,10 @@ def logit_rows(tokens: int, *, rows: int, num_speculative_tokens: int, max_total
 
 def step_keys(*, max_num_seqs: int, num_speculative_tokens: int, max_num_batched_tokens: int,
               min_token_bucket: int, max_total_logit_rows: int,
-              draft_lengths: tuple[int, ...] | None = None) -> tuple[StepKey, ...]:
-    """Every program of the host loop: greedy ones, then sampling ones, each by draft length, then tokens.
+              draft_lengths: tuple[int, ...] | None = None, length_buckets: int = 2,
+              sampling: bool = True) -> tuple[StepKey, ...]:
+    """Every program of the host loop: greedy ones, then sampling ones (``sampling=False``: none), each by draft
+    length, then tokens.
 
     ``draft_lengths`` None: ``K`` alone (keys carry ``draft_len = K``)."""
     k = num_speculative_tokens
@@ -95,10 +99,13 @@ def step_keys(*, max_num_seqs: int, num_speculative_tokens: int, max_num_batched
         max_num_seqs=max_num_seqs, num_speculative_tokens=d, max_num_batched_tokens=max_num_batched_tokens,
         min_token_bucket=min_token_bucket)})
     keys = []
-    for sampling in (False, True):
+    for sample in (False, True) if sampling else (False,):
         for d in lengths:
-            most = max_num_seqs * (1 + d) + max_num_batched_tokens
-            top = next(t for t in union if t >= most)
-            keys += [StepKey(t, logit_rows(t, num_speculative_tokens=d, **kw), sampling, d)
-                     for t in union if t <= top]
+            if d == lengths[-1]:
+                top = next(t for t in union if t >= max_num_seqs * (1 + d) + max_num_batched_tokens)
+                ts = [t for t in union if t <= top]
+            else:
+                top = next(t for t in union if t >= max_num_seqs * (1 + d))
+                ts = [t for t in union if t <= top][-length_buckets:]
+            keys += [StepKey(t, logit_rows(t, num_speculative_tokens=d, **kw), sample, d) for t in ts]
     return tuple(keys)

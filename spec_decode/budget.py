@@ -91,9 +91,12 @@ def budget_values(
     cost_table: CostTable,
     max_total_logit_rows: int,
     draft_len: int | None = None,
+    token_buckets=None,
 ) -> np.ndarray:
     """``float64[maxB + 1]``: ``value(b)`` for every candidate budget (see the module docstring); with
-    ``draft_len``, ``value(draft_len, b)``: rows verify at most ``draft_len`` drafts and the step pays its cost."""
+    ``draft_len``, ``value(draft_len, b)``: rows verify at most ``draft_len`` drafts and the step pays its cost.
+    ``token_buckets``: the packed-token sizes compiled for this length: a step pays the smallest one holding it,
+    and one larger than all of them is infeasible (value ``-inf``)."""
     conf, sched = _validated(stale_confidences, scheduled_drafts)
     extra = 0.0
     if draft_len is not None:
@@ -104,8 +107,15 @@ def budget_values(
     gain = num_sampling_rows + np.concatenate([[0.0], np.cumsum(scores)])  # [maxB + 1]
     r = conf.shape[0]
     draft = cost_table.draft_cost(r) + extra
-    cost = draft + cost_table.verify_costs(num_non_draft_tokens + np.arange(max_b + 1))
-    return gain / np.maximum(cost, 1e-12)
+    tokens = num_non_draft_tokens + np.arange(max_b + 1)
+    feasible = np.ones(tokens.shape, bool)
+    if token_buckets is not None and len(token_buckets):
+        tb = np.asarray(sorted(token_buckets), np.int64)
+        idx = np.searchsorted(tb, tokens, side="left")
+        feasible = idx < len(tb)
+        tokens = np.where(feasible, tb[np.minimum(idx, len(tb) - 1)], tokens)
+    cost = draft + cost_table.verify_costs(tokens)
+    return np.where(feasible, gain / np.maximum(cost, 1e-12), -np.inf)
 
 
 def _max_budget(sched: np.ndarray, max_total_logit_rows: int) -> int:
@@ -181,14 +191,17 @@ def choose_plan(
     cost_table: CostTable | None,
     max_total_logit_rows: int,
     draft_lengths: tuple[int, ...] | None = None,
+    token_buckets=None,
     min_predicted_gain: float = DEFAULT_MIN_PREDICTED_GAIN,
 ) -> tuple[int, int]:
     """``(B, K_d)``: the drafts the next step verifies in total, and the positions it drafts per row.
 
     Same arguments as :func:`choose_budget`, plus ``draft_lengths``: the ``K_d`` the engine compiled (the
-    table's :attr:`~CostTable.draft_lengths` by default), searched together with ``B`` (module docstring). The
-    full plan, ``K = max(draft_lengths)`` with ``maxB``, is kept unless another beats it by ``min_predicted_gain``.
-    Without draft lengths (or a flat table) this is ``(choose_budget(...), K)``, ``K`` the confidences' width.
+    table's :attr:`~CostTable.draft_lengths` by default), searched together with ``B`` (module docstring), and
+    ``token_buckets``: ``{K_d: packed-token sizes compiled for it}`` (None: any size); a length whose sizes
+    cannot hold the step is not a candidate. The full plan, ``K = max(draft_lengths)`` with ``maxB``, is kept
+    unless another beats it by ``min_predicted_gain``. Without draft lengths (or a flat table) this is
+    ``(choose_budget(...), K)``, ``K`` the confidences' width.
     """
     conf, sched = _validated(stale_confidences, scheduled_drafts)
     k = conf.shape[1]
@@ -204,7 +217,7 @@ def choose_plan(
     choose_budget(conf, sched, min_predicted_gain=min_predicted_gain, **kw)  # validates the scalars
     best = (-np.inf, 0, 0)  # (value, d, b)
     for d in lengths:
-        values = budget_values(conf, sched, draft_len=d, **kw)
+        values = budget_values(conf, sched, draft_len=d, token_buckets=(token_buckets or {}).get(d), **kw)
         top = values.max()
         b = int(np.flatnonzero(values >= top - _TIE_RTOL * abs(top))[0])
         if top > best[0] * (1 + _TIE_RTOL) or not np.isfinite(best[0]):
@@ -251,18 +264,29 @@ def choose_budget_device(
 
 def _budget_and_values_device(stale_confidences, scheduled_drafts, *, num_rows, num_sampling_rows,
                               num_non_draft_tokens, cost_table: CostTableArrays, max_total_logit_rows,
-                              min_predicted_gain: float, draft_len: int | None = None):
-    """``(B, value(B), value(maxB))`` of the one-length rule (``draft_len``: its cost added, sched pre-clipped)."""
+                              min_predicted_gain: float, draft_len: int | None = None, token_buckets=None):
+    """``(B, value(B), value(maxB))`` of the one-length rule (``draft_len``: its cost added, sched pre-clipped;
+    ``token_buckets``: static sizes compiled for it, as in :func:`budget_values`)."""
     conf = jnp.asarray(stale_confidences, jnp.float32)
     sched = jnp.asarray(scheduled_drafts, jnp.int32)
     r, k = conf.shape
     max_b = _max_budget_device(sched, num_rows, max_total_logit_rows)
     t = cost_table
     extra = draft_length_cost_device(t, draft_len) if draft_len is not None else 0.0
+
+    def bucketed(tokens):
+        """(the size paid, feasible) of ``tokens`` packed tokens."""
+        if not token_buckets:
+            return tokens, jnp.ones(jnp.shape(tokens), bool)
+        tb = jnp.asarray(sorted(token_buckets), jnp.int32)
+        idx = jnp.sum((tb < tokens[..., None]).astype(jnp.int32), axis=-1)
+        return jnp.where(idx < len(tb), tb[jnp.minimum(idx, len(tb) - 1)], tokens), idx < len(tb)
+
     if k == 0 or r == 0:
+        tokens, ok = bucketed(jnp.asarray(num_non_draft_tokens, jnp.int32))
         cost = (lookup_device(t.draft_buckets, t.draft_seconds, t.num_draft, num_rows) + extra
-                + lookup_device(t.verify_buckets, t.verify_seconds, t.num_verify, num_non_draft_tokens))
-        value = jnp.asarray(num_sampling_rows, jnp.float32) / jnp.maximum(cost, 1e-12)
+                + lookup_device(t.verify_buckets, t.verify_seconds, t.num_verify, tokens))
+        value = jnp.where(ok, jnp.asarray(num_sampling_rows, jnp.float32) / jnp.maximum(cost, 1e-12), -jnp.inf)
         return jnp.zeros((), jnp.int32), value, value
     a = survival(conf, sched).reshape(-1)  # -inf outside each row's scheduled drafts
     scores = -jnp.sort(-a)  # descending; the -inf entries last (and never reached: b <= max_b <= their count)
@@ -270,9 +294,10 @@ def _budget_and_values_device(stale_confidences, scheduled_drafts, *, num_rows, 
     b = jnp.arange(r * k + 1, dtype=jnp.int32)
     gain = jnp.asarray(num_sampling_rows, jnp.float32) + jnp.concatenate(
         [jnp.zeros((1,), jnp.float32), jnp.cumsum(scores)])
+    tokens, ok = bucketed(num_non_draft_tokens + b)
     cost = (lookup_device(t.draft_buckets, t.draft_seconds, t.num_draft, num_rows) + extra
-            + lookup_device(t.verify_buckets, t.verify_seconds, t.num_verify, num_non_draft_tokens + b))
-    values = jnp.where(b <= max_b, gain / jnp.maximum(cost, 1e-12), -jnp.inf)
+            + lookup_device(t.verify_buckets, t.verify_seconds, t.num_verify, tokens))
+    values = jnp.where((b <= max_b) & ok, gain / jnp.maximum(cost, 1e-12), -jnp.inf)
     best = jnp.max(values)
     chosen = jnp.argmax(values >= best - _TIE_RTOL_F32 * jnp.abs(best)).astype(jnp.int32)  # first near-best
     if min_predicted_gain > 0:
@@ -292,14 +317,18 @@ def choose_plan_device(
     cost_table: CostTableArrays,
     max_total_logit_rows: jax.Array | int,
     draft_lengths: tuple[int, ...],
+    token_buckets: tuple[tuple[int, ...], ...] | None = None,
     min_predicted_gain: float = DEFAULT_MIN_PREDICTED_GAIN,
 ) -> tuple[jax.Array, jax.Array]:
     """:func:`choose_plan` in jnp: ``(B int32[], i int32[])`` with ``draft_lengths[i]`` the chosen ``K_d``.
 
-    ``draft_lengths`` is static (the lengths the loop compiled, ascending); arguments as
-    :func:`choose_budget_device`. A table without draft lengths, or a flat one, gives the last length and the
-    one-length budget."""
-    lengths = tuple(sorted(int(d) for d in draft_lengths))
+    ``draft_lengths`` (ascending) and ``token_buckets`` (per length, the packed-token sizes the loop compiled
+    for it) are static; arguments as :func:`choose_budget_device`. A table without draft lengths, or a flat one,
+    gives the last length and the one-length budget."""
+    lengths = tuple(int(d) for d in draft_lengths)
+    if list(lengths) != sorted(set(lengths)):
+        raise ValueError(f"draft_lengths must be distinct and ascending, got {draft_lengths}")
+    per_length = tuple(token_buckets) if token_buckets is not None else (None,) * len(lengths)
     sched = jnp.asarray(scheduled_drafts, jnp.int32)
     kw = dict(num_rows=num_rows, num_sampling_rows=num_sampling_rows, num_non_draft_tokens=num_non_draft_tokens,
               cost_table=cost_table, max_total_logit_rows=max_total_logit_rows, min_predicted_gain=0.0)
@@ -311,7 +340,7 @@ def choose_plan_device(
     best_value, best_b, best_i, full_value = None, None, None, None
     for i, d in enumerate(lengths):
         b, value, value_full = _budget_and_values_device(stale_confidences, jnp.minimum(sched, d), draft_len=d,
-                                                         **kw)
+                                                         token_buckets=per_length[i], **kw)
         if best_value is None:
             best_value, best_b, best_i = value, b, jnp.asarray(i, jnp.int32)
         else:

@@ -166,7 +166,8 @@ def make_loop_fn(target, drafter, config: LoopConfig):
                 budget, li = choose_plan_device(c.state.prev_confidences[slot, :k], sched, num_rows=n_live,
                                                 num_sampling_rows=n_live, num_non_draft_tokens=n_live,
                                                 cost_table=inputs.cost_table, max_total_logit_rows=cap,
-                                                draft_lengths=lengths, min_predicted_gain=config.min_predicted_gain)
+                                                draft_lengths=lengths, token_buckets=tuple(config.token_buckets),
+                                                min_predicted_gain=config.min_predicted_gain)
             elif mode == "fixed":
                 budget, li = jnp.maximum(0, jnp.minimum(jnp.sum(sched), cap - n_live)), last_length
             else:

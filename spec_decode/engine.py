@@ -90,6 +90,8 @@ class Engine:
         ``"calibrated"`` (the head's, recalibrated online from the verified positions: a per-position Platt fit
         refit every 100 steps), ``"estimator"`` (the online estimator on the draft distributions; the only
         choice for a drafter without a head). Default: ``"head"`` when the drafter has one.
+      sampling: compile the sampling programs (default); ``False`` compiles the greedy ones alone (half the
+        programs: greedy offline batch decoding) and refuses a request with a temperature above 0.
       tokenizer: encodes string prompts and decodes outputs (``encode(str) -> list[int]``, ``decode(ids)``).
       implementation / interpret: the kernels (``decode.choose_implementation``).
       min_token_bucket: the smallest packed-token bucket of the closed set.
@@ -114,7 +116,7 @@ class Engine:
                  min_token_bucket: int = 8, device_loop_token_buckets: int = 4, max_stop_token_ids: int = 16,
                  enable_prefix_caching: bool = True, async_scheduling: bool = True, precompile: bool = False,
                  compilation_cache: bool = True, device_loop: bool = True, draft_lengths=None,
-                 confidence: str | None = None):
+                 confidence: str | None = None, sampling: bool = True):
         cfg = target.cfg
         if verification not in MODES:
             raise ValueError(f"verification must be one of {MODES}, got {verification!r}")
@@ -170,7 +172,12 @@ class Engine:
         self.step_keys = step_keys(max_num_seqs=max_num_seqs, num_speculative_tokens=k,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    min_token_bucket=min_token_bucket, max_total_logit_rows=self.max_total_logit_rows,
-                                   draft_lengths=self.draft_lengths)
+                                   draft_lengths=self.draft_lengths, sampling=bool(sampling))
+        self.sampling = bool(sampling)
+        self.buckets_by_length = {d: tuple(sorted(key.tokens for key in self.step_keys
+                                                  if key.draft_len == d and not key.sampling))
+                                  for d in self.draft_lengths}
+        self.planner.token_buckets = dict(self.buckets_by_length)
         self.token_buckets = tuple(sorted({key.tokens for key in self.step_keys}))
         capture = tuple(self.drafter.cfg.target_layer_ids) if self.drafter is not None else ()
         self._step_config = StepConfig(num_speculative_tokens=k, mode=verification, confidence=self.confidence,
@@ -324,13 +331,15 @@ class Engine:
                 self._state = self._init_state()
             params = (self._target_params, self._drafter_params)
             lowered = self._programs.lower(*params, self._state, self._example_plan)
-            for sampling in (False, True) if (self._warm_device_loop or device_loop) else ():
+            for sampling in (False, True)[:1 + self.sampling] if (self._warm_device_loop or device_loop) else ():
                 if sampling not in self._loop_programs:
                     cfg = dataclasses.replace(self.loop_config,
                                               step=dataclasses.replace(self._step_config, sampling=sampling))
                     fn = jax.jit(make_loop_fn(self.target, self.drafter, cfg), donate_argnums=(2,))
                     lowered[("loop", sampling)] = fn.lower(*params, self._state, self._example_loop_inputs())
+            t_lowered = time.perf_counter()
             done = compile_in_pool(lowered, progress=show, desc="compiling")
+            t_compiled = time.perf_counter()
             for sampling in (False, True):
                 if ("loop", sampling) in done:
                     self._loop_programs[sampling] = done.pop(("loop", sampling))
@@ -338,11 +347,13 @@ class Engine:
             if self.planner.profile_pending and self.k and self._programs.ready:
                 self._load_or_profile_costs(show)
         self.num_compiles += len(compiled)
-        report = CompileReport(programs=len(lowered), compiled=len(compiled), seconds=time.perf_counter() - t0)
+        report = CompileReport(programs=len(lowered), compiled=len(compiled), seconds=time.perf_counter() - t0,
+                               lower_seconds=t_lowered - t0, compile_seconds=t_compiled - t_lowered)
         if self.warmup_report is not None:  # the device loop, compiled on its first use
-            report = CompileReport(self.warmup_report.programs + report.programs,
-                                   self.warmup_report.compiled + report.compiled,
-                                   self.warmup_report.seconds + report.seconds)
+            old = self.warmup_report
+            report = CompileReport(old.programs + report.programs, old.compiled + report.compiled,
+                                   old.seconds + report.seconds, old.lower_seconds + report.lower_seconds,
+                                   old.compile_seconds + report.compile_seconds)
         self.warmup_report = report
         print(f"minimax-jax: warm-up: {report}", file=sys.stderr)
         return report
@@ -439,6 +450,11 @@ class Engine:
                                   max_stop_ids=self.num_stop_ids,
                                   keywords={k: v for k, v in passed.items() if v is not None},
                                   sampling_params=sampling_params)
+        if not self.sampling:
+            hot = [i for i, r in enumerate(requests) if r.params.temperature > 0]
+            if hot:
+                raise ValueError(f"request {hot[0]} has temperature {requests[hot[0]].params.temperature}: this "
+                                 f"engine was built with sampling=False (greedy programs only)")
         for r in requests:
             self._check_fits(r)
         if not self._warned_no_eos and any(not r.stop_ids and not r.params.ignore_eos for r in requests):
@@ -518,7 +534,7 @@ class Engine:
     def _scheduler(self) -> Scheduler:
         return Scheduler(num_slots=self.max_num_seqs, pool=self.pool, planner=self.planner,
                          max_model_len=self.max_model_len, num_speculative_tokens=self.k,
-                         max_num_batched_tokens=self.max_num_batched_tokens, token_buckets=self.token_buckets,
+                         max_num_batched_tokens=self.max_num_batched_tokens, token_buckets=self.buckets_by_length,
                          max_total_logit_rows=self.max_total_logit_rows, num_stop_ids=self.num_stop_ids)
 
     def _launch(self, step: ScheduledStep):

@@ -41,14 +41,16 @@ class Planner:
         (verify everything: no trade-off).
       num_speculative_tokens: K.
       draft_lengths: the ``K_d`` the engine compiled (default ``(K,)``); the adaptive rule chooses among them.
+      token_buckets: ``{K_d: packed-token sizes compiled for it}`` (the closed set; None: any size).
     """
 
     def __init__(self, *, mode: str, max_total_logit_rows: int, cost_table="profile",
                  min_predicted_gain: float = DEFAULT_MIN_PREDICTED_GAIN, num_speculative_tokens: int = 0,
-                 draft_lengths: Sequence[int] | None = None):
+                 draft_lengths: Sequence[int] | None = None, token_buckets=None):
         self.mode = mode
         self.k = int(num_speculative_tokens)
         self.draft_lengths = tuple(sorted(set(draft_lengths))) if draft_lengths else (self.k,)
+        self.token_buckets = {int(d): tuple(sorted(b)) for d, b in (token_buckets or {}).items()}
         self.max_total_logit_rows = int(max_total_logit_rows)
         self.min_predicted_gain = min_predicted_gain
         self.table: CostTable | None = None
@@ -82,7 +84,7 @@ class Planner:
         return choose_plan(stale_confidences, scheduled, num_sampling_rows=num_sampling_rows,
                            num_non_draft_tokens=num_non_draft_tokens, cost_table=self.table,
                            max_total_logit_rows=cap, draft_lengths=self.draft_lengths,
-                           min_predicted_gain=self.min_predicted_gain)
+                           token_buckets=self.token_buckets or None, min_predicted_gain=self.min_predicted_gain)
 
     def budget(self, stale_confidences, scheduled, *, num_sampling_rows: int, num_non_draft_tokens: int) -> int:
         """The budget of :meth:`plan` alone."""

@@ -75,11 +75,14 @@ class CompileReport:
     programs: int = 0  # programs made ready
     compiled: int = 0  # XLA backend compilations (0 when every program came from the persistent cache)
     seconds: float = 0.0
+    lower_seconds: float = 0.0  # tracing and lowering (one thread)
+    compile_seconds: float = 0.0  # XLA compilation or cache loads (the thread pool)
 
     def __str__(self) -> str:
         cached = self.programs - min(self.compiled, self.programs)
         return (f"{self.programs} programs ready in {self.seconds:.1f} s ({self.compiled} compiled, {cached} from "
-                f"the compilation cache)")
+                f"the compilation cache; {self.lower_seconds:.1f} s tracing, {self.compile_seconds:.1f} s "
+                f"compiling)")
 
 
 def compile_in_pool(lowered: dict, *, progress: bool, desc: str) -> dict:

@@ -79,8 +79,8 @@ class Scheduler:
     check_writes = False  # tests: assert every write of a step lands on pages its request owns alone
 
     def __init__(self, *, num_slots: int, pool: PagePool, planner, max_model_len: int, num_speculative_tokens: int,
-                 max_num_batched_tokens: int, token_buckets: tuple[int, ...], max_total_logit_rows: int,
-                 num_stop_ids: int):
+                 max_num_batched_tokens: int, token_buckets: dict[int, tuple[int, ...]],
+                 max_total_logit_rows: int, num_stop_ids: int):
         self.num_slots = num_slots
         self.pool = pool
         self.planner = planner
@@ -88,7 +88,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.k = num_speculative_tokens
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.token_buckets = token_buckets
+        self.token_buckets = token_buckets  # {K_d: packed-token sizes of its programs}
         self.max_total_logit_rows = max_total_logit_rows
         self.max_blocks = pool.max_blocks
         self.num_stop_ids = num_stop_ids
@@ -231,12 +231,14 @@ class Scheduler:
         if not decode and not prefill:
             return None
 
-        # 3. the budget, from the confidences of an earlier step
+        # 3. the draft length and the budget, from the confidences of an earlier step
         n_pre = sum(n for _, n in prefill)
         ends = [req.num_cached + n == len(req.prefill_target) for req, n in prefill]
         fresh_first = [end and not req.is_resumed for (req, _), end in zip(prefill, ends)]
         scheduled = np.asarray([s for _, s in decode], np.int64)
-        budget, draft_len = 0, min(self.planner.draft_lengths)  # no decode rows: the cheapest program
+        # no decode rows: the shortest length with a program for the chunks (the longest has them all)
+        budget = 0
+        draft_len = next(d for d in sorted(self.token_buckets) if self.token_buckets[d][-1] >= n_pre)
         if k and decode:
             stale = self.stale_conf[[r.slot for r, _ in decode]][:, :k]
             budget, draft_len = self.planner.plan(stale, scheduled, num_sampling_rows=len(decode) + sum(fresh_first),
@@ -244,7 +246,7 @@ class Scheduler:
             decode = [(r, min(s, draft_len)) for r, s in decode]
             budget = max(0, min(int(budget), sum(s for _, s in decode)))
         num_tokens = n_pre + len(decode) + budget
-        t = token_bucket(self.token_buckets, num_tokens)
+        t = token_bucket(self.token_buckets[draft_len], num_tokens)
         sampling = any(req.params.temperature > 0 for req, _ in prefill + decode)
         key = StepKey(t, logit_rows(t, rows=self.num_slots, num_speculative_tokens=draft_len,
                                     max_total_logit_rows=self.max_total_logit_rows), sampling, draft_len)
