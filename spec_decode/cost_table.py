@@ -305,28 +305,32 @@ def split_step_costs(measured: Mapping[tuple[int, int], float], *, metadata: Map
 
     The model is additive, ``step(K_d, T) = draft_length_cost(K_d) + verify_cost(T)``, relative to the smallest
     draft length ``d0`` (``draft_length_cost(d0) = 0``, so the verify costs hold what every step pays: the
-    target's forward and the drafter's context write). Each length's cost is the median, over the token buckets
-    both were compiled at, of its difference to ``d0`` (clipped at 0, then non-decreasing in ``K_d``); a bucket's
-    verify cost is the median, over the lengths compiled at it, of the step time less that length's cost. The
-    medians pool every program's timing, which is what makes the split steadier than any one program's time.
+    target's forward and the drafter's context write). The longest length ``K`` is the pivot (the closed set
+    compiles it at every bucket): each length's offset to it is the median, over the buckets the length was
+    compiled at, of ``step(K_d, T) - step(K, T)``; the costs are those offsets less ``d0``'s (clipped at 0, then
+    non-decreasing in ``K_d``). A bucket's verify cost is the median, over the lengths compiled at it, of the step
+    time less that length's cost. The medians pool every program's timing, which is what makes the split steadier
+    than any one program's time.
     """
     if not measured:
         raise ValueError("split_step_costs needs at least one (draft_len, tokens) timing")
     lengths = sorted({d for d, _ in measured})
-    d0 = lengths[0]
-    base = {t: s for (d, t), s in measured.items() if d == d0}
-    extra = {d0: 0.0}
-    for d in lengths[1:]:
-        diffs = [s - base[t] for (dd, t), s in measured.items() if dd == d and t in base]
+    pivot = lengths[-1]
+    at_pivot = {t: s for (d, t), s in measured.items() if d == pivot}
+    offset = {}
+    for d in lengths:
+        diffs = [s - at_pivot[t] for (dd, t), s in measured.items() if dd == d and t in at_pivot]
         if not diffs:
-            raise ValueError(f"draft length {d} shares no token bucket with draft length {d0}: cannot split")
-        extra[d] = max(0.0, statistics.median(diffs))
+            raise ValueError(f"draft length {d} shares no token bucket with the longest, {pivot}: cannot split")
+        offset[d] = statistics.median(diffs)
+    extra, running = {}, 0.0
+    for d in lengths:
+        running = max(running, offset[d] - offset[lengths[0]], 0.0)
+        extra[d] = running
     verify = {}
     for t in sorted({t for _, t in measured}):
         verify[t] = max(0.0, statistics.median(s - extra[d] for (d, tt), s in measured.items() if tt == t))
-    table = CostTable.from_measurements(verify, draft_lengths=extra if len(lengths) > 1 else None,
-                                        metadata=metadata)
-    return table
+    return CostTable.from_measurements(verify, draft_lengths=extra if len(lengths) > 1 else None, metadata=metadata)
 
 
 def _table_path(path: str | os.PathLike) -> str:

@@ -135,3 +135,28 @@ def test_vectorised_lookup_against_hand_values():
     # shapes are kept
     grid = np.array([[0, 9], [17, 64]])
     np.testing.assert_allclose(t.verify_costs(grid), [[1.0, 1.3], [2.5, 3.1]])
+
+
+def test_split_step_costs_recovers_an_additive_model():
+    """Whole-step timings of a closed set where the shorter lengths only have their 2 largest buckets (no bucket
+    shared between 0 and 3): the split recovers the draft-length and verify terms of an additive model, noisy
+    timings included, and a single length gives the plain per-bucket table."""
+    from spec_decode.cost_table import split_step_costs
+
+    rng = np.random.default_rng(0)
+    verify = {8: 1.0, 16: 1.2, 32: 1.6, 64: 2.4, 128: 4.0}
+    extra = {0: 0.0, 1: 0.3, 3: 0.5, 7: 0.9}
+    have = {0: [8], 1: [8, 16], 3: [16, 32], 7: [8, 16, 32, 64, 128]}
+    measured = {(d, t): verify[t] + extra[d] + rng.normal(0, 0.005) for d, ts in have.items() for t in ts}
+    table = split_step_costs(measured)
+    assert table.draft_lengths == (0, 1, 3, 7)
+    np.testing.assert_allclose(table.draft_length_seconds, [extra[d] for d in (0, 1, 3, 7)], atol=0.02)
+    np.testing.assert_allclose(table.verify_seconds, list(verify.values()), atol=0.02)
+    for (d, t), s in measured.items():
+        assert abs(table.draft_length_cost(d) + table.verify_cost(t) - s) < 0.03
+    one = split_step_costs({(7, t): s for t, s in verify.items()})
+    assert one.draft_lengths == () and one.verify_seconds == tuple(verify.values())
+    with pytest.raises(ValueError, match="shares no token bucket"):
+        split_step_costs({(0, 8): 1.0, (7, 16): 2.0})
+    # the JSON round trip keeps the draft lengths
+    assert CostTable.from_dict(json.loads(json.dumps(table.to_dict()))).draft_lengths == (0, 1, 3, 7)
