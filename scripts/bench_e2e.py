@@ -212,6 +212,8 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
             "timed_compiles": len(compiled), "construct_s": construct_s, "startup_s": startup_s,
             "warmup_programs": report.programs, "warmup_compiled": report.compiled,
             "host_time_per_step_s": st["host_time_per_step_s"],
+            **{key: st[key] for key in ("host_schedule_ms_per_step", "host_dispatch_ms_per_step",
+                                        "host_commit_ms_per_step") if key in st},
             "prefix_cache_tokens": st["prefix_cache_tokens"], "preemptions": st["preemptions"],
             "token_digests": [digest(r.token_ids) for r in res],
         }

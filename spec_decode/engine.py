@@ -563,6 +563,7 @@ class Engine:
             try:
                 while sched.has_work or in_flight:
                     h0 = time.perf_counter()
+                    commit_s = 0.0
                     step = sched.schedule() if sched.has_work else None
                     h1 = time.perf_counter()
                     if step is not None:
@@ -584,9 +585,16 @@ class Engine:
                             budget_per_step.append(done.budget)
                             draft_len_per_step.append(max(done.key.draft_len, 0))
                             drafted_per_step.append(done.num_decode * max(done.key.draft_len, 0))
-                        host["commit"] += time.perf_counter() - h3
+                        commit_s += time.perf_counter() - h3
                         for req, new in events:
                             yield req.index, new
+                    host["commit"] += commit_s
+                    if depth and step is not None:
+                        # with a step in flight while the host plans, a step takes at least the host's time: the
+                        # planner's costs have that floor (an average over the recent steps)
+                        it = (h2 - h0) + commit_s
+                        p = self.planner
+                        p.host_floor_s = it if p.host_floor_s == 0.0 else 0.9 * p.host_floor_s + 0.1 * it
             except BaseException:
                 self._recover(sched)
                 raise

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from spec_decode.budget import DEFAULT_MIN_PREDICTED_GAIN, choose_plan
+from spec_decode.budget import _TIE_RTOL, DEFAULT_MIN_PREDICTED_GAIN
 from spec_decode.cost_table import CostTable, CostTableArrays, split_step_costs
 
 __all__ = ["Planner"]
@@ -51,6 +51,8 @@ class Planner:
         self.k = int(num_speculative_tokens)
         self.draft_lengths = tuple(sorted(set(draft_lengths))) if draft_lengths else (self.k,)
         self.token_buckets = {int(d): tuple(sorted(b)) for d, b in (token_buckets or {}).items()}
+        self.host_floor_s = 0.0  # the host loop's own time per step: no step is faster than the host plans it
+        self._cost_cache = None
         self.max_total_logit_rows = int(max_total_logit_rows)
         self.min_predicted_gain = min_predicted_gain
         self.table: CostTable | None = None
@@ -81,10 +83,63 @@ class Planner:
             return 0, self.draft_lengths[0]
         if self.mode == "fixed":
             return max(0, min(total, cap - n)), full
-        return choose_plan(stale_confidences, scheduled, num_sampling_rows=num_sampling_rows,
-                           num_non_draft_tokens=num_non_draft_tokens, cost_table=self.table,
-                           max_total_logit_rows=cap, draft_lengths=self.draft_lengths,
-                           token_buckets=self.token_buckets or None, min_predicted_gain=self.min_predicted_gain)
+        table = self.table
+        if table is None or table.is_flat:
+            return max(0, min(total, cap - n)), full
+        return self._plan_fast(np.asarray(stale_confidences), np.asarray(scheduled), num_sampling_rows,
+                               num_non_draft_tokens, cap)
+
+    def _costs(self):
+        """Per draft length: (length, its cost, the verify cost paid at every packed-token count, feasible), from
+        the table and the closed set's buckets; computed once per table (the planner's hot path indexes them)."""
+        if self._cost_cache is not None and self._cost_cache[0] is self.table:
+            return self._cost_cache[1]
+        table, multi = self.table, len(self.draft_lengths) > 1
+        top = max([max(b) for b in self.token_buckets.values()] + list(table.verify_buckets) + [1])
+        tokens = np.arange(2 * top + 1)
+        out = []
+        for d in self.draft_lengths:
+            paid, ok = tokens, np.ones(tokens.shape, bool)
+            buckets = self.token_buckets.get(d) if multi else None
+            if buckets:
+                tb = np.asarray(buckets, np.int64)
+                idx = np.searchsorted(tb, tokens, side="left")
+                ok = idx < len(tb)
+                paid = np.where(ok, tb[np.minimum(idx, len(tb) - 1)], tokens)
+            extra = table.draft_length_cost(d) if multi else 0.0
+            out.append((d, extra, table.verify_costs(paid), ok))
+        self._cost_cache = (table, out)
+        return out
+
+    def _plan_fast(self, conf, sched, num_sampling_rows: int, num_non_draft_tokens: int, cap: int):
+        """:func:`spec_decode.budget.choose_plan` over precomputed cost arrays (the same values, bit for bit, and
+        the same plan; ``tests/test_budget.py`` checks it), with the host floor (:attr:`host_floor_s`)."""
+        n, k = conf.shape
+        conf = np.where(np.isnan(conf), 0.0, np.clip(conf.astype(np.float64), 0.0, 1.0))
+        a = np.cumprod(conf, axis=1)
+        pos = np.broadcast_to(np.arange(k), (n, k))
+        valid = pos < np.asarray(sched)[:, None]
+        order = np.argsort(-a[valid], kind="stable")
+        vals, at = a[valid][order], pos[valid][order]
+        draft = self.table.draft_cost(n)
+        best = full = None
+        for d, extra, verify, ok in self._costs():
+            v = vals[at < d] if d < k else vals
+            max_b = max(0, min(len(v), cap - n))
+            gain = num_sampling_rows + np.concatenate([[0.0], np.cumsum(v[:max_b])])
+            t = np.minimum(num_non_draft_tokens + np.arange(max_b + 1), len(verify) - 1)
+            cost = np.maximum((draft + extra) + verify[t], self.host_floor_s)
+            values = np.where(ok[t], gain / np.maximum(cost, 1e-12), -np.inf)
+            top = values.max()
+            b = int(np.flatnonzero(values >= top - _TIE_RTOL * abs(top))[0])
+            if best is None or top > best[0] * (1 + _TIE_RTOL) or not np.isfinite(best[0]):
+                best = (top, d, b)
+            full = (values[-1], d, max_b)
+        value, d, b = best
+        g = self.min_predicted_gain
+        if g > 0 and (d, b) != full[1:] and value < (1.0 + g) * full[0]:
+            return full[2], full[1]
+        return b, d
 
     def budget(self, stale_confidences, scheduled, *, num_sampling_rows: int, num_non_draft_tokens: int) -> int:
         """The budget of :meth:`plan` alone."""

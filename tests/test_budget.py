@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -226,3 +227,46 @@ def test_device_planner_gives_the_host_budgets():
         assert (int(got[0]), int(got[1])) == want, f"case {case}: {kw}, sched {sched.tolist()}"
         trimmed += want[0] < min(int(sched.sum()), kw["max_total_logit_rows"] - r)
     assert trimmed > 40  # the cases exercise real trims, not only "verify everything"
+
+
+def test_planner_fast_path_is_choose_plan():
+    """The engine's planner (precomputed cost arrays) gives choose_plan's plan on random confidences, schedules,
+    tables with draft lengths, per-length buckets and logit caps; and choose_plan_device agrees with the host up
+    to float32 near-ties. A host floor above every step cost leaves only the gain: the longest length, all
+    drafts."""
+    from spec_decode.budget import choose_plan, choose_plan_device
+    from spec_decode.cost_table import CostTableArrays
+    from spec_decode.planner import Planner
+
+    rng = np.random.default_rng(7)
+    k = 7
+    lengths = (0, 1, 3, 7)
+    mismatches = 0
+    for trial in range(150):
+        r = int(rng.integers(1, 24))
+        union = [8, 16, 32, 64, 128, 256]
+        buckets = {0: (r if r > 8 else 8,), 1: (16, 32), 3: (32, 64), 7: tuple(union)}
+        buckets = {d: tuple(sorted({max(b, 8) for b in bs})) for d, bs in buckets.items()}
+        verify = {t: float(s) for t, s in zip(union, np.cumsum(rng.uniform(0.0, 1.0, len(union))) + 1.0)}
+        extra = {0: 0.0, 1: float(rng.uniform(0, 0.3)), 3: float(rng.uniform(0.3, 0.6)), 7: float(rng.uniform(0.6, 1))}
+        table = CostTable.from_measurements(verify, draft_lengths=extra)
+        conf = rng.uniform(0, 1, (r, k)).astype(np.float32)
+        conf[rng.uniform(size=(r, k)) < 0.05] = np.nan
+        sched = rng.integers(0, k + 1, r)
+        cap = int(rng.integers(r, r * (k + 1) + 4))
+        n_samp = r + int(rng.integers(0, 3))
+        planner = Planner(mode="adaptive", max_total_logit_rows=cap + (n_samp - r), cost_table=table,
+                          num_speculative_tokens=k, draft_lengths=lengths, token_buckets=buckets)
+        got = planner.plan(conf, sched, num_sampling_rows=n_samp, num_non_draft_tokens=r)
+        want = choose_plan(conf, sched, num_sampling_rows=n_samp, num_non_draft_tokens=r, cost_table=table,
+                           max_total_logit_rows=cap, draft_lengths=lengths, token_buckets=buckets)
+        assert got == want, (trial, got, want)
+        b, i = choose_plan_device(jnp.asarray(np.nan_to_num(conf, nan=0.0)), jnp.asarray(sched, jnp.int32),
+                                  num_rows=r, num_sampling_rows=n_samp, num_non_draft_tokens=r,
+                                  cost_table=CostTableArrays.from_table(table), max_total_logit_rows=cap,
+                                  draft_lengths=lengths, token_buckets=tuple(buckets[d] for d in lengths))
+        mismatches += (int(b), lengths[int(i)]) != want
+        planner.host_floor_s = 1e3
+        assert planner.plan(conf, sched, num_sampling_rows=n_samp, num_non_draft_tokens=r) == (
+            min(int(np.minimum(sched, 7).sum()), cap - r), 7)
+    assert mismatches <= 3  # float32 near-ties only
