@@ -222,6 +222,7 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
                                         "host_commit_ms_per_step") if key in st},
             "prefix_cache_tokens": st["prefix_cache_tokens"], "preemptions": st["preemptions"],
             "token_digests": [digest(r.token_ids) for r in res],
+            "cost_table": eng.cost_table.to_dict() if eng.cost_table is not None else None,
         }
         if loop != "host" and "host" in by_loop:
             row["match_host"] = matches(by_loop["host"]["token_digests"], row["token_digests"])

@@ -3,8 +3,8 @@
 Pure pieces, each in its own module:
 
 * :mod:`spec_decode.allocator`: ``allocate_drafts`` (device): caps per request from the global top-B survival.
-* :mod:`spec_decode.budget`: ``choose_budget`` (host) and ``choose_budget_device`` (its jnp twin): B maximising
-  expected tokens per second of step time.
+* :mod:`spec_decode.budget`: ``choose_plan`` (host) and ``choose_plan_device`` (its jnp twin): the draft length
+  and the budget maximising expected tokens per second of step time; ``choose_budget`` the one-length rule.
 * :mod:`spec_decode.cost_table`: profiled, monotone step-cost tables saved as ``cost_table.json``.
 * :mod:`spec_decode.estimator`: online acceptance estimator for drafters without a confidence head.
 * :mod:`spec_decode.rejection`: lossless greedy/stochastic rejection sampling over a ragged verify batch.
@@ -24,7 +24,13 @@ The engine, one concern per module (``docs/ENGINE.md`` draws the host loop):
 """
 
 from spec_decode.allocator import allocate_drafts, survival
-from spec_decode.budget import budget_values, choose_budget, choose_budget_device
+from spec_decode.budget import (
+    budget_values,
+    choose_budget,
+    choose_budget_device,
+    choose_plan,
+    choose_plan_device,
+)
 from spec_decode.cost_table import (
     COST_TABLE_FILENAME,
     CostTable,
@@ -71,6 +77,8 @@ __all__ = [
     "budget_values",
     "choose_budget",
     "choose_budget_device",
+    "choose_plan",
+    "choose_plan_device",
     "confidence_feature",
     "confidence_feature_from_logits",
     "filter_logits",
