@@ -30,6 +30,7 @@ import collections
 import contextlib
 import dataclasses
 import hashlib
+import math
 import os
 import sys
 import threading
@@ -56,6 +57,7 @@ from spec_decode.request import Request, build_requests
 from spec_decode.results import GenerationResult, GenerationResults, request_result, run_stats
 from spec_decode.scheduler import ScheduledStep, Scheduler
 from spec_decode.step import CONFIDENCES, MODES, DecodeState, StepConfig, StepPlan, init_state
+from spec_decode.synthetic import acceptance_rates, conditional_rates
 
 __all__ = ["Engine", "GenerationResult", "GenerationResults", "generate_offline"]
 
@@ -92,6 +94,12 @@ class Engine:
         choice for a drafter without a head). Default: ``"head"`` when the drafter has one.
       sampling: compile the sampling programs (default); ``False`` compiles the greedy ones alone (half the
         programs: greedy offline batch decoding) and refuses a request with a temperature above 0.
+      synthetic_acceptance_rates / synthetic_acceptance_length: **emulated acceptance** for benchmarks on models
+        whose acceptance means nothing (random weights): ``K`` unconditional rates ``P(the first k drafts are
+        accepted)``, or an acceptance length ``L`` (:mod:`spec_decode.synthetic`). Each request draws a latent
+        profile around them (``synthetic_concentration``, default 10), which serves as its acceptance probabilities
+        and its confidences (``synthetic_confidence_noise`` > 0 miscalibrates the confidences on purpose). The
+        outputs are not the target's; the statistics say ``acceptance="emulated"``.
       tokenizer: encodes string prompts and decodes outputs (``encode(str) -> list[int]``, ``decode(ids)``).
       implementation / interpret: the kernels (``decode.choose_implementation``).
       min_token_bucket: the smallest packed-token bucket of the closed set.
@@ -116,7 +124,9 @@ class Engine:
                  min_token_bucket: int = 8, device_loop_token_buckets: int = 4, max_stop_token_ids: int = 16,
                  enable_prefix_caching: bool = True, async_scheduling: bool = True, precompile: bool = False,
                  compilation_cache: bool = True, device_loop: bool = True, draft_lengths=None,
-                 confidence: str | None = None, sampling: bool = True):
+                 confidence: str | None = None, sampling: bool = True, synthetic_acceptance_rates=None,
+                 synthetic_acceptance_length=None, synthetic_confidence_noise: float = 0.0,
+                 synthetic_concentration: float = 10.0):
         cfg = target.cfg
         if verification not in MODES:
             raise ValueError(f"verification must be one of {MODES}, got {verification!r}")
@@ -157,6 +167,16 @@ class Engine:
                           f"max_total_logit_rows={self.max_total_logit_rows}", stacklevel=2)
         self.confidence = self._confidence(confidence, k, verification)
         self.draft_lengths = self._draft_lengths(draft_lengths, cost_table)
+        self.synthetic_rates = None
+        if synthetic_acceptance_rates is not None or synthetic_acceptance_length is not None:
+            if k == 0:
+                raise ValueError("emulated acceptance needs drafts: verification='none' drafts nothing")
+            self.synthetic_rates = acceptance_rates(k, rates=synthetic_acceptance_rates,
+                                                    length=synthetic_acceptance_length)
+            for name, v, lo in (("synthetic_confidence_noise", synthetic_confidence_noise, 0.0),
+                                ("synthetic_concentration", synthetic_concentration, 1e-3)):
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo:
+                    raise ValueError(f"{name} must be a finite number >= {lo}, got {v!r}")
         self.cache_dtype = target.dtype if cache_dtype is None else cache_dtype
         self.implementation = choose_implementation(implementation, cfg, page_size=self.page_size,
                                                     dtype=self.cache_dtype, interpret=interpret)
@@ -180,9 +200,11 @@ class Engine:
         self.planner.token_buckets = dict(self.buckets_by_length)
         self.token_buckets = tuple(sorted({key.tokens for key in self.step_keys}))
         capture = tuple(self.drafter.cfg.target_layer_ids) if self.drafter is not None else ()
-        self._step_config = StepConfig(num_speculative_tokens=k, mode=verification, confidence=self.confidence,
-                                       implementation=self.implementation, interpret=interpret,
-                                       capture_layers=capture)
+        self._step_config = StepConfig(
+            num_speculative_tokens=k, mode=verification, confidence=self.confidence,
+            implementation=self.implementation, interpret=interpret, capture_layers=capture,
+            synthetic=None if self.synthetic_rates is None else conditional_rates(self.synthetic_rates),
+            synthetic_concentration=float(synthetic_concentration), synthetic_noise=float(synthetic_confidence_noise))
         self.loop_config = self._loop_config(device_loop_token_buckets)
         self._programs = StepPrograms(target, self.drafter, self._step_config, self.step_keys,
                                      num_stop_ids=self.num_stop_ids)
@@ -286,6 +308,11 @@ class Engine:
                           draft_lengths=self.draft_lengths, token_buckets=tuple(per_length), logit_rows=tuple(rows),
                           max_total_logit_rows=self.max_total_logit_rows, num_stop_ids=self.num_stop_ids,
                           max_blocks=self.max_blocks)
+
+    @property
+    def acceptance(self) -> str:
+        """``"emulated"`` (synthetic acceptance) or ``"real"``."""
+        return "real" if self.synthetic_rates is None else "emulated"
 
     @property
     def cost_table(self) -> CostTable | None:
@@ -610,7 +637,8 @@ class Engine:
                                        compiles=len(compiled), preemptions=sched.num_preemptions,
                                        prefill_tokens=sched.prefill_tokens_computed,
                                        prefix_tokens_reused=sched.prefix_tokens_reused,
-                                       async_scheduling=self.async_scheduling, **per_step))
+                                       async_scheduling=self.async_scheduling, acceptance=self.acceptance,
+                                       **per_step))
 
     def _recover(self, sched: Scheduler) -> None:
         """An interrupted run (an exception, or a closed stream): free its pages and slots. If the device state
@@ -678,7 +706,8 @@ class Engine:
                           draft_length_per_step=lengths, drafted_per_step=drafted,
                           host_s=wall - device_s, compiles=len(compiled), preemptions=0,
                           prefill_tokens=sched.prefill_tokens_computed, prefix_tokens_reused=sched.prefix_tokens_reused,
-                          token_buckets=[list(b) for b in self.loop_config.token_buckets], device_time_s=device_s)
+                          token_buckets=[list(b) for b in self.loop_config.token_buckets], device_time_s=device_s,
+                          acceptance=self.acceptance)
         return GenerationResults([self._result(r) for r in requests], stats)
 
     def _waves(self, requests: list[Request]):

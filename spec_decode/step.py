@@ -52,6 +52,7 @@ from spec_decode.estimator import (
 )
 from spec_decode.rejection import STREAM_DRAFT, rejection_sample_packed, sampling_key
 from spec_decode.sampling_params import filter_logits
+from spec_decode.synthetic import emulated_accept_packed, emulated_confidences, request_profiles
 
 __all__ = ["DecodeState", "StepConfig", "StepOutput", "StepPlan", "init_state", "make_step_fn"]
 
@@ -82,6 +83,9 @@ class StepConfig:
     interpret: bool | None = None
     capture_layers: tuple[int, ...] = ()
     draft_len: int | None = None
+    synthetic: tuple[float, ...] | None = None  # emulated acceptance: the K conditional base rates
+    synthetic_concentration: float = 10.0
+    synthetic_noise: float = 0.0
 
 
 CONFIDENCES = ("head", "calibrated", "estimator")
@@ -259,7 +263,10 @@ def make_step_fn(target, drafter, config: StepConfig):
     kd = k if config.draft_len is None or config.draft_len < 0 else int(config.draft_len)
     if not 0 <= kd <= k:
         raise ValueError(f"draft_len must be in [0, K={k}], got {config.draft_len}")
-    online = config.confidence in ("estimator", "calibrated")
+    synthetic = config.synthetic is not None and k > 0
+    if synthetic and len(config.synthetic) != k:
+        raise ValueError(f"synthetic needs K = {k} conditional rates, got {len(config.synthetic)}")
+    online = config.confidence in ("estimator", "calibrated") and not synthetic  # emulated: nothing to learn
     tgraph, _ = nnx.split(target)
     dgraph = nnx.split(drafter)[0] if (drafter is not None and k > 0) else None
     capture = tuple(i for i in config.capture_layers if i >= 0)
@@ -308,6 +315,9 @@ def make_step_fn(target, drafter, config: StepConfig):
             elif config.confidence == "calibrated":
                 features = _head_feature(d.confidences)
             conf = predict(state.estimator, _pad_positions(features, k))[:, :kd] if online else d.confidences
+            if synthetic:  # each request's latent profile: the acceptance probabilities and the confidences
+                profiles = request_profiles(plan.seed, config.synthetic, concentration=config.synthetic_concentration)
+                conf = emulated_confidences(profiles, plan.seed, noise=config.synthetic_noise)[:, :kd]
             conf = jnp.where(is_decode[:, None], conf, 0.0)
             sched = jnp.where(is_decode, jnp.clip(jnp.minimum(plan.scheduled, max_emit - 1), 0, kd), 0)
             alloc_conf = conf if config.mode == "adaptive" else jnp.ones_like(conf)
@@ -350,8 +360,12 @@ def make_step_fn(target, drafter, config: StepConfig):
         # ---- 4. rejection sampling (prefill-final rows: zero drafts, the bonus is the first token)
         anchor_pos = jnp.where(is_decode, num_cached, num_cached + plan.prefill_len - 1)
 
-        rej = rejection_sample_packed(logits, lqsl, drafts, draft_probs, plan.seed, anchor_pos,
-                                      temperature=plan.temperature if sampled else 0.0, row_mask=n_logit > 0)
+        if synthetic and kd > 0:
+            rej = emulated_accept_packed(logits, lqsl, drafts, profiles[:, :kd], plan.seed, anchor_pos,
+                                         temperature=plan.temperature if sampled else 0.0, row_mask=n_logit > 0)
+        else:
+            rej = rejection_sample_packed(logits, lqsl, drafts, draft_probs, plan.seed, anchor_pos,
+                                          temperature=plan.temperature if sampled else 0.0, row_mask=n_logit > 0)
         num_acc = jnp.where(is_decode, rej.num_accepted, 0)
 
         # ---- 5. stop (outputs padded to the engine's K + 1 columns whatever K_d)
