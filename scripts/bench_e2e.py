@@ -124,7 +124,16 @@ def clean(v):
 
 
 def config_key(row: dict) -> tuple:
-    return (row["n"], row["mode"], row["loop"], row["prompt_len"], row["max_new_tokens"], row["dtype"])
+    rates = row.get("synthetic_rates")
+    return (row["n"], row["mode"], row["loop"], row["prompt_len"], row["max_new_tokens"], row["dtype"],
+            row.get("model", "default"), tuple(rates) if rates else None, row.get("shared_prefix", 0))
+
+
+def this_row(args, n: int, mode: str, loop: str) -> dict:
+    """The key fields of a configuration's row (what ``config_key`` reads)."""
+    return {"n": n, "mode": mode, "loop": loop, "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
+            "dtype": args.dtype, "model": args.model, "shared_prefix": args.shared_prefix,
+            "synthetic_rates": list(args.synthetic_rates) if args.synthetic_rates else None}
 
 
 def load_rows(path: str) -> list[dict]:
@@ -158,13 +167,18 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
 
     settings = mode_settings(mode, args.k)
     extra = {key: v for key, v in settings.items() if key not in ("verification", "num_speculative_tokens")}
+    k_mode = settings["num_speculative_tokens"]
+    if args.synthetic_rates is not None and k_mode > 0:  # P(the first k accepted) does not depend on K
+        extra.update(synthetic_acceptance_rates=tuple(args.synthetic_rates[:k_mode]),
+                     synthetic_confidence_noise=args.synthetic_confidence_noise)
     max_model_len = round_up(args.prompt_len + args.max_new_tokens + 64, page_size_for(target.cfg))
     t0 = time.perf_counter()
     eng = Engine(target, drafter if settings["verification"] != "none" else None,
                  num_speculative_tokens=settings["num_speculative_tokens"], verification=settings["verification"],
                  max_num_seqs=n, max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                  min_token_bucket=args.min_token_bucket, tokenizer=tokenizer,
-                 enable_prefix_caching=args.prefix_caching, implementation=args.implementation,
+                 enable_prefix_caching=args.prefix_caching or args.shared_prefix > 0,
+                 implementation=args.implementation,
                  device_loop="device" in loops, precompile=False, sampling=args.sampling, **extra)
     construct_s = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -174,19 +188,24 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
     # the warm-up runs every program the timed calls run (the closed set is compiled already): 64 prompts do, and
     # leave the held-out windows to the timed sets at large n
     n_warm = min(n, 64)
-    warm_prompts = heldout_windows(tokenizer, n_warm, args.prompt_len, offset=0, bos=bos)
+    # --shared-prefix: every prompt starts with the same P tokens (a system prompt; the warm-up uses another one)
+    share = dict(shared_prefix=args.shared_prefix, prefix_index=0) if args.shared_prefix else {}
+    warm_prompts = heldout_windows(tokenizer, n_warm, args.prompt_len, offset=0, bos=bos,
+                                   **({**share, "prefix_index": 1} if share else {}))
     timed_sets = []  # the first is every mode's common set (its tokens are compared); later ones add timing
     for i in range(args.timed_sets):
         try:
-            timed_sets.append(heldout_windows(tokenizer, n, args.prompt_len, offset=n_warm + n * i, bos=bos))
+            timed_sets.append(heldout_windows(tokenizer, n, args.prompt_len, offset=n_warm + n * i, bos=bos,
+                                              **share))
         except ValueError:  # the held-out files give no more distinct windows
             break
     if not timed_sets:
         raise SystemExit(f"bench_e2e: the held-out files give fewer than {n_warm + n} windows of {args.prompt_len} "
                          f"tokens: no timed set at n={n}")
     kw = {"max_new_tokens": args.max_new_tokens, "ignore_eos": True, "temperature": 0.0, "progress": False}
-    same = [r for r in done_rows if r["n"] == n and (r["prompt_len"], r["max_new_tokens"], r["dtype"]) == (
-        args.prompt_len, args.max_new_tokens, args.dtype)]  # rows whose timed prompts are this call's
+    here = config_key(this_row(args, n, mode, ""))
+    same = [r for r in done_rows if config_key(r)[:1] + config_key(r)[3:] == here[:1] + here[3:]]
+    # rows whose timed prompts are this call's (any mode and loop)
     by_loop = {r["loop"]: r for r in same if r["mode"] == mode}
     for loop in loops:
         eng.generate(warm_prompts, loop=loop, **kw)
@@ -198,7 +217,9 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
         out_tokens = sum(r.stats["output_tokens"] for r in runs)
         row = {
             "n": n, "mode": mode, "loop": loop, "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
-            "dtype": args.dtype, "verification": eng.mode, "K": eng.k,
+            "dtype": args.dtype, "verification": eng.mode, "K": eng.k, "model": args.model,
+            "acceptance": st.get("acceptance", "real"), "shared_prefix": args.shared_prefix,
+            "synthetic_rates": list(args.synthetic_rates) if args.synthetic_rates else None,
             "draft_lengths": getattr(eng, "draft_lengths", extra.get("draft_lengths")),
             "confidence": getattr(eng, "confidence", None), "max_model_len": max_model_len,
             "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / wall if wall else 0.0,
@@ -256,8 +277,7 @@ def run_sweep(args, pair, rows: list[dict], rows_path: str, t_start: float, writ
 
         for n in args.requests:
             for mode in args.modes:
-                loops = [lp for lp in args.loops
-                         if (n, mode, lp, args.prompt_len, args.max_new_tokens, args.dtype) not in done]
+                loops = [lp for lp in args.loops if config_key(this_row(args, n, mode, lp)) not in done]
                 if not loops:
                     print(f"bench_e2e: n={n} {mode}: recorded already, skipped", flush=True)
                     continue
@@ -279,12 +299,38 @@ def run_sweep(args, pair, rows: list[dict], rows_path: str, t_start: float, writ
                 write_outputs()
 
 
-def load_pair(dtype_name: str):
+def load_pair(args):
+    """The embedded default, or (``--model m3-slice``) a few MiniMax-M3 layers at the real widths with random
+    weights and a DSpark drafter at M3 width (``--m3-tiny``: the same structure at test widths), with the default's
+    tokenizer for the prompts (emulated acceptance makes their content irrelevant to the drafts' fate)."""
     import jax.numpy as jnp
 
     from minimax_jax.default import load_default
 
-    return load_default(dtype={"bfloat16": jnp.bfloat16, "float32": jnp.float32}[dtype_name])
+    dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
+    target, drafter, tokenizer = load_default(dtype=dtype)
+    if args.model == "default":
+        return target, drafter, tokenizer
+    from minimax_jax import MiniMaxM3Config
+    from minimax_jax.config import DENSE_MLP, FULL_ATTENTION, MOE_MLP, SPARSE_ATTENTION
+    from minimax_jax.drafter import init_drafter
+    from minimax_jax.drafter_config import DSparkConfig
+    from minimax_jax.model import init_model
+
+    n = args.m3_layers
+    kinds = dict(num_hidden_layers=n, layer_types=(FULL_ATTENTION,) + (SPARSE_ATTENTION,) * (n - 1),
+                 mlp_layer_types=(DENSE_MLP,) + (MOE_MLP,) * (n - 1))
+    vocab = max(target.cfg.vocab_size, 512)
+    if args.m3_tiny:
+        cfg = MiniMaxM3Config.tiny(vocab_size=vocab, **kinds)
+    else:
+        cfg = MiniMaxM3Config.m3().replace(**kinds)
+    m3 = init_model(cfg, dtype=dtype, seed=0)
+    dcfg = DSparkConfig.for_target(cfg, mask_token_id=cfg.vocab_size - 1, block_size=7, num_draft_layers=1,
+                                   target_layer_ids=tuple(range(min(3, n))), markov_rank=64 if not args.m3_tiny else 8,
+                                   markov_head_type="gated", enable_confidence_head=True,
+                                   confidence_head_with_markov=True)
+    return m3, init_drafter(dcfg, m3, dtype=dtype, seed=1), tokenizer
 
 
 # ----------------------------------------------------------------------------------------------- calibration
@@ -546,6 +592,20 @@ def parse_args(argv=None):
     ap.add_argument("--timed-sets", type=int, default=3,
                     help="distinct prompt sets timed per configuration (tokens and wall summed; the first set's "
                          "tokens are compared across modes)")
+    ap.add_argument("--model", choices=["default", "m3-slice"], default="default",
+                    help="the embedded default, or a few MiniMax-M3 layers at full width with random weights "
+                         "(use with --synthetic-acceptance-*)")
+    ap.add_argument("--m3-layers", type=int, default=4, help="m3-slice: layers (1 dense full-attention, the rest "
+                                                             "MSA + MoE)")
+    ap.add_argument("--m3-tiny", action="store_true", help="m3-slice at test widths (CPU)")
+    ap.add_argument("--synthetic-acceptance-length", type=float, default=None,
+                    help="emulated acceptance (Engine(synthetic_acceptance_length=...)): tokens per step, bonus "
+                         "included; fixed K < 7 takes the first K of the 7 rates")
+    ap.add_argument("--synthetic-acceptance-rates", type=float, nargs="+", default=None,
+                    help="emulated acceptance: 7 unconditional rates P(the first k drafts are accepted)")
+    ap.add_argument("--synthetic-confidence-noise", type=float, default=0.0)
+    ap.add_argument("--shared-prefix", type=int, default=0,
+                    help="tokens every prompt shares (prefix caching on); the published workload: 200 of 550")
     ap.add_argument("--sampling", action="store_true",
                     help="compile the sampling programs too (the sweep is greedy: Engine(sampling=False) by default)")
     ap.add_argument("--time-budget-s", type=float, default=None)
@@ -568,6 +628,17 @@ def parse_args(argv=None):
             ap.error(str(e))
     if args.calibration_prompt_len is None:
         args.calibration_prompt_len = args.prompt_len
+    args.synthetic_rates = None
+    if args.synthetic_acceptance_length is not None or args.synthetic_acceptance_rates is not None:
+        from spec_decode.synthetic import acceptance_rates
+
+        try:
+            args.synthetic_rates = acceptance_rates(args.k, rates=args.synthetic_acceptance_rates,
+                                                    length=args.synthetic_acceptance_length)
+        except ValueError as e:
+            ap.error(str(e))
+    if args.model == "m3-slice" and args.synthetic_rates is None:
+        ap.error("--model m3-slice has random weights: give --synthetic-acceptance-length or -rates")
     return args
 
 
@@ -597,7 +668,7 @@ def main(argv=None) -> None:
     def write_outputs():
         write_reports(rows, args.out, info, quiet=True)
 
-    pair = load_pair(args.dtype)
+    pair = load_pair(args)
     if args.requests and args.modes:
         run_sweep(args, pair, rows, rows_path, t_start, write_outputs)
     if args.calibration:
