@@ -1,0 +1,207 @@
+"""Tensor and expert parallelism: the mesh, how every parameter and cache is split over it, and memory plans
+(docs/PARALLELISM.md).
+
+The mesh has a ``"tensor"`` axis of ``N`` devices (and a ``"data"`` axis of replicas for offline batches). Over the
+tensor axis:
+
+* **attention**: query heads are split (``q_proj`` by columns, ``o_proj`` by rows). KV heads are split where
+  ``N <= num_key_value_heads``; where ``N`` exceeds them they are **replicated at load time** to ``N`` stored heads
+  (MiniMax-M3's 4 KV heads at TP 8: each head on two devices), so every device holds exactly its heads and no
+  ``jnp.repeat`` runs per step. The MSA index heads follow the same rule; the index key (one head shared by the
+  index heads) is replicated;
+* **dense MLPs and the shared expert**: column-parallel ``gate_up`` (stored with each shard's gate and up halves
+  next to each other), row-parallel ``down``: one reduction per block;
+* **routed experts**: expert parallelism over the same devices, ``num_local_experts / N`` experts each, tokens
+  replicated to every shard, a ``psum`` after the grouped GEMM (sglang-jax's design; it runs on XLA:CPU). The
+  router and ``e_score_correction_bias`` (fp32) are replicated;
+* **embeddings and ``lm_head``**: split over the vocabulary;
+* **paged caches**: K/V split by stored KV head, the MSA index keys replicated, page tables replicated;
+* norms are replicated.
+
+:func:`param_layout` gives each parameter's stored shape and :class:`jax.sharding.PartitionSpec`;
+:func:`memory_plan` adds up per-device bytes from the real shapes with ``jax.eval_shape`` (nothing is
+allocated), for the weights and for a KV pool of a given concurrency and context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+from minimax_jax.cache import page_size_for
+from minimax_jax.config import MiniMaxM3Config
+
+__all__ = ["DATA", "TENSOR", "MemoryPlan", "ParamLayout", "largest_fit", "make_mesh", "memory_plan", "param_layout",
+           "stored_heads"]
+
+TENSOR = "tensor"
+DATA = "data"
+
+
+def make_mesh(tensor_parallel_size: int, *, data_parallel_size: int = 1, devices=None) -> Mesh:
+    """A ``("data", "tensor")`` mesh over the first ``data * tensor`` devices (``devices``: an explicit list)."""
+    tp, dp = int(tensor_parallel_size), int(data_parallel_size)
+    if tp < 1 or dp < 1:
+        raise ValueError(f"tensor_parallel_size and data_parallel_size must be >= 1, got {tp} and {dp}")
+    devs = list(jax.devices() if devices is None else devices)
+    if tp * dp > len(devs):
+        raise ValueError(f"a mesh of {dp} x {tp} devices needs {tp * dp}, {len(devs)} available")
+    return Mesh(np.asarray(devs[: tp * dp], dtype=object).reshape(dp, tp), (DATA, TENSOR))
+
+
+def stored_heads(num_heads: int, tensor_parallel_size: int, *, what: str = "heads") -> int:
+    """Heads kept after load-time replication: ``num_heads`` when the tensor axis splits them evenly, else ``N``
+    (each head on ``N / num_heads`` devices). Raises when neither divides the other."""
+    n = int(tensor_parallel_size)
+    if n <= num_heads:
+        if num_heads % n:
+            raise ValueError(f"{num_heads} {what} do not split over tensor_parallel_size={n}")
+        return num_heads
+    if n % num_heads:
+        raise ValueError(f"tensor_parallel_size={n} is not a multiple of the {num_heads} {what} (each head must be "
+                         f"replicated the same number of times)")
+    return n
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+    """One parameter on the mesh: its shape in the checkpoint, its stored shape (KV heads replicated), and its
+    partition spec over the stored shape."""
+
+    shape: tuple[int, ...]
+    stored_shape: tuple[int, ...]
+    spec: PartitionSpec
+    dtype: object
+
+    def device_bytes(self, mesh_shape: Mapping[str, int]) -> int:
+        """Bytes one device holds."""
+        n = math.prod(self.stored_shape)
+        for axis in self.spec:
+            if axis is not None:
+                n //= mesh_shape[axis]
+        return n * jnp.dtype(self.dtype).itemsize
+
+
+def _path(path) -> str:
+    """``layers/3/self_attn/q_proj/kernel`` from a pytree path (nnx's trailing ``.value`` dropped)."""
+    parts = []
+    for p in path:
+        part = getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))
+        if part != "value":
+            parts.append(str(part))
+    return "/".join(parts)
+
+
+def _rule(name: str, shape: tuple[int, ...], cfg: MiniMaxM3Config, tp: int) -> tuple[tuple[int, ...], PartitionSpec]:
+    """(stored shape, spec) of the parameter at ``name`` (a ``/``-joined path)."""
+    t = TENSOR
+    leaf = name.rsplit("/", 2)
+    last = "/".join(leaf[-2:])
+    if name.endswith("embed_tokens") or name == "embed_tokens":
+        return shape, PartitionSpec(t, None)
+    if name.endswith("lm_head"):
+        return shape, PartitionSpec(None, t)
+    if "/indexer/" in name:
+        if last == "q_proj/kernel":
+            heads = stored_heads(cfg.index_n_heads, tp, what="index heads")
+            return (shape[0], heads * cfg.index_head_dim), PartitionSpec(None, t)
+        return shape, PartitionSpec()  # the shared index key, its norms
+    if last == "q_proj/kernel":
+        stored_heads(cfg.num_attention_heads, tp, what="query heads")
+        return shape, PartitionSpec(None, t)
+    if last in ("k_proj/kernel", "v_proj/kernel"):
+        heads = stored_heads(cfg.num_key_value_heads, tp, what="KV heads")
+        return (shape[0], heads * cfg.head_dim), PartitionSpec(None, t)
+    if last == "o_proj/kernel":
+        return shape, PartitionSpec(t, None)
+    if last == "gate_up_proj/kernel":
+        return shape, PartitionSpec(None, t)
+    if last == "down_proj/kernel":
+        return shape, PartitionSpec(t, None)
+    if name.endswith("experts_gate_up") or name.endswith("experts_down"):
+        if cfg.num_local_experts % tp:
+            raise ValueError(f"{cfg.num_local_experts} experts do not split over tensor_parallel_size={tp}")
+        return shape, PartitionSpec(t, None, None)
+    return shape, PartitionSpec()  # norms, the router and its bias
+
+
+def param_layout(module_fn, cfg: MiniMaxM3Config, tensor_parallel_size: int) -> dict[str, ParamLayout]:
+    """``{path: ParamLayout}`` of every parameter of the module ``module_fn()`` builds (traced with
+    ``jax.eval_shape``: no parameter is allocated). ``cfg`` is the config whose heads the rules read (the target's,
+    or a drafter's layer config)."""
+    from flax import nnx
+
+    shapes = jax.eval_shape(lambda: nnx.state(module_fn()))
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+        name = _path(path)
+        stored, spec = _rule(name, tuple(leaf.shape), cfg, tensor_parallel_size)
+        out[name] = ParamLayout(tuple(leaf.shape), stored, spec, leaf.dtype)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Per-device bytes of a deployment (``memory_plan``)."""
+
+    tensor_parallel_size: int
+    weight_bytes: int  # one device's parameters (target, and drafter when given)
+    drafter_bytes: int  # of which the drafter's
+    kv_bytes_per_page: int  # one page of the pool on one device (every layer's K/V heads it stores, index keys)
+    page_size: int
+    checkpoint_bytes: int  # the whole model as stored (all devices, before replication)
+
+    def kv_bytes(self, concurrency: int, context: int) -> int:
+        """One device's KV pool for ``concurrency`` requests of ``context`` tokens."""
+        return concurrency * -(-context // self.page_size) * self.kv_bytes_per_page
+
+    def device_bytes(self, concurrency: int, context: int) -> int:
+        return self.weight_bytes + self.kv_bytes(concurrency, context)
+
+
+def memory_plan(cfg: MiniMaxM3Config, *, tensor_parallel_size: int, dtype=jnp.bfloat16, kv_dtype=None,
+                drafter_cfg=None) -> MemoryPlan:
+    """Per-device bytes of ``cfg`` (and its DSpark drafter ``drafter_cfg``) over ``tensor_parallel_size`` devices,
+    from the real shapes (``jax.eval_shape``) and :func:`param_layout`."""
+    from flax import nnx
+
+    from minimax_jax.model import MiniMaxM3ForCausalLM
+
+    tp = int(tensor_parallel_size)
+    mesh_shape = {TENSOR: tp, DATA: 1}
+    layout = param_layout(lambda: MiniMaxM3ForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)), cfg, tp)
+    weights = sum(p.device_bytes(mesh_shape) for p in layout.values())
+    stored = sum(math.prod(p.shape) * jnp.dtype(p.dtype).itemsize for p in layout.values())
+    draft = 0
+    if drafter_cfg is not None:
+        from minimax_jax.drafter import DSparkDrafter
+
+        dlayout = param_layout(lambda: DSparkDrafter(drafter_cfg, rngs=nnx.Rngs(0), dtype=dtype),
+                               drafter_cfg.layer_config, tp)
+        # the drafter shares the target's embeddings and LM head (not counted twice)
+        draft = sum(p.device_bytes(mesh_shape) for name, p in dlayout.items()
+                    if not (name.endswith("embed_tokens") or name.endswith("lm_head")))
+    item = jnp.dtype(dtype if kv_dtype is None else kv_dtype).itemsize
+    page = page_size_for(cfg)
+    kv_heads = stored_heads(cfg.num_key_value_heads, tp, what="KV heads") // tp
+    kv = 2 * cfg.num_hidden_layers * kv_heads * page * cfg.head_dim
+    idx = len(cfg.sparse_layer_ids) * page * cfg.index_head_dim  # replicated
+    if drafter_cfg is not None:  # the drafter's context K/V shares the pages
+        lc = drafter_cfg.layer_config
+        kv += 2 * lc.num_hidden_layers * (stored_heads(lc.num_key_value_heads, tp, what="KV heads") // tp) * page * \
+            lc.head_dim
+    return MemoryPlan(tp, weights + draft, draft, (kv + idx) * item, page, stored)
+
+
+def largest_fit(plan: MemoryPlan, device_bytes: int, *, context: int, reserve_fraction: float = 0.1) -> int:
+    """The largest concurrency whose KV pool at ``context`` tokens fits one device of ``device_bytes`` next to the
+    weights, keeping ``reserve_fraction`` of the device for activations and the compiler (0 when nothing fits)."""
+    free = int(device_bytes * (1 - reserve_fraction)) - plan.weight_bytes
+    per_request = plan.kv_bytes(1, context)
+    return max(0, free // per_request)
