@@ -205,3 +205,82 @@ def largest_fit(plan: MemoryPlan, device_bytes: int, *, context: int, reserve_fr
     free = int(device_bytes * (1 - reserve_fraction)) - plan.weight_bytes
     per_request = plan.kv_bytes(1, context)
     return max(0, free // per_request)
+
+
+# ----------------------------------------------------------------------------------------------- placing a model
+def replicate_heads(model, tensor_parallel_size: int):
+    """A copy of the target ``model`` whose KV heads (and the MSA index heads, one per KV group) are replicated to
+    :func:`stored_heads` (the model's own object when nothing needs replicating). Stored head ``j`` is original
+    head ``j // (N / H_kv)``, so query head ``h`` still reads original head ``h // (H / H_kv)``: the same model.
+    The given model is left as it is."""
+    from flax import nnx
+
+    from minimax_jax.model import MiniMaxM3ForCausalLM
+
+    cfg = model.cfg
+    n = int(tensor_parallel_size)
+    hkv = stored_heads(cfg.num_key_value_heads, n, what="KV heads")
+    if hkv == cfg.num_key_value_heads:
+        return model
+    rep = hkv // cfg.num_key_value_heads
+    changes = {"num_key_value_heads": hkv}
+    if cfg.index_n_heads is not None:
+        changes["index_n_heads"] = stored_heads(cfg.index_n_heads, n, what="index heads")
+    new_cfg = cfg.replace(**changes)
+
+    def widen(kernel, head_dim):  # [d, H * D] -> [d, H * rep * D], every head repeated rep times in place
+        d = kernel.shape[0]
+        return jnp.repeat(kernel.reshape(d, -1, head_dim), rep, axis=1).reshape(d, -1)
+
+    state = nnx.state(model)
+    flat = dict(nnx.to_flat_state(state))
+    for key, var in flat.items():
+        name = "/".join(str(k) for k in key)
+        if name.endswith(("self_attn/k_proj/kernel", "self_attn/v_proj/kernel")):
+            var.value = widen(var.value, cfg.head_dim)
+        elif name.endswith("indexer/q_proj/kernel"):
+            var.value = widen(var.value, cfg.index_head_dim)
+    new = nnx.eval_shape(lambda: MiniMaxM3ForCausalLM(new_cfg, dtype=model.dtype, rngs=nnx.Rngs(0)))
+    nnx.update(new, nnx.from_flat_state(flat))
+    return new
+
+
+def shard_module(module, mesh: Mesh, cfg: MiniMaxM3Config, *, replicate: bool = False):
+    """Place ``module``'s parameters on ``mesh`` by :func:`param_layout` (``replicate``: every parameter on every
+    device). Heads must already be stored for the mesh (:func:`replicate_heads`). Updates the module in place."""
+    from flax import nnx
+
+    tp = mesh.shape[TENSOR]
+    state = nnx.state(module)
+    flat = dict(nnx.to_flat_state(state))
+    for key, var in flat.items():
+        name = "/".join(str(k) for k in key)
+        if replicate:
+            spec = PartitionSpec()
+        else:
+            stored, spec = _rule(name, tuple(var.value.shape), cfg, tp)
+            if stored != tuple(var.value.shape):
+                raise ValueError(f"{name} has shape {var.value.shape}, the mesh stores {stored}: replicate the "
+                                 f"heads first (replicate_heads)")
+        var.value = jax.device_put(var.value, jax.sharding.NamedSharding(mesh, spec))
+    nnx.update(module, nnx.from_flat_state(flat))
+    return module
+
+
+def state_shardings(state, mesh: Mesh):
+    """Shardings of an engine's decode state on ``mesh``: the target's K/V pages split by head, everything else
+    (index keys, the drafter's context, the per-slot arrays, the estimator) replicated."""
+    from jax.sharding import NamedSharding
+
+    from minimax_jax.cache import PagedCache
+
+    rep = NamedSharding(mesh, PartitionSpec())
+    heads = NamedSharding(mesh, PartitionSpec(TENSOR))
+
+    def cache_spec(c: PagedCache):
+        return PagedCache(k=[heads] * len(c.k), v=[heads] * len(c.v), index_k=[rep] * len(c.index_k))
+
+    out = jax.tree.map(lambda _: rep, state)
+    import dataclasses as _dc
+
+    return _dc.replace(out, cache=cache_spec(state.cache))
