@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from minimax_jax import sharding
 from minimax_jax.cache import cache_bytes_per_page, page_size_for
 from minimax_jax.decode import choose_implementation
 from minimax_jax.draft_cache import draft_cache_bytes_per_page
@@ -52,7 +53,7 @@ from spec_decode.cost_table import CostTable, CostTableArrays, load_cost_table, 
 from spec_decode.device_loop import LoopConfig, fill_requests, loop_inputs, make_loop_fn
 from spec_decode.page_pool import PagePool
 from spec_decode.planner import Planner
-from spec_decode.programs import CompileReport, StepPrograms, compile_counter, compile_in_pool
+from spec_decode.programs import CompileReport, StepPrograms, compile_counter, compile_in_pool, on_mesh
 from spec_decode.request import Request, build_requests
 from spec_decode.results import GenerationResult, GenerationResults, request_result, run_stats
 from spec_decode.scheduler import ScheduledStep, Scheduler
@@ -100,6 +101,11 @@ class Engine:
         profile around them (``synthetic_concentration``, default 10), which serves as its acceptance probabilities
         and its confidences (``synthetic_confidence_noise`` > 0 miscalibrates the confidences on purpose). The
         outputs are not the target's; the statistics say ``acceptance="emulated"``.
+      tensor_parallel_size / mesh: tensor parallelism (docs/PARALLELISM.md) over the first N devices, or over the
+        ``"tensor"`` axis of a given ``jax.sharding.Mesh``: the target's heads, MLP columns, experts and vocabulary
+        split over it (KV and index heads replicated first where N exceeds them: a new target module), the
+        drafter replicated, the KV pages split by head. The given modules' parameters are placed on the mesh
+        (moved, not changed). XLA partitions the steps (GSPMD); the kernels do not run per device yet.
       tokenizer: encodes string prompts and decodes outputs (``encode(str) -> list[int]``, ``decode(ids)``).
       implementation / interpret: the kernels (``decode.choose_implementation``).
       min_token_bucket: the smallest packed-token bucket of the closed set.
@@ -126,7 +132,7 @@ class Engine:
                  compilation_cache: bool = True, device_loop: bool = True, draft_lengths=None,
                  confidence: str | None = None, sampling: bool = True, synthetic_acceptance_rates=None,
                  synthetic_acceptance_length=None, synthetic_confidence_noise: float = 0.0,
-                 synthetic_concentration: float = 10.0):
+                 synthetic_concentration: float = 10.0, tensor_parallel_size: int = 1, mesh=None):
         cfg = target.cfg
         if verification not in MODES:
             raise ValueError(f"verification must be one of {MODES}, got {verification!r}")
@@ -149,6 +155,12 @@ class Engine:
         if not 2 <= max_model_len <= cfg.max_position_embeddings:
             raise ValueError(f"max_model_len must be in [2, {cfg.max_position_embeddings}] (the model's "
                              f"max_position_embeddings), got {max_model_len}")
+        self.mesh = self._mesh(tensor_parallel_size, mesh)
+        if self.mesh is not None:
+            target = sharding.replicate_heads(target, self.mesh.shape[sharding.TENSOR])
+            sharding.shard_module(target, self.mesh, target.cfg)
+            if drafter is not None and k > 0:
+                sharding.shard_module(drafter, self.mesh, drafter.cfg.layer_config, replicate=True)
         self.target, self.drafter = target, (drafter if k > 0 else None)
         self.tokenizer = tokenizer
         self.mode, self.k = verification, k
@@ -206,8 +218,9 @@ class Engine:
             synthetic=None if self.synthetic_rates is None else conditional_rates(self.synthetic_rates),
             synthetic_concentration=float(synthetic_concentration), synthetic_noise=float(synthetic_confidence_noise))
         self.loop_config = self._loop_config(device_loop_token_buckets)
+        self._state_shardings = None  # the decode state's placement on the mesh (set with the first state)
         self._programs = StepPrograms(target, self.drafter, self._step_config, self.step_keys,
-                                     num_stop_ids=self.num_stop_ids)
+                                     num_stop_ids=self.num_stop_ids, mesh=self.mesh)
         self._loop_programs: dict[bool, object] = {}  # sampling -> the compiled device loop
         self._warm_device_loop = bool(device_loop)
         self._target_params = nnx.state(target)
@@ -224,6 +237,26 @@ class Engine:
             self.warmup()
 
     # ------------------------------------------------------------------ set-up helpers
+    @staticmethod
+    def _mesh(tensor_parallel_size, mesh):
+        """The engine's mesh: ``mesh`` (with a ``"tensor"`` axis), or one over the first N devices, or None."""
+        if mesh is not None:
+            if sharding.TENSOR not in mesh.shape:
+                raise ValueError(f"mesh must have a {sharding.TENSOR!r} axis, got axes {tuple(mesh.shape)}")
+            if tensor_parallel_size not in (1, mesh.shape[sharding.TENSOR]):
+                raise ValueError(f"tensor_parallel_size={tensor_parallel_size} disagrees with the mesh's "
+                                 f"{sharding.TENSOR!r} axis of {mesh.shape[sharding.TENSOR]}")
+            return mesh
+        if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or \
+                tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
+        if tensor_parallel_size == 1:
+            return None
+        if tensor_parallel_size > len(jax.devices()):
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs that many devices, "
+                             f"{len(jax.devices())} available")
+        return sharding.make_mesh(tensor_parallel_size)
+
     def _confidence(self, confidence, k: int, verification: str) -> str:
         has_head = k > 0 and self.drafter.has_confidence_head
         if confidence is None:
@@ -287,7 +320,11 @@ class Engine:
     def _bytes_per_page(self) -> int:
         """Device bytes of one page of the pool: the target's K/V (and index keys) plus, when drafting, the draft
         cache's K/V on the same page id (the draft cache shares the target's pool)."""
-        per_page = cache_bytes_per_page(self.target.cfg, self.cache_dtype)
+        cfg = self.target.cfg
+        if self.mesh is not None:  # one device's share: its KV heads (the index keys and the drafter replicated)
+            local = cfg.num_key_value_heads // self.mesh.shape[sharding.TENSOR]
+            cfg = cfg.replace(num_key_value_heads=local, index_n_heads=None if cfg.index_n_heads is None else local)
+        per_page = cache_bytes_per_page(cfg, self.cache_dtype)
         if self.drafter is not None:
             per_page += draft_cache_bytes_per_page(self.drafter.cfg, self.page_size, self.cache_dtype)
         return per_page
@@ -320,10 +357,17 @@ class Engine:
         return self.planner.table
 
     def _init_state(self) -> DecodeState:
-        return init_state(self.target, self.drafter, num_slots=self.max_num_seqs, num_pages=self.num_pages,
-                          max_model_len=self.max_model_len, num_speculative_tokens=self.k,
-                          use_estimator=self.confidence == "estimator", cache_dtype=self.cache_dtype,
-                          confidence=self.confidence)
+        state = init_state(self.target, self.drafter, num_slots=self.max_num_seqs, num_pages=self.num_pages,
+                           max_model_len=self.max_model_len, num_speculative_tokens=self.k,
+                           use_estimator=self.confidence == "estimator", cache_dtype=self.cache_dtype,
+                           confidence=self.confidence)
+        return self._placed(state)
+
+    def _placed(self, state: DecodeState) -> DecodeState:
+        """The state on the engine's mesh (K/V pages split by head, the rest replicated); as is without one."""
+        if self.mesh is None:
+            return state
+        return jax.device_put(state, sharding.state_shardings(state, self.mesh))
 
     def _example_plan(self, key: StepKey) -> StepPlan:
         """A plan of ``key``'s shape with every slot a padding row (warm-up and profiling fill it in)."""
@@ -362,7 +406,8 @@ class Engine:
                 if sampling not in self._loop_programs:
                     cfg = dataclasses.replace(self.loop_config,
                                               step=dataclasses.replace(self._step_config, sampling=sampling))
-                    fn = jax.jit(make_loop_fn(self.target, self.drafter, cfg), donate_argnums=(2,))
+                    fn = jax.jit(on_mesh(make_loop_fn(self.target, self.drafter, cfg), self.mesh),
+                                 donate_argnums=(2,))
                     lowered[("loop", sampling)] = fn.lower(*params, self._state, self._example_loop_inputs())
             t_lowered = time.perf_counter()
             done = compile_in_pool(lowered, progress=show, desc="compiling")
@@ -423,7 +468,7 @@ class Engine:
         context = max(1, self.max_model_len // 4)
         nb = -(-(context + 1 + k) // self.page_size)
         tables = (np.arange(r)[:, None] * nb + np.arange(self.max_blocks)[None, :]) % self.num_pages
-        self._state = _with_lengths(self._state, np.full(r, context, np.int32))
+        self._state = self._placed(_with_lengths(self._state, np.full(r, context, np.int32)))
         bar = None
         if show:
             from tqdm.auto import tqdm
@@ -448,7 +493,7 @@ class Engine:
         self.planner.profile(sorted(by_shape), time_program, repeats=7, progress=bar)
         if bar is not None:
             bar.close()
-        self._state = _with_lengths(self._state, np.zeros(r, np.int32))
+        self._state = self._placed(_with_lengths(self._state, np.zeros(r, np.int32)))
         self.pool.clear_cache()  # the timing runs wrote pages: nothing cached survives them
 
     # ------------------------------------------------------------------ one caller at a time
@@ -681,7 +726,7 @@ class Engine:
                     d0 = time.perf_counter()
                     program = self._loop_programs[any(r.params.temperature > 0 for r in live)]
                     self._state, out = program(self._target_params, self._drafter_params, self._state,
-                                               jax.device_put(inputs))
+                                               self._programs.put(inputs))
                     out = jax.device_get(out)
                     device_s += time.perf_counter() - d0
                     fill_requests(live, out, self.k)

@@ -24,7 +24,7 @@ import numpy as np
 from spec_decode.buckets import StepKey
 from spec_decode.step import StepConfig, StepPlan, make_step_fn
 
-__all__ = ["CompileReport", "StepPrograms", "compile_counter", "compile_in_pool"]
+__all__ = ["CompileReport", "StepPrograms", "compile_counter", "compile_in_pool", "on_mesh"]
 
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # timed around compile-or-load-from-cache
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"  # recorded inside it, in the same thread, on a load
@@ -142,12 +142,29 @@ def unpack_plan(packed: PackedPlan, *, num_stop_ids: int) -> StepPlan:
                     budget=packed.tokens[-2], commit=packed.tokens[-1] != 0)
 
 
+def on_mesh(fn, mesh):
+    """``fn(target_params, drafter_params, state, x) -> (state, out)`` with the returned state constrained to the
+    engine's placement on ``mesh`` (``minimax_jax.sharding.state_shardings``), so a donated state keeps its layout
+    from step to step and every step runs the program compiled for it; ``fn`` itself without a mesh."""
+    if mesh is None:
+        return fn
+    from minimax_jax.sharding import state_shardings
+
+    def placed(target_params, drafter_params, state, x):
+        new_state, out = fn(target_params, drafter_params, state, x)
+        return jax.lax.with_sharding_constraint(new_state, state_shardings(new_state, mesh)), out
+
+    return placed
+
+
 class StepPrograms:
     """One compiled step program per key of the closed set (``keys``), the state donated. A program takes the
     plan packed (:class:`PackedPlan`): :meth:`run` packs and sends a host plan in three transfers."""
 
-    def __init__(self, target, drafter, base: StepConfig, keys: tuple[StepKey, ...], *, num_stop_ids: int):
+    def __init__(self, target, drafter, base: StepConfig, keys: tuple[StepKey, ...], *, num_stop_ids: int,
+                 mesh=None):
         self.keys = tuple(keys)
+        self.mesh = mesh
         self._fns = {}
         for key in self.keys:
             step = make_step_fn(target, drafter, dataclasses.replace(
@@ -157,7 +174,7 @@ class StepPrograms:
             def packed_step(target_params, drafter_params, state, packed, step=step):
                 return step(target_params, drafter_params, state, unpack_plan(packed, num_stop_ids=num_stop_ids))
 
-            self._fns[key] = jax.jit(packed_step, donate_argnums=(2,))
+            self._fns[key] = jax.jit(on_mesh(packed_step, mesh), donate_argnums=(2,))
         self._compiled: dict[StepKey, object] = {}
 
     @property
@@ -179,5 +196,11 @@ class StepPrograms:
         if fn is None:
             raise RuntimeError(f"no compiled program for {key}: not in the engine's closed set {self.keys} (or "
                                f"Engine.warmup() was not run)")
-        return fn(target_params, drafter_params, state, jax.device_put(pack_plan(plan)))
+        return fn(target_params, drafter_params, state, self.put(pack_plan(plan)))
+
+    def put(self, tree):
+        """Host arrays to the device(s): replicated over the mesh, or to the default device."""
+        if self.mesh is None:
+            return jax.device_put(tree)
+        return jax.device_put(tree, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
 

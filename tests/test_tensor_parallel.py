@@ -1,0 +1,76 @@
+"""Tensor parallelism on 8 virtual CPU devices (``--xla_force_host_platform_device_count=8``, in a subprocess):
+a tiny model with MiniMax-M3's head ratios scaled down (16 query heads over 2 KV heads, 2 index heads, 8 experts
+top-2, a shared expert) gives the unsharded model's logits at TP 1, 2, 4 and 8 (KV and index heads replicated at 4
+and 8), and the engine's greedy speculative outputs at TP 2 and 8 equal one device's, with none, fixed and adaptive
+verification, on parameters and KV pages that really are split."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCRIPT = textwrap.dedent("""
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["MINIMAX_JAX_COMPILATION_CACHE"] = "0"
+    import jax, jax.numpy as jnp, numpy as np
+    jax.config.update("jax_default_matmul_precision", "highest")
+    from minimax_jax import sharding
+    from spec_decode import Engine, SamplingParams
+    from tests.engine_models import bigram_drafter, damped_target, random_prompts
+
+    SHAPE = dict(num_attention_heads=16, num_key_value_heads=2, index_n_heads=2, head_dim=16,
+                 num_local_experts=8, num_experts_per_tok=2)
+    assert len(jax.devices()) == 8
+
+    def fresh():
+        return damped_target(damping=0.3, **SHAPE)
+
+    ids = jnp.asarray([random_prompts(1, [40], seed=4)[0]], jnp.int32)
+    want = np.asarray(fresh()(ids))
+    for tp in (1, 2, 4, 8):
+        mesh = sharding.make_mesh(tp)
+        model = sharding.replicate_heads(fresh(), tp)
+        sharding.shard_module(model, mesh, model.cfg)
+        q = model.layers[0].self_attn.q_proj.kernel[...]
+        assert q.addressable_shards[0].data.shape[1] == q.shape[1] // tp
+        assert model.cfg.num_key_value_heads == max(2, tp)
+        got = np.asarray(model(ids))
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+        print("logits", tp, float(np.abs(got - want).max()))
+
+    prompts = random_prompts(5, [20, 15, 30, 13, 26], seed=3)
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in (12, 9, 16, 5, 14)]
+    common = dict(max_num_seqs=4, max_model_len=96, max_num_batched_tokens=32, implementation="reference",
+                  min_token_bucket=32, sampling=False, cost_table=None, device_loop_token_buckets=1)
+    for mode, k in (("none", 0), ("fixed", 3), ("adaptive", 3)):
+        ref = None
+        for tp in (1, 2, 8):
+            target = fresh()
+            drafter = bigram_drafter(target, block_size=4) if k else None
+            eng = Engine(target, drafter, num_speculative_tokens=k, verification=mode, tensor_parallel_size=tp,
+                         **common)
+            host = [r.token_ids for r in eng.generate(prompts, sampling_params=params)]
+            dev = [r.token_ids for r in eng.generate(prompts, sampling_params=params, loop="device")]
+            if tp > 1:
+                kv = eng._state.cache.k[0]
+                assert kv.addressable_shards[0].data.shape[0] == kv.shape[0] // tp, kv.shape
+            ref = host if ref is None else ref
+            assert host == ref and dev == ref, (mode, tp)
+            print("engine", mode, tp, sum(map(len, host)))
+""")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_logits_and_greedy_outputs_match_one_device():
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=1500, env=env,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("logits") == 4 and proc.stdout.count("engine") == 9, proc.stdout
