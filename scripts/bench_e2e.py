@@ -126,13 +126,15 @@ def clean(v):
 def config_key(row: dict) -> tuple:
     rates = row.get("synthetic_rates")
     return (row["n"], row["mode"], row["loop"], row["prompt_len"], row["max_new_tokens"], row["dtype"],
-            row.get("model", "default"), tuple(rates) if rates else None, row.get("shared_prefix", 0))
+            row.get("model", "default"), tuple(rates) if rates else None, row.get("shared_prefix", 0),
+            row.get("tensor_parallel_size"))
 
 
 def this_row(args, n: int, mode: str, loop: str) -> dict:
     """The key fields of a configuration's row (what ``config_key`` reads)."""
     return {"n": n, "mode": mode, "loop": loop, "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
             "dtype": args.dtype, "model": args.model, "shared_prefix": args.shared_prefix,
+            "tensor_parallel_size": args.tensor_parallel_size,
             "synthetic_rates": list(args.synthetic_rates) if args.synthetic_rates else None}
 
 
@@ -168,6 +170,10 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
     settings = mode_settings(mode, args.k)
     extra = {key: v for key, v in settings.items() if key not in ("verification", "num_speculative_tokens")}
     k_mode = settings["num_speculative_tokens"]
+    if args.tensor_parallel_size is not None:  # on a mesh, even of one device (the sharded code at TP 1)
+        from minimax_jax.sharding import make_mesh
+
+        extra["mesh"] = make_mesh(args.tensor_parallel_size)
     if args.synthetic_rates is not None and k_mode > 0:  # P(the first k accepted) does not depend on K
         extra.update(synthetic_acceptance_rates=tuple(args.synthetic_rates[:k_mode]),
                      synthetic_confidence_noise=args.synthetic_confidence_noise)
@@ -218,6 +224,7 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
         row = {
             "n": n, "mode": mode, "loop": loop, "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
             "dtype": args.dtype, "verification": eng.mode, "K": eng.k, "model": args.model,
+            "tensor_parallel_size": args.tensor_parallel_size,
             "acceptance": st.get("acceptance", "real"), "shared_prefix": args.shared_prefix,
             "synthetic_rates": list(args.synthetic_rates) if args.synthetic_rates else None,
             "draft_lengths": getattr(eng, "draft_lengths", extra.get("draft_lengths")),
@@ -604,6 +611,8 @@ def parse_args(argv=None):
     ap.add_argument("--synthetic-acceptance-rates", type=float, nargs="+", default=None,
                     help="emulated acceptance: 7 unconditional rates P(the first k drafts are accepted)")
     ap.add_argument("--synthetic-confidence-noise", type=float, default=0.0)
+    ap.add_argument("--tensor-parallel-size", type=int, default=None,
+                    help="run on a mesh of this many devices (1: the sharded code on one device); default: no mesh")
     ap.add_argument("--shared-prefix", type=int, default=0,
                     help="tokens every prompt shares (prefix caching on); the published workload: 200 of 550")
     ap.add_argument("--sampling", action="store_true",
