@@ -196,8 +196,6 @@ class Engine:
         self.num_pages = self._pool_size(num_pages, memory_fraction)
         self.num_stop_ids = max_stop_token_ids
         self.async_scheduling = bool(async_scheduling)
-        self.planner = Planner(mode=verification, max_total_logit_rows=self.max_total_logit_rows,
-                               cost_table=cost_table, num_speculative_tokens=k, draft_lengths=self.draft_lengths)
         self.pool = PagePool(self.num_pages, self.page_size, self.max_blocks,
                              enable_prefix_caching=bool(enable_prefix_caching))
         # the closed program set
@@ -209,7 +207,9 @@ class Engine:
         self.buckets_by_length = {d: tuple(sorted(key.tokens for key in self.step_keys
                                                   if key.draft_len == d and not key.sampling))
                                   for d in self.draft_lengths}
-        self.planner.token_buckets = dict(self.buckets_by_length)
+        self.planner = Planner(mode=verification, max_total_logit_rows=self.max_total_logit_rows,
+                               cost_table=cost_table, num_speculative_tokens=k, draft_lengths=self.draft_lengths,
+                               token_buckets=self.buckets_by_length)
         self.token_buckets = tuple(sorted({key.tokens for key in self.step_keys}))
         capture = tuple(self.drafter.cfg.target_layer_ids) if self.drafter is not None else ()
         self._step_config = StepConfig(

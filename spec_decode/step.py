@@ -18,7 +18,9 @@ bucket:
 4. **verify**: the target's paged forward over the packed tokens (``decode.forward_ragged``), capturing the
    drafter's target layers; logits only for the rows that sample (bounded verify logits);
 5. **rejection sampling** (lossless; greedy or stochastic, top-k / top-p applied to both distributions): accepted
-   drafts plus one corrected or bonus token per decode row, the first token of a row whose prefill finished;
+   drafts plus one corrected or bonus token per decode row, the first token of a row whose prefill finished
+   (emulated acceptance, :mod:`spec_decode.synthetic`: drafts accepted by each request's latent profile instead,
+   the target's own token after them);
 6. **stop**: emitted tokens are cut after a stop token and at the row's remaining token budget;
 7. **commit**: the target cache length grows by the anchor plus the accepted drafts (rejected drafts are rolled
    back by length: their slots are overwritten later); the drafter's context gets the accepted positions' target
