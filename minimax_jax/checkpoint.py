@@ -19,6 +19,7 @@ import json
 import os
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -36,6 +37,7 @@ from minimax_jax.safetensors_io import (
     experts_transpose,
     identity,
     load_weights,
+    rows_of_parts,
     transpose,
 )
 
@@ -64,11 +66,31 @@ def text_model_name(name: str) -> str:
 def _stack_gate_up(num_experts):
     def f(xs):  # [w1_0, w3_0, w1_1, w3_1, ...], each [I, d] -> [E, d, 2I]
         return np.stack([np.concatenate([xs[2 * e], xs[2 * e + 1]], axis=0).T for e in range(num_experts)])
+
+    def block(src, read_slice, spans):  # experts [e0, e1) only, each its rows of w1 / w3
+        (e0, e1), (d0, d1), (c0, c1) = spans
+        inter = src.shapes[0][0]
+        out = []
+        for e in range(e0, e1):
+            parts = [read_slice(src.names[2 * e + i], (slice(a, b), slice(d0, d1)))
+                     for i, a, b in rows_of_parts([inter, inter], c0, c1)]
+            out.append(np.concatenate(parts, axis=0).T)
+        return np.stack(out)
+
+    f.block = block
     return f
 
 
 def _stack_down(xs):  # [w2_e [d, I]] -> [E, I, d]
     return np.stack([x.T for x in xs])
+
+
+def _stack_down_block(src, read_slice, spans):
+    (e0, e1), (i0, i1), (d0, d1) = spans
+    return np.stack([read_slice(src.names[e], (slice(d0, d1), slice(i0, i1))).T for e in range(e0, e1)])
+
+
+_stack_down.block = _stack_down_block
 
 
 def weight_plan(cfg: MiniMaxM3Config) -> dict[tuple, dict[str, Source]]:
@@ -161,7 +183,7 @@ def weight_plan(cfg: MiniMaxM3Config) -> dict[tuple, dict[str, Source]]:
 
 # ----------------------------------------------------------------------------------------------- loading
 def load_model(path: str | os.PathLike, *, dtype=jnp.bfloat16, config: MiniMaxM3Config | None = None,
-               rename: Rename = None) -> MiniMaxM3ForCausalLM:
+               rename: Rename = None, mesh=None) -> MiniMaxM3ForCausalLM:
     """Load a MiniMax-M3 safetensors checkpoint (single file or sharded) into a :class:`MiniMaxM3ForCausalLM`.
 
     Args:
@@ -170,6 +192,10 @@ def load_model(path: str | os.PathLike, *, dtype=jnp.bfloat16, config: MiniMaxM3
       dtype: parameter dtype (the router's correction bias stays fp32).
       config: overrides the directory's ``config.json``.
       rename: optional extra name table (or function) applied to checkpoint names before matching.
+      mesh: a ``jax.sharding.Mesh`` with a ``"tensor"`` axis: the parameters are placed by
+        :func:`minimax_jax.sharding.param_layout` while loading (KV and index heads replicated past their count,
+        the model's config says so), each device reading only the checkpoint slices of its own blocks
+        (docs/PARALLELISM.md).
     Raises:
       FileNotFoundError / NotADirectoryError for a path that does not exist or is a file (without ``config``);
       CheckpointError listing every missing, unexpected, mis-shaped and wrongly typed tensor, or naming a
@@ -179,9 +205,25 @@ def load_model(path: str | os.PathLike, *, dtype=jnp.bfloat16, config: MiniMaxM3
         path = checkpoint_directory(path, kind="model")
     cfg = config if config is not None else MiniMaxM3Config.from_pretrained(path)
     reader = SafetensorsReader(path, rename=compose_rename(rename, text_model_name))
-    graphdef, state = nnx.split(abstract_model(cfg, dtype=dtype))
+    placement, model_cfg = None, cfg
+    if mesh is not None:  # the checkpoint is cfg's; the model stores its heads for the mesh
+        from minimax_jax import sharding
+
+        tp = mesh.shape[sharding.TENSOR]
+        checkpoint_shapes = {p: var.get_value().shape for p, var in
+                             nnx.to_flat_state(nnx.state(abstract_model(cfg, dtype=dtype)))}
+        model_cfg = sharding.stored_config(cfg, tp)
+
+        def placement(p):
+            name = "/".join(map(str, p))
+            _, spec = sharding.param_rule(name, checkpoint_shapes[p], cfg, tp)
+            return (jax.sharding.NamedSharding(mesh, spec), checkpoint_shapes[p],
+                    sharding.column_map(name, cfg, tp))
+
+    graphdef, state = nnx.split(abstract_model(model_cfg, dtype=dtype))
     state = load_weights(weight_plan(cfg), reader, state, kind="model",
-                         against=f"the {cfg.num_hidden_layers}-layer config", prefer="hf", ignore=_IGNORED)
+                         against=f"the {cfg.num_hidden_layers}-layer config", prefer="hf", ignore=_IGNORED,
+                         placement=placement)
     return nnx.merge(graphdef, state)
 
 

@@ -70,6 +70,47 @@ def experts_transpose(xs: list[np.ndarray]) -> np.ndarray:
     return np.swapaxes(xs[0], 1, 2)
 
 
+def _span(sl: slice, n: int) -> tuple[int, int]:
+    start, stop, step = sl.indices(n)
+    if step != 1:
+        raise ValueError(f"only unit-step slices are read, got {sl}")
+    return start, stop
+
+
+def rows_of_parts(sizes, lo: int, hi: int):
+    """``[(part, start, stop)]``: the pieces of rows ``[lo, hi)`` of parts of ``sizes`` rows concatenated."""
+    out, base = [], 0
+    for i, n in enumerate(sizes):
+        a, b = max(lo, base), min(hi, base + n)
+        if a < b:
+            out.append((i, a - base, b - base))
+        base += n
+    return out
+
+
+def read_block(src: Source, read_slice, index: tuple[slice, ...], shape: tuple[int, ...]) -> np.ndarray:
+    """``src.combine(tensors)[index]`` (``shape``: the combined array's), reading only the checkpoint slices it
+    needs through ``read_slice(name, slices)``: the sharded loader's path (docs/PARALLELISM.md)."""
+    spans = [_span(sl, n) for sl, n in zip(index, shape)]
+    block = getattr(src.combine, "block", None)
+    if block is not None:
+        return block(src, read_slice, spans)
+    if src.combine is identity:
+        return read_slice(src.names[0], tuple(slice(a, b) for a, b in spans))
+    if src.combine is transpose:
+        (r0, r1), (c0, c1) = spans
+        return read_slice(src.names[0], (slice(c0, c1), slice(r0, r1))).T
+    if src.combine is experts_transpose:
+        (e0, e1), (i0, i1), (o0, o1) = spans
+        return np.swapaxes(read_slice(src.names[0], (slice(e0, e1), slice(o0, o1), slice(i0, i1))), 1, 2)
+    if src.combine is concat_transpose:
+        (r0, r1), (c0, c1) = spans
+        parts = [read_slice(src.names[i], (slice(a, b), slice(r0, r1)))
+                 for i, a, b in rows_of_parts([s[0] for s in src.shapes], c0, c1)]
+        return np.concatenate(parts, axis=0).T
+    raise CheckpointError(f"internal: no sliced reader for the transform of {src.names}")
+
+
 def to_checkpoint_tensors(src: Source, arr: np.ndarray) -> list[np.ndarray]:
     """Inverse of ``src.combine`` for the transforms above: one JAX-layout array -> the tensors of ``src.names``
     (shape-checked against ``src.shapes``)."""
@@ -199,7 +240,19 @@ class SafetensorsReader:
     def read(self, name: str) -> np.ndarray:
         raw = self.names[name]
         with self._open(self.raw_files[raw]) as f:
-            return f.get_tensor(raw)
+            out = f.get_tensor(raw)
+        self.bytes_read += out.nbytes
+        return out
+
+    def read_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """``tensor[index]`` (unit-step slices, one per leading axis) read without the rest of the tensor."""
+        raw = self.names[name]
+        with self._open(self.raw_files[raw]) as f:
+            out = f.get_slice(raw)[tuple(index)]
+        self.bytes_read += out.nbytes
+        return out
+
+    bytes_read = 0  # bytes of tensor data read so far (tests count what a sharded load reads)
 
 
 # ----------------------------------------------------------------------------------------------- matching
@@ -216,7 +269,7 @@ def detect_scheme(plan: WeightPlan, names: Mapping[str, str] | set[str], *, pref
 def load_weights(plan: WeightPlan, reader: SafetensorsReader, state: nnx.State, *, kind: str, against: str,
                  prefer: str, ignore: re.Pattern | None = None,
                  copies: Mapping[str, tuple[tuple[int, ...], str]] | None = None,
-                 preset: Mapping[tuple, object] | None = None) -> nnx.State:
+                 preset: Mapping[tuple, object] | None = None, placement=None) -> nnx.State:
     """Build the parameters of ``state`` from checkpoint tensors, as ``plan`` says.
 
     Args:
@@ -230,6 +283,10 @@ def load_weights(plan: WeightPlan, reader: SafetensorsReader, state: nnx.State, 
       copies: ``{name: (shape, why)}`` tensors a checkpoint may carry but the model takes from elsewhere (a
         drafter's frozen copy of the target's embeddings): shape-checked, not loaded.
       preset: ``{parameter path: array}`` values that do not come from the checkpoint.
+      placement: for a sharded load, ``placement(path) -> (sharding, checkpoint shape, column map | None)``: the
+        parameter is built on the devices of ``sharding``, each device reading only the checkpoint slices of its
+        own block (a replicated parameter is read once); ``state`` then has the stored shapes, and the column
+        map gives the checkpoint column of every stored column (heads replicated for the mesh).
     Returns:
       the filled state. Parameters are cast to the state's dtypes.
     Raises:
@@ -290,6 +347,9 @@ def load_weights(plan: WeightPlan, reader: SafetensorsReader, state: nnx.State, 
     for path, src in chosen.items():
         var = flat[path]
         want = var.get_value()
+        if placement is not None:
+            flat[path] = var.replace(_placed(src, reader, want, *placement(path)))
+            continue
         arr = np.asarray(src.combine([reader.read(n) for n in src.names]))
         if arr.shape != want.shape:
             raise CheckpointError(f"internal: {'.'.join(map(str, path))} built with shape {arr.shape}, the model "
@@ -298,5 +358,37 @@ def load_weights(plan: WeightPlan, reader: SafetensorsReader, state: nnx.State, 
     return nnx.from_flat_state(flat)
 
 
+def _placed(src: Source, reader: SafetensorsReader, want, sharding, shape, cols):
+    """One parameter built on the devices of ``sharding`` (see :func:`load_weights`' ``placement``)."""
+    import jax
+
+    dtype = want.dtype
+    if sharding.is_fully_replicated:
+        arr = np.asarray(src.combine([reader.read(n) for n in src.names]))
+        if cols is not None:
+            arr = arr[..., cols]
+        return jax.device_put(jnp.asarray(arr, dtype=dtype), sharding)
+    memo: dict = {}
+
+    def read_slice(name, slices):  # every distinct slice read once (replicated heads share theirs)
+        key = (name, tuple((s.start, s.stop) for s in slices))
+        if key not in memo:
+            memo[key] = reader.read_slice(name, slices)
+        return memo[key]
+
+    def block(index):
+        index = tuple(index) + (slice(None),) * (len(want.shape) - len(index))
+        if cols is None:
+            out = read_block(src, read_slice, index, shape)
+        else:
+            c = cols[index[-1]]
+            lo, hi = int(c.min()), int(c.max()) + 1
+            out = read_block(src, read_slice, index[:-1] + (slice(lo, hi),), shape)[..., c - lo]
+        return np.asarray(jnp.asarray(out, dtype=dtype))
+
+    return jax.make_array_from_callback(tuple(want.shape), sharding, block)
+
+
 __all__ = ["CheckpointError", "SafetensorsReader", "Source", "checkpoint_directory", "compose_rename",
-           "concat_transpose", "detect_scheme", "identity", "load_weights", "to_checkpoint_tensors", "transpose"]
+           "concat_transpose", "detect_scheme", "identity", "load_weights", "read_block", "rows_of_parts",
+           "to_checkpoint_tensors", "transpose"]

@@ -37,7 +37,8 @@ from jax.sharding import Mesh, PartitionSpec
 from minimax_jax.cache import page_size_for
 from minimax_jax.config import MiniMaxM3Config
 
-__all__ = ["DATA", "TENSOR", "MemoryPlan", "ParamLayout", "largest_fit", "make_mesh", "memory_plan", "param_layout",
+__all__ = ["DATA", "TENSOR", "MemoryPlan", "ParamLayout", "column_map", "largest_fit", "make_mesh", "memory_plan",
+           "param_layout", "param_rule", "replicate_heads", "shard_module", "state_shardings", "stored_config",
            "stored_heads"]
 
 TENSOR = "tensor"
@@ -98,7 +99,7 @@ def _path(path) -> str:
     return "/".join(parts)
 
 
-def _rule(name: str, shape: tuple[int, ...], cfg: MiniMaxM3Config, tp: int) -> tuple[tuple[int, ...], PartitionSpec]:
+def param_rule(name: str, shape: tuple[int, ...], cfg: MiniMaxM3Config, tp: int) -> tuple[tuple[int, ...], PartitionSpec]:
     """(stored shape, spec) of the parameter at ``name`` (a ``/``-joined path)."""
     t = TENSOR
     leaf = name.rsplit("/", 2)
@@ -141,7 +142,7 @@ def param_layout(module_fn, cfg: MiniMaxM3Config, tensor_parallel_size: int) -> 
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
         name = _path(path)
-        stored, spec = _rule(name, tuple(leaf.shape), cfg, tensor_parallel_size)
+        stored, spec = param_rule(name, tuple(leaf.shape), cfg, tensor_parallel_size)
         out[name] = ParamLayout(tuple(leaf.shape), stored, spec, leaf.dtype)
     return out
 
@@ -218,31 +219,42 @@ def replicate_heads(model, tensor_parallel_size: int):
     from minimax_jax.model import MiniMaxM3ForCausalLM
 
     cfg = model.cfg
-    n = int(tensor_parallel_size)
-    hkv = stored_heads(cfg.num_key_value_heads, n, what="KV heads")
-    if hkv == cfg.num_key_value_heads:
+    new_cfg = stored_config(cfg, tensor_parallel_size)
+    if new_cfg == cfg:
         return model
-    rep = hkv // cfg.num_key_value_heads
-    changes = {"num_key_value_heads": hkv}
-    if cfg.index_n_heads is not None:
-        changes["index_n_heads"] = stored_heads(cfg.index_n_heads, n, what="index heads")
-    new_cfg = cfg.replace(**changes)
-
-    def widen(kernel, head_dim):  # [d, H * D] -> [d, H * rep * D], every head repeated rep times in place
-        d = kernel.shape[0]
-        return jnp.repeat(kernel.reshape(d, -1, head_dim), rep, axis=1).reshape(d, -1)
-
     state = nnx.state(model)
     flat = dict(nnx.to_flat_state(state))
     for key, var in flat.items():
-        name = "/".join(str(k) for k in key)
-        if name.endswith(("self_attn/k_proj/kernel", "self_attn/v_proj/kernel")):
-            var.value = widen(var.value, cfg.head_dim)
-        elif name.endswith("indexer/q_proj/kernel"):
-            var.value = widen(var.value, cfg.index_head_dim)
+        cols = column_map("/".join(str(k) for k in key), cfg, tensor_parallel_size)
+        if cols is not None:
+            var.value = var.value[:, cols]
     new = nnx.eval_shape(lambda: MiniMaxM3ForCausalLM(new_cfg, dtype=model.dtype, rngs=nnx.Rngs(0)))
     nnx.update(new, nnx.from_flat_state(flat))
     return new
+
+
+def stored_config(cfg: MiniMaxM3Config, tensor_parallel_size: int) -> MiniMaxM3Config:
+    """``cfg`` with its KV heads (and the MSA index heads, one per KV group) at :func:`stored_heads`."""
+    changes = {"num_key_value_heads": stored_heads(cfg.num_key_value_heads, tensor_parallel_size, what="KV heads")}
+    if cfg.index_n_heads is not None:
+        changes["index_n_heads"] = stored_heads(cfg.index_n_heads, tensor_parallel_size, what="index heads")
+    return cfg.replace(**changes) if any(getattr(cfg, k) != v for k, v in changes.items()) else cfg
+
+
+def column_map(name: str, cfg: MiniMaxM3Config, tensor_parallel_size: int) -> np.ndarray | None:
+    """For a parameter whose heads are replicated on the mesh (``k_proj``, ``v_proj``, the indexer's ``q_proj``):
+    the original column of every stored column (stored head ``j`` is original head ``j // (N / H)``); else None."""
+    if name.endswith(("self_attn/k_proj/kernel", "self_attn/v_proj/kernel")):
+        heads, dim = cfg.num_key_value_heads, cfg.head_dim
+    elif name.endswith("indexer/q_proj/kernel"):
+        heads, dim = cfg.index_n_heads, cfg.index_head_dim
+    else:
+        return None
+    stored = stored_heads(heads, tensor_parallel_size)
+    if stored == heads:
+        return None
+    head = np.arange(stored) // (stored // heads)
+    return (head[:, None] * dim + np.arange(dim)[None, :]).reshape(-1)
 
 
 def shard_module(module, mesh: Mesh, cfg: MiniMaxM3Config, *, replicate: bool = False):
@@ -258,7 +270,7 @@ def shard_module(module, mesh: Mesh, cfg: MiniMaxM3Config, *, replicate: bool = 
         if replicate:
             spec = PartitionSpec()
         else:
-            stored, spec = _rule(name, tuple(var.value.shape), cfg, tp)
+            stored, spec = param_rule(name, tuple(var.value.shape), cfg, tp)
             if stored != tuple(var.value.shape):
                 raise ValueError(f"{name} has shape {var.value.shape}, the mesh stores {stored}: replicate the "
                                  f"heads first (replicate_heads)")
