@@ -24,6 +24,7 @@ explicit ``"pallas"`` on CPU or ``interpret=True`` runs it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -179,6 +180,7 @@ def forward_ragged(
     implementation: str = "auto",
     interpret: bool | None = None,
     moe_implementation: str | None = None,
+    mesh=None,
 ) -> tuple[jax.Array, list[jax.Array], PagedCache]:
     """Run the packed tokens through the model, writing their K/V/index-K into ``cache``.
 
@@ -189,6 +191,10 @@ def forward_ragged(
     after the last layer (before the final norm); ``model.logits(hidden[rows])`` gives the logits of the rows that
     need them (bounded verify logits: never all ``T x V`` unless asked). Padding slots produce garbage-free zeros
     in attention and never write the caches.
+
+    ``mesh`` (a ``jax.sharding.Mesh`` with a ``"tensor"`` axis, the model's heads stored for it: docs/PARALLELISM.md):
+    the attention and indexer kernels run per device inside ``shard_map``, on the device's own query, KV and index
+    heads (the GQA ratio is the same on every device), with the ragged metadata replicated; XLA partitions the rest.
     """
     cfg = model.cfg
     bad = [i for i in capture_layers if not 0 <= i < cfg.num_hidden_layers]
@@ -211,8 +217,9 @@ def forward_ragged(
     # The MoE resolves "auto" itself (grouped_gemm.resolve_implementation: its kernel, else the XLA fallback);
     # padding slots are routed to no expert.
     moe_kw = {"implementation": implementation if moe_implementation is None else moe_implementation,
-              "interpret": interpret, "token_mask": req >= 0}
+              "interpret": interpret, "token_mask": req >= 0, "mesh": mesh}
 
+    local = _per_device(mesh)
     x = jnp.where(valid, model.embed(jnp.where(req >= 0, batch.input_ids, 0)), 0)
     new_k, new_v, new_index_k = list(cache.k), list(cache.v), list(cache.index_k)
     captured = {}
@@ -228,11 +235,14 @@ def forward_ragged(
             j = sparse_slot[i]
             iq, ik = attn.indexer.project(xn, cos, sin)  # [T, H_idx, D_idx], [T, D_idx]
             new_index_k[j] = write_tokens(new_index_k[j], ik, slots)
-            sel = ragged_index_topk(iq, new_index_k[j], *meta, topk=cfg.index_topk_blocks,
-                                    local_blocks=cfg.index_local_blocks, **kernel_kw)
-            o = ragged_sparse_attention(q, new_k[i], new_v[i], *meta, sel, scale=scale, **kernel_kw)
+            sel = local(functools.partial(ragged_index_topk, topk=cfg.index_topk_blocks,
+                                          local_blocks=cfg.index_local_blocks, **kernel_kw),
+                        "h", "r", *"rrr")(iq, new_index_k[j], *meta)
+            o = local(functools.partial(ragged_sparse_attention, scale=scale, **kernel_kw),
+                      "h", "k", "k", *"rrr", "h")(q, new_k[i], new_v[i], *meta, sel)
         else:
-            o = ragged_paged_attention(q, new_k[i], new_v[i], *meta, scale=scale, **kernel_kw)
+            o = local(functools.partial(ragged_paged_attention, scale=scale, **kernel_kw),
+                      "h", "k", "k", *"rrr")(q, new_k[i], new_v[i], *meta)
         h = x + attn.o_proj(o.reshape(t, -1))
         mlp_kw = moe_kw if cfg.is_moe_layer(i) else {}
         x = h + layer.mlp(layer.post_attention_layernorm(h), **mlp_kw)
@@ -240,6 +250,25 @@ def forward_ragged(
         if i in capture_layers:
             captured[i] = x
     return x, [captured[i] for i in capture_layers], PagedCache(new_k, new_v, new_index_k)
+
+
+def _per_device(mesh):
+    """``local(fn, *kinds)(*args)``: ``fn`` on each device's heads inside ``shard_map`` over the mesh's tensor axis
+    (no mesh: ``fn`` itself). Argument kinds: ``"h"`` a ``[T, heads, ...]`` array split on its heads (the output is
+    one too), ``"k"`` a ``[heads, ...]`` cache split on its heads, ``"r"`` replicated."""
+    if mesh is None:
+        return lambda fn, *kinds: fn
+    from jax.sharding import PartitionSpec
+
+    from minimax_jax.sharding import TENSOR
+
+    specs = {"h": PartitionSpec(None, TENSOR), "k": PartitionSpec(TENSOR), "r": PartitionSpec()}
+
+    def local(fn, *kinds):
+        return jax.shard_map(fn, mesh=mesh, in_specs=tuple(specs[c] for c in kinds), out_specs=specs["h"],
+                             check_vma=False)
+
+    return local
 
 
 def make_step_fn(model: MiniMaxM3ForCausalLM, *, capture_layers: Sequence[int] = (),

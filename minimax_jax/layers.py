@@ -141,27 +141,51 @@ class MoE(nnx.Module):
         )
 
     def __call__(self, x: jax.Array, *, implementation: str = "reference", interpret: bool | None = None,
-                 token_mask: jax.Array | None = None) -> jax.Array:
+                 token_mask: jax.Array | None = None, mesh=None) -> jax.Array:
         """``x [..., d]`` -> ``[..., d]``. ``implementation`` of the routed experts' products
         (``grouped_gemm.moe_ffn``): ``"reference"`` (the default: ``lax.ragged_dot``, differentiable),
         ``"pallas"``, ``"xla"`` (the dropless batched-matmul fallback) or ``"auto"`` (the compiled kernel on a
         GPU that supports the sizes, else ``"xla"``). ``token_mask [...]`` (optional): tokens where it is
-        False (padding slots) are routed to no expert; their routed output is zero."""
+        False (padding slots) are routed to no expert; their routed output is zero. ``mesh``: expert parallelism
+        over its tensor axis (:meth:`routed`)."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         mask = None if token_mask is None else token_mask.reshape(-1)
-        out = self.routed(x2, implementation=implementation, interpret=interpret, token_mask=mask)
+        out = self.routed(x2, implementation=implementation, interpret=interpret, token_mask=mask, mesh=mesh)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2).astype(jnp.float32)
         return out.astype(x.dtype).reshape(shape)
 
     def routed(self, x: jax.Array, *, implementation: str = "reference", interpret: bool | None = None,
-               token_mask: jax.Array | None = None) -> jax.Array:
-        """Weighted sum of the selected experts, fp32 ``[N, d]``."""
+               token_mask: jax.Array | None = None, mesh=None) -> jax.Array:
+        """Weighted sum of the selected experts, fp32 ``[N, d]``.
+
+        With ``mesh`` (experts split over its ``"tensor"`` axis, docs/PARALLELISM.md): expert parallelism inside
+        ``shard_map``. Every device sees every token and routing decision (replicated), runs the grouped GEMM on its
+        own ``E / N`` experts only (pairs routed elsewhere are padding rows, which multiply nothing), and a
+        ``psum`` adds the devices' partial sums."""
         weights, experts = self.gate(x)
-        return routed_experts(x, weights, experts, self.experts_gate_up[...], self.experts_down[...],
-                              swiglu=swiglu_params(self.cfg), implementation=implementation,
-                              interpret=interpret, token_mask=token_mask)
+        kw = dict(swiglu=swiglu_params(self.cfg), implementation=implementation, interpret=interpret)
+        if mesh is None:
+            return routed_experts(x, weights, experts, self.experts_gate_up[...], self.experts_down[...],
+                                  token_mask=token_mask, **kw)
+        from jax.sharding import PartitionSpec
+
+        from minimax_jax.sharding import TENSOR
+
+        mask = jnp.ones(x.shape[:1], bool) if token_mask is None else token_mask
+
+        def local(x, weights, experts, mask, w_gate_up, w_down):
+            n_local = w_gate_up.shape[0]
+            mine = experts - jax.lax.axis_index(TENSOR) * n_local
+            mine = jnp.where((mine >= 0) & (mine < n_local), mine, n_local)  # another device's: no expert here
+            y = routed_experts(x, weights, mine, w_gate_up, w_down, token_mask=mask, **kw)
+            return jax.lax.psum(y, TENSOR)
+
+        rep, split = PartitionSpec(), PartitionSpec(TENSOR)
+        return jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, rep, rep, split, split), out_specs=rep,
+                             check_vma=False)(x, weights, experts, mask, self.experts_gate_up[...],
+                                              self.experts_down[...])
 
 
 def swiglu_params(cfg: MiniMaxM3Config) -> tuple[float, float, float]:

@@ -216,7 +216,8 @@ class Engine:
             num_speculative_tokens=k, mode=verification, confidence=self.confidence,
             implementation=self.implementation, interpret=interpret, capture_layers=capture,
             synthetic=None if self.synthetic_rates is None else conditional_rates(self.synthetic_rates),
-            synthetic_concentration=float(synthetic_concentration), synthetic_noise=float(synthetic_confidence_noise))
+            synthetic_concentration=float(synthetic_concentration), synthetic_noise=float(synthetic_confidence_noise),
+            mesh=self.mesh)
         self.loop_config = self._loop_config(device_loop_token_buckets)
         self._state_shardings = None  # the decode state's placement on the mesh (set with the first state)
         self._programs = StepPrograms(target, self.drafter, self._step_config, self.step_keys,

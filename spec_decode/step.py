@@ -88,6 +88,7 @@ class StepConfig:
     synthetic: tuple[float, ...] | None = None  # emulated acceptance: the K conditional base rates
     synthetic_concentration: float = 10.0
     synthetic_noise: float = 0.0
+    mesh: object = None  # tensor parallelism: the target's attention kernels run per device (docs/PARALLELISM.md)
 
 
 CONFIDENCES = ("head", "calibrated", "estimator")
@@ -344,7 +345,8 @@ def make_step_fn(target, drafter, config: StepConfig):
 
         # ---- 3. verify
         hidden, captured, cache = forward_ragged(tgt, state.cache, batch, capture_layers=capture,
-                                                 implementation=config.implementation, interpret=config.interpret)
+                                                 implementation=config.implementation, interpret=config.interpret,
+                                                 mesh=config.mesh)
         samples_first = is_prefill & plan.prefill_last & (plan.resume_token < 0)
         n_logit = jnp.where(is_decode, 1 + caps, jnp.where(samples_first, 1, 0))
         lqsl = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(n_logit, dtype=jnp.int32)])

@@ -1,8 +1,10 @@
 """Tensor parallelism on 8 virtual CPU devices (``--xla_force_host_platform_device_count=8``, in a subprocess):
 a tiny model with MiniMax-M3's head ratios scaled down (16 query heads over 2 KV heads, 2 index heads, 8 experts
 top-2, a shared expert) gives the unsharded model's logits at TP 1, 2, 4 and 8 (KV and index heads replicated at 4
-and 8), and the engine's greedy speculative outputs at TP 2 and 8 equal one device's, with none, fixed and adaptive
-verification, on parameters and KV pages that really are split."""
+and 8), its packed forward with the kernels per device (attention and indexer on local heads, experts on local
+experts, inside shard_map; reference and Pallas interpret kernels) the unsharded one's at TP 2 and 8, and the
+engine's greedy outputs at TP 2 and 8 equal one device's, plain and with adaptive verification under a trimming
+cost table, host and device loops, on parameters and KV pages that really are split."""
 
 import os
 import subprocess
@@ -21,7 +23,7 @@ SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     jax.config.update("jax_default_matmul_precision", "highest")
     from minimax_jax import sharding
-    from spec_decode import Engine, SamplingParams
+    from spec_decode import CostTable, Engine, SamplingParams
     from tests.engine_models import bigram_drafter, damped_target, random_prompts
 
     SHAPE = dict(num_attention_heads=16, num_key_value_heads=2, index_n_heads=2, head_dim=16,
@@ -44,17 +46,50 @@ SCRIPT = textwrap.dedent("""
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
         print("logits", tp, float(np.abs(got - want).max()))
 
+    # the packed forward with the kernels per device (shard_map on local heads and experts), reference and Pallas
+    # (interpret mode) kernels, against the unsharded packed forward
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from minimax_jax.cache import init_cache, page_size_for
+    from minimax_jax.decode import RaggedBatch, forward_ragged
+    base = fresh()
+    page = page_size_for(base.cfg)
+    n = ids.shape[1]
+    nb = -(-n // page)
+    batch = RaggedBatch(ids[0], jnp.asarray([0, n], jnp.int32), jnp.asarray([n], jnp.int32),
+                        jnp.arange(nb, dtype=jnp.int32)[None])
+    for impl in ("reference", "pallas"):
+        kw = dict(implementation=impl, interpret=True if impl == "pallas" else None)
+        want_h = np.asarray(forward_ragged(base, init_cache(base.cfg, nb, dtype=jnp.float32), batch, **kw)[0])
+        for tp in (2, 8):
+            mesh = sharding.make_mesh(tp)
+            model = sharding.replicate_heads(fresh(), tp)
+            sharding.shard_module(model, mesh, model.cfg)
+            cache = init_cache(model.cfg, nb, dtype=jnp.float32)
+            heads, rep = NamedSharding(mesh, P(sharding.TENSOR)), NamedSharding(mesh, P())
+            cache = type(cache)(k=[jax.device_put(x, heads) for x in cache.k],
+                                v=[jax.device_put(x, heads) for x in cache.v],
+                                index_k=[jax.device_put(x, rep) for x in cache.index_k])
+            g, st = nnx.split(model)
+            run = jax.jit(lambda st, c, b: forward_ragged(nnx.merge(g, st), c, b, mesh=mesh, **kw)[0])
+            got = np.asarray(run(st, cache, batch))
+            np.testing.assert_allclose(got, want_h, rtol=2e-5, atol=2e-5)
+            print("packed", impl, tp, float(np.abs(got - want_h).max()))
+
     prompts = random_prompts(5, [20, 15, 30, 13, 26], seed=3)
     params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in (12, 9, 16, 5, 14)]
     common = dict(max_num_seqs=4, max_model_len=96, max_num_batched_tokens=32, implementation="reference",
                   min_token_bucket=32, sampling=False, cost_table=None, device_loop_token_buckets=1)
-    for mode, k in (("none", 0), ("fixed", 3), ("adaptive", 3)):
+    # adaptive under a cost table where trimming pays (the budget then differs from step to step: every device must
+    # agree on it) and plain decoding; fixed K is adaptive's program with every draft verified
+    steep = CostTable.from_measurements({32: 1.0, 64: 3.0, 128: 6.0})
+    for mode, k in (("none", 0), ("adaptive", 3)):
         ref = None
         for tp in (1, 2, 8):
             target = fresh()
             drafter = bigram_drafter(target, block_size=4) if k else None
             eng = Engine(target, drafter, num_speculative_tokens=k, verification=mode, tensor_parallel_size=tp,
-                         **common)
+                         **{**common, "cost_table": steep if mode == "adaptive" else None})
             host = [r.token_ids for r in eng.generate(prompts, sampling_params=params)]
             dev = [r.token_ids for r in eng.generate(prompts, sampling_params=params, loop="device")]
             if tp > 1:
@@ -73,4 +108,5 @@ def test_tensor_parallel_logits_and_greedy_outputs_match_one_device():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=1500, env=env,
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("logits") == 4 and proc.stdout.count("engine") == 9, proc.stdout
+    assert proc.stdout.count("logits") == 4 and proc.stdout.count("engine") == 6, proc.stdout
+    assert proc.stdout.count("packed") == 4, proc.stdout
