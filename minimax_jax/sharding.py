@@ -233,6 +233,28 @@ def replicate_heads(model, tensor_parallel_size: int):
     return new
 
 
+def replicate_drafter_heads(drafter, tensor_parallel_size: int):
+    """:func:`replicate_heads` for a DSpark drafter: its draft layers' KV heads replicated to the mesh (a new module
+    when any is; the given one is left as it is). The drafter's block attention reads them as its layers do."""
+    from flax import nnx
+
+    from minimax_jax.drafter import DSparkDrafter
+
+    cfg = drafter.cfg
+    layer_cfg = stored_config(cfg.layer_config, tensor_parallel_size)
+    if layer_cfg == cfg.layer_config:
+        return drafter
+    flat = dict(nnx.to_flat_state(nnx.state(drafter)))
+    for key, var in flat.items():
+        cols = column_map("/".join(str(k) for k in key), cfg.layer_config, tensor_parallel_size)
+        if cols is not None:
+            var.value = var.value[:, cols]
+    new_cfg = dataclasses.replace(cfg, layer_config=layer_cfg)
+    new = nnx.eval_shape(lambda: DSparkDrafter(new_cfg, dtype=drafter.dtype, rngs=nnx.Rngs(0)))
+    nnx.update(new, nnx.from_flat_state(flat))
+    return new
+
+
 def stored_config(cfg: MiniMaxM3Config, tensor_parallel_size: int) -> MiniMaxM3Config:
     """``cfg`` with its KV heads (and the MSA index heads, one per KV group) at :func:`stored_heads`."""
     changes = {"num_key_value_heads": stored_heads(cfg.num_key_value_heads, tensor_parallel_size, what="KV heads")}
@@ -280,8 +302,8 @@ def shard_module(module, mesh: Mesh, cfg: MiniMaxM3Config, *, replicate: bool = 
 
 
 def state_shardings(state, mesh: Mesh):
-    """Shardings of an engine's decode state on ``mesh``: the target's K/V pages split by head, everything else
-    (index keys, the drafter's context, the per-slot arrays, the estimator) replicated."""
+    """Shardings of an engine's decode state on ``mesh``: the target's K/V pages and the drafter's context K/V split
+    by head, everything else (index keys, per-slot arrays, the estimator) replicated."""
     from jax.sharding import NamedSharding
 
     from minimax_jax.cache import PagedCache
@@ -292,7 +314,8 @@ def state_shardings(state, mesh: Mesh):
     def cache_spec(c: PagedCache):
         return PagedCache(k=[heads] * len(c.k), v=[heads] * len(c.v), index_k=[rep] * len(c.index_k))
 
-    out = jax.tree.map(lambda _: rep, state)
-    import dataclasses as _dc
-
-    return _dc.replace(out, cache=cache_spec(state.cache))
+    out = dataclasses.replace(jax.tree.map(lambda _: rep, state), cache=cache_spec(state.cache))
+    if state.draft_cache is not None:
+        layer_heads = NamedSharding(mesh, PartitionSpec(None, TENSOR))  # [L, H_kv, P, page, D]
+        out = dataclasses.replace(out, draft_cache=dataclasses.replace(out.draft_cache, k=layer_heads, v=layer_heads))
+    return out

@@ -103,9 +103,10 @@ class Engine:
         outputs are not the target's; the statistics say ``acceptance="emulated"``.
       tensor_parallel_size / mesh: tensor parallelism (docs/PARALLELISM.md) over the first N devices, or over the
         ``"tensor"`` axis of a given ``jax.sharding.Mesh``: the target's heads, MLP columns, experts and vocabulary
-        split over it (KV and index heads replicated first where N exceeds them: a new target module), the
-        drafter replicated, the KV pages split by head. The given modules' parameters are placed on the mesh
-        (moved, not changed). XLA partitions the steps (GSPMD); the kernels do not run per device yet.
+        split over it (KV and index heads replicated first where N exceeds them: a new module), the drafter's
+        draft layers likewise, the KV pages split by head; the target's attention kernels and experts run per
+        device (``shard_map``), XLA partitions the rest. The given modules' parameters are placed on the mesh
+        (moved, not changed).
       tokenizer: encodes string prompts and decodes outputs (``encode(str) -> list[int]``, ``decode(ids)``).
       implementation / interpret: the kernels (``decode.choose_implementation``).
       min_token_bucket: the smallest packed-token bucket of the closed set.
@@ -160,7 +161,8 @@ class Engine:
             target = sharding.replicate_heads(target, self.mesh.shape[sharding.TENSOR])
             sharding.shard_module(target, self.mesh, target.cfg)
             if drafter is not None and k > 0:
-                sharding.shard_module(drafter, self.mesh, drafter.cfg.layer_config, replicate=True)
+                drafter = sharding.replicate_drafter_heads(drafter, self.mesh.shape[sharding.TENSOR])
+                sharding.shard_module(drafter, self.mesh, drafter.cfg.layer_config)
         self.target, self.drafter = target, (drafter if k > 0 else None)
         self.tokenizer = tokenizer
         self.mode, self.k = verification, k
@@ -326,8 +328,9 @@ class Engine:
             local = cfg.num_key_value_heads // self.mesh.shape[sharding.TENSOR]
             cfg = cfg.replace(num_key_value_heads=local, index_n_heads=None if cfg.index_n_heads is None else local)
         per_page = cache_bytes_per_page(cfg, self.cache_dtype)
-        if self.drafter is not None:
-            per_page += draft_cache_bytes_per_page(self.drafter.cfg, self.page_size, self.cache_dtype)
+        if self.drafter is not None:  # on a mesh, its context K/V is split by (stored) head too
+            tp = 1 if self.mesh is None else self.mesh.shape[sharding.TENSOR]
+            per_page += draft_cache_bytes_per_page(self.drafter.cfg, self.page_size, self.cache_dtype) // tp
         return per_page
 
     def _loop_config(self, num_buckets: int) -> LoopConfig:

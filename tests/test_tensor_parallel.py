@@ -95,6 +95,11 @@ SCRIPT = textwrap.dedent("""
             if tp > 1:
                 kv = eng._state.cache.k[0]
                 assert kv.addressable_shards[0].data.shape[0] == kv.shape[0] // tp, kv.shape
+                if k:  # the drafter's layers and its context K/V are split too
+                    dq = eng.drafter.layers[0].self_attn.q_proj.kernel[...]
+                    assert dq.addressable_shards[0].data.shape[1] == dq.shape[1] // tp, dq.shape
+                    dk = eng._state.draft_cache.k
+                    assert dk.addressable_shards[0].data.shape[1] == dk.shape[1] // tp, dk.shape
             ref = host if ref is None else ref
             assert host == ref and dev == ref, (mode, tp)
             print("engine", mode, tp, sum(map(len, host)))
