@@ -324,7 +324,7 @@ class Engine:
         """Device bytes of one page of the pool: the target's K/V (and index keys) plus, when drafting, the draft
         cache's K/V on the same page id (the draft cache shares the target's pool)."""
         cfg = self.target.cfg
-        if self.mesh is not None:  # one device's share: its KV heads (the index keys and the drafter replicated)
+        if self.mesh is not None:  # one device's share: its KV heads (the index keys replicated)
             local = cfg.num_key_value_heads // self.mesh.shape[sharding.TENSOR]
             cfg = cfg.replace(num_key_value_heads=local, index_n_heads=None if cfg.index_n_heads is None else local)
         per_page = cache_bytes_per_page(cfg, self.cache_dtype)
