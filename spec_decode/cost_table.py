@@ -57,52 +57,31 @@ COST_TABLE_FILENAME = "cost_table.json"
 _FORMAT_VERSION = 2  # 2 added the draft lengths; version 1 files (none) still load
 
 
-def _normalise(
-    name: str, buckets: Sequence[int], seconds: Sequence[float]
-) -> tuple[tuple[int, ...], tuple[float, ...]]:
-    """Sort by bucket, validate, and apply the running max."""
-    if len(buckets) != len(seconds):
-        raise ValueError(f"{name}: {len(buckets)} buckets but {len(seconds)} timings")
+def _normalise(name: str, keys: Sequence[int], seconds: Sequence[float], *, minimum: int = 1,
+               what: str = "buckets") -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """Sort by key (bucket, or draft length), validate (integers ``>= minimum``, distinct; timings finite and
+    ``>= 0``), and apply the running max."""
+    if len(keys) != len(seconds):
+        raise ValueError(f"{name}: {len(keys)} {what} but {len(seconds)} timings")
     pairs = []
-    for b, s in zip(buckets, seconds):
-        if isinstance(b, bool) or int(b) != b or int(b) < 1:
-            raise ValueError(f"{name}: buckets must be positive integers, got {b!r}")
+    for b, s in zip(keys, seconds):
+        if isinstance(b, bool) or int(b) != b or int(b) < minimum:
+            kind = "positive integers" if minimum == 1 else f"integers >= {minimum}"
+            raise ValueError(f"{name}: {what} must be {kind}, got {b!r}")
         s = float(s)
         if not math.isfinite(s) or s < 0:
-            raise ValueError(f"{name}: timings must be finite and >= 0, got {s!r} for bucket {b}")
+            raise ValueError(f"{name}: timings must be finite and >= 0, got {s!r} for {what[:-1]} {b}")
         pairs.append((int(b), s))
     pairs.sort()
     for (b0, _), (b1, _) in itertools.pairwise(pairs):
         if b0 == b1:
-            raise ValueError(f"{name}: duplicate bucket {b0}")
+            raise ValueError(f"{name}: duplicate {what[:-1]} {b0}")
     out_b, out_s, running = [], [], 0.0
     for b, s in pairs:
         running = max(running, s)
         out_b.append(b)
         out_s.append(running)
     return tuple(out_b), tuple(out_s)
-
-
-def _normalise_lengths(lengths: Sequence[int], seconds: Sequence[float]) -> tuple[tuple[int, ...], tuple[float, ...]]:
-    """Draft lengths (``>= 0``, distinct) sorted, with their timings made non-decreasing."""
-    if len(lengths) != len(seconds):
-        raise ValueError(f"draft lengths: {len(lengths)} lengths but {len(seconds)} timings")
-    pairs = []
-    for d, s in zip(lengths, seconds):
-        if isinstance(d, bool) or int(d) != d or int(d) < 0:
-            raise ValueError(f"draft lengths must be integers >= 0, got {d!r}")
-        s = float(s)
-        if not math.isfinite(s) or s < 0:
-            raise ValueError(f"draft lengths: timings must be finite and >= 0, got {s!r} for length {d}")
-        pairs.append((int(d), s))
-    pairs.sort()
-    if len({d for d, _ in pairs}) != len(pairs):
-        raise ValueError(f"draft lengths must be distinct, got {sorted(d for d, _ in pairs)}")
-    out_s, running = [], 0.0
-    for _, s in pairs:
-        running = max(running, s)
-        out_s.append(running)
-    return tuple(d for d, _ in pairs), tuple(out_s)
 
 
 def _lookup(buckets: tuple[int, ...], seconds: tuple[float, ...], n) -> np.ndarray:
@@ -142,7 +121,7 @@ class CostTable:
     def __post_init__(self):
         vb, vs = _normalise("verify", self.verify_buckets, self.verify_seconds)
         db, ds = _normalise("draft", self.draft_buckets, self.draft_seconds)
-        dl, dls = _normalise_lengths(self.draft_lengths, self.draft_length_seconds)
+        dl, dls = _normalise("draft", self.draft_lengths, self.draft_length_seconds, minimum=0, what="lengths")
         object.__setattr__(self, "verify_buckets", vb)
         object.__setattr__(self, "verify_seconds", vs)
         object.__setattr__(self, "draft_buckets", db)
