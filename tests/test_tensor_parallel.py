@@ -103,6 +103,22 @@ SCRIPT = textwrap.dedent("""
             ref = host if ref is None else ref
             assert host == ref and dev == ref, (mode, tp)
             print("engine", mode, tp, sum(map(len, host)))
+
+    # a data axis: 4 replicas of a TP 2 engine, 7 prompts split 2/2/2/1, results in prompt order
+    from spec_decode.replicas import ReplicatedEngine
+    target = fresh()
+    rep = ReplicatedEngine(target, bigram_drafter(target, block_size=4), mesh=sharding.make_mesh(2, data_parallel_size=4),
+                           num_speculative_tokens=3, verification="fixed", **{**common, "device_loop": False})
+    more = prompts + random_prompts(2, [11, 17], seed=8)
+    more_params = params + [SamplingParams(max_new_tokens=6, ignore_eos=True)] * 2
+    one = Engine(fresh(), bigram_drafter(fresh(), block_size=4), num_speculative_tokens=3, verification="fixed",
+                 **{**common, "device_loop": False})
+    want = [r.token_ids for r in one.generate(more, sampling_params=more_params)]
+    got = rep.generate(more, sampling_params=more_params)
+    assert [r.token_ids for r in got] == want
+    assert len(got.stats["replicas"]) == 4 and [len(e.mesh.devices.flat) for e in rep.engines] == [2] * 4
+    assert len({d for e in rep.engines for d in e.mesh.devices.flat}) == 8
+    print("replicas", got.stats["output_tokens"])
 """)
 
 
@@ -115,3 +131,4 @@ def test_tensor_parallel_logits_and_greedy_outputs_match_one_device():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.count("logits") == 4 and proc.stdout.count("engine") == 6, proc.stdout
     assert proc.stdout.count("packed") == 4, proc.stdout
+    assert proc.stdout.count("replicas") == 1, proc.stdout
