@@ -19,7 +19,6 @@ import json
 import os
 import re
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -209,16 +208,8 @@ def load_model(path: str | os.PathLike, *, dtype=jnp.bfloat16, config: MiniMaxM3
     if mesh is not None:  # the checkpoint is cfg's; the model stores its heads for the mesh
         from minimax_jax import sharding
 
-        tp = mesh.shape[sharding.TENSOR]
-        checkpoint_shapes = {p: var.get_value().shape for p, var in
-                             nnx.to_flat_state(nnx.state(abstract_model(cfg, dtype=dtype)))}
-        model_cfg = sharding.stored_config(cfg, tp)
-
-        def placement(p):
-            name = "/".join(map(str, p))
-            _, spec = sharding.param_rule(name, checkpoint_shapes[p], cfg, tp)
-            return (jax.sharding.NamedSharding(mesh, spec), checkpoint_shapes[p],
-                    sharding.column_map(name, cfg, tp))
+        placement = sharding.loader_placement(mesh, cfg, abstract_model(cfg, dtype=dtype))
+        model_cfg = sharding.stored_config(cfg, mesh.shape[sharding.TENSOR])
 
     graphdef, state = nnx.split(abstract_model(model_cfg, dtype=dtype))
     state = load_weights(weight_plan(cfg), reader, state, kind="model",

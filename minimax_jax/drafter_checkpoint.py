@@ -107,7 +107,7 @@ def drafter_weight_plan(cfg: DSparkConfig) -> dict[tuple, dict[str, Source]]:
 
 
 def load_drafter(path: str | os.PathLike, target: MiniMaxM3ForCausalLM, *, dtype=None,
-                 config: DSparkConfig | None = None, rename: Rename = None) -> DSparkDrafter:
+                 config: DSparkConfig | None = None, rename: Rename = None, mesh=None) -> DSparkDrafter:
     """Load a DeepSpec-format DSpark drafter for ``target`` (embeddings and LM head are the target's).
 
     Args:
@@ -117,6 +117,9 @@ def load_drafter(path: str | os.PathLike, target: MiniMaxM3ForCausalLM, *, dtype
       dtype: parameter dtype (default: the target's).
       config: overrides the directory's ``config.json``.
       rename: optional extra name table (or function) applied to checkpoint names before matching.
+      mesh: place the drafter on this ``jax.sharding.Mesh`` while loading, as ``load_model(..., mesh=)`` does the
+        target (docs/PARALLELISM.md): each device reads only its slices; the draft layers' KV heads are replicated
+        past their count. Load the target onto the same mesh: the embeddings and LM head are the target's.
     Raises:
       FileNotFoundError / NotADirectoryError for a path that does not exist or is a file (without ``config``);
       ConfigError for a malformed or incompatible config; CheckpointError listing every missing, unexpected,
@@ -145,7 +148,14 @@ def load_drafter(path: str | os.PathLike, target: MiniMaxM3ForCausalLM, *, dtype
                       f"tensors: loaded without a confidence head", stacklevel=2)
         cfg = cfg.replace(enable_confidence_head=False, confidence_head_with_markov=False, sts_temperatures=None)
 
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: DSparkDrafter(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
+    placement, model_cfg = None, cfg
+    if mesh is not None:
+        from minimax_jax import sharding
+
+        placement = sharding.loader_placement(
+            mesh, cfg.layer_config, nnx.eval_shape(lambda: DSparkDrafter(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
+        model_cfg = cfg.replace(layer_config=sharding.stored_config(cfg.layer_config, mesh.shape[sharding.TENSOR]))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: DSparkDrafter(model_cfg, dtype=dtype, rngs=nnx.Rngs(0))))
     shared_shape = (cfg.vocab_size, cfg.hidden_size)
     state = load_weights(
         drafter_weight_plan(cfg), reader, state, kind="drafter",
@@ -153,7 +163,8 @@ def load_drafter(path: str | os.PathLike, target: MiniMaxM3ForCausalLM, *, dtype
                  f"{cfg.markov_head_type or ''}, confidence head {'on' if cfg.enable_confidence_head else 'off'})"),
         prefer="minimax", ignore=_IGNORED,
         copies={name: (shared_shape, "shared with the target") for name in _SHARED_COPIES},
-        preset={("embed_tokens",): target.embed_tokens[...], ("lm_head",): target.lm_head[...]})
+        preset={("embed_tokens",): target.embed_tokens[...], ("lm_head",): target.lm_head[...]},
+        placement=placement)
     return nnx.merge(graphdef, state)
 
 

@@ -279,6 +279,23 @@ def column_map(name: str, cfg: MiniMaxM3Config, tensor_parallel_size: int) -> np
     return (head[:, None] * dim + np.arange(dim)[None, :]).reshape(-1)
 
 
+def loader_placement(mesh: Mesh, cfg: MiniMaxM3Config, abstract_module):
+    """The ``placement`` of :func:`minimax_jax.safetensors_io.load_weights` for a module loaded onto ``mesh``:
+    ``path -> (sharding, checkpoint shape, column map)``, the rules read from ``cfg`` (the checkpoint's heads) and
+    the checkpoint shapes from ``abstract_module`` (built from ``cfg``)."""
+    from flax import nnx
+
+    tp = mesh.shape[TENSOR]
+    shapes = {p: var.get_value().shape for p, var in nnx.to_flat_state(nnx.state(abstract_module))}
+
+    def placement(path):
+        name = "/".join(map(str, path))
+        _, spec = param_rule(name, shapes[path], cfg, tp)
+        return jax.sharding.NamedSharding(mesh, spec), shapes[path], column_map(name, cfg, tp)
+
+    return placement
+
+
 def shard_module(module, mesh: Mesh, cfg: MiniMaxM3Config, *, replicate: bool = False):
     """Place ``module``'s parameters on ``mesh`` by :func:`param_layout` (``replicate``: every parameter on every
     device). Heads must already be stored for the mesh (:func:`replicate_heads`). Updates the module in place."""

@@ -109,7 +109,8 @@ def test_sharded_loading_reads_each_slice_once():
     """8 virtual CPU devices: both fixture checkpoints (HF names, one file; MiniMax names, per-expert tensors, two
     shards) loaded with a TP 2 and a TP 4 mesh give the unsharded load's model (KV and index heads replicated at
     TP 4) with every parameter split as its layout says, and the loader reads exactly the checkpoint's tensor bytes:
-    each slice once, however many devices hold it."""
+    each slice once, however many devices hold it. A drafter saved for the HF fixture loads onto the TP 4 mesh the
+    same way (its draft layers' KV heads replicated)."""
     code = textwrap.dedent("""
         import os
         os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
@@ -152,9 +153,36 @@ def test_sharded_loading_reads_each_slice_once():
                     np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), err_msg=str(p))
                 np.testing.assert_allclose(np.asarray(model(ids)), want, rtol=2e-5, atol=2e-5)
                 print("loaded", name, tp, total)
+        # a drafter for the HF fixture, saved and loaded onto the TP 4 mesh with its target
+        import tempfile
+        from minimax_jax import DSparkConfig, init_drafter, load_drafter, save_drafter
+        ref = load_model(os.path.join(fixtures, "hf_tiny"), dtype=jnp.float32)
+        dcfg = DSparkConfig.for_target(ref.cfg, mask_token_id=255, block_size=4, num_draft_layers=1,
+                                       target_layer_ids=(1, 3), markov_rank=8, markov_head_type="gated",
+                                       enable_confidence_head=True, confidence_head_with_markov=True)
+        drafter = init_drafter(dcfg, ref, seed=3)
+        with tempfile.TemporaryDirectory() as tmp:
+            save_drafter(drafter, tmp)
+            files = [os.path.join(tmp, f) for f in os.listdir(tmp) if f.endswith(".safetensors")]
+            total = 0
+            for f in files:
+                with safe_open(f, framework="np") as h:
+                    total += sum(h.get_tensor(k).nbytes for k in h.keys())
+            mesh = sharding.make_mesh(4)
+            target = load_model(os.path.join(fixtures, "hf_tiny"), dtype=jnp.float32, mesh=mesh)
+            counted.clear()
+            placed = load_drafter(tmp, target, mesh=mesh)
+            assert counted[0].bytes_read == total, (counted[0].bytes_read, total)
+            assert placed.cfg.layer_config.num_key_value_heads == 4
+            same = sharding.replicate_drafter_heads(load_drafter(tmp, ref), 4)
+            for (p, a), (_, b) in zip(nnx.to_flat_state(nnx.state(placed)), nnx.to_flat_state(nnx.state(same))):
+                np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), err_msg=str(p))
+            q = placed.layers[0].self_attn.q_proj.kernel[...]
+            assert q.addressable_shards[0].data.shape[1] == q.shape[1] // 4
+            print("loaded drafter", total)
     """)
     env = {**os.environ, "PYTHONPATH": ROOT}
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.count("loaded") == 4, proc.stdout
+    assert proc.stdout.count("loaded") == 5 and "loaded drafter" in proc.stdout, proc.stdout
