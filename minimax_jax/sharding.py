@@ -9,8 +9,8 @@ tensor axis:
   (MiniMax-M3's 4 KV heads at TP 8: each head on two devices), so every device holds exactly its heads and no
   ``jnp.repeat`` runs per step. The MSA index heads follow the same rule; the index key (one head shared by the
   index heads) is replicated;
-* **dense MLPs and the shared expert**: column-parallel ``gate_up`` (stored with each shard's gate and up halves
-  next to each other), row-parallel ``down``: one reduction per block;
+* **dense MLPs and the shared expert**: column-parallel ``gate_up`` (split as stored, ``[gate; up]``: XLA pairs
+  the halves), row-parallel ``down``: one reduction per block;
 * **routed experts**: expert parallelism over the same devices, ``num_local_experts / N`` experts each, tokens
   replicated to every shard, a ``psum`` after the grouped GEMM (sglang-jax's design; it runs on XLA:CPU). The
   router and ``e_score_correction_bias`` (fp32) are replicated;
