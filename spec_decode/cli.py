@@ -176,7 +176,8 @@ def cmd_generate(args) -> int:
     # keep the closed program set small (on a CPU: about 40 s to compile, then seconds from the compilation cache)
     engine = Engine(target, drafter, num_speculative_tokens=args.k, verification=args.verification,
                     max_num_seqs=1, max_model_len=args.max_model_len, tokenizer=tokenizer,
-                    max_num_batched_tokens=128, device_loop=args.loop == "device")
+                    max_num_batched_tokens=128, device_loop=args.loop == "device",
+                    sampling=args.temperature > 0)  # one prompt, its temperature known: half the programs
     load_s = time.perf_counter() - t0
     # the prompt itself (ids in the vocabulary, its length against --max-model-len) before anything is printed
     build_requests([prompt], tokenizer=tokenizer, vocab_size=target.cfg.vocab_size,
