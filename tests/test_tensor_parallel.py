@@ -3,7 +3,7 @@ a tiny model with MiniMax-M3's head ratios scaled down (16 query heads over 2 KV
 top-2, a shared expert) gives the unsharded model's logits at TP 1, 2, 4 and 8 (KV and index heads replicated at 4
 and 8), its packed forward with the kernels per device (attention and indexer on local heads, experts on local
 experts, inside shard_map; reference and Pallas interpret kernels) the unsharded one's at TP 2 and 8, and the
-engine's greedy outputs at TP 2 and 8 equal one device's, plain and with adaptive verification under a trimming
+engine's greedy outputs at TP 8 equal one device's, plain and with adaptive verification under a trimming
 cost table, host and device loops, on parameters and KV pages that really are split."""
 
 import os
@@ -85,7 +85,7 @@ SCRIPT = textwrap.dedent("""
     steep = CostTable.from_measurements({32: 1.0, 64: 3.0, 128: 6.0})
     for mode, k in (("none", 0), ("adaptive", 3)):
         ref = None
-        for tp in (1, 2, 8):
+        for tp in (1, 8):  # 8: KV and index heads replicated, every parameter split 8 ways
             target = fresh()
             drafter = bigram_drafter(target, block_size=4) if k else None
             eng = Engine(target, drafter, num_speculative_tokens=k, verification=mode, tensor_parallel_size=tp,
@@ -129,6 +129,6 @@ def test_tensor_parallel_logits_and_greedy_outputs_match_one_device():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=1500, env=env,
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("logits") == 4 and proc.stdout.count("engine") == 6, proc.stdout
+    assert proc.stdout.count("logits") == 4 and proc.stdout.count("engine") == 4, proc.stdout
     assert proc.stdout.count("packed") == 4, proc.stdout
     assert proc.stdout.count("replicas") == 1, proc.stdout
