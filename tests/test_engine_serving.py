@@ -162,7 +162,7 @@ def test_a_profiled_cost_table_is_kept_and_loaded_by_the_next_engine(target, dra
     monkeypatch.setenv("MINIMAX_JAX_COMPILATION_CACHE", "1")
     monkeypatch.setenv("MINIMAX_JAX_CACHE_DIR", str(tmp_path / "jax"))
     monkeypatch.setattr(compilation_cache, "enable", lambda path=None: None)  # keep JAX's own cache off here
-    kw = dict(num_speculative_tokens=3, verification="adaptive", precompile=True, device_loop=False,
+    kw = dict(num_speculative_tokens=3, verification="adaptive", precompile=True, device_loop=False, sampling=False,
               **{**COMMON, "min_token_bucket": 16})
     first = Engine(target, drafter, **kw)
     files = list((tmp_path / "cost_tables").iterdir())
@@ -171,5 +171,7 @@ def test_a_profiled_cost_table_is_kept_and_loaded_by_the_next_engine(target, dra
     monkeypatch.setattr(Engine, "_profile_costs", lambda self, show: calls.append(self))
     second = Engine(target, drafter, **kw)
     assert calls == [] and second.cost_table.verify_seconds == first.cost_table.verify_seconds
+    assert second.cost_table.draft_lengths == first.cost_table.draft_lengths == (0, 1, 3)
+    assert second.cost_table.draft_length_seconds == first.cost_table.draft_length_seconds
     other = Engine(target, drafter, **{**kw, "max_num_seqs": 2})
     assert calls == [other]  # another key: profiled (here: the patched profiler)
