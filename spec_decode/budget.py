@@ -118,6 +118,17 @@ def budget_values(
     return np.where(feasible, gain / np.maximum(cost, 1e-12), -np.inf)
 
 
+def _check_scalars(num_sampling_rows, num_non_draft_tokens, max_total_logit_rows, min_predicted_gain) -> None:
+    if num_sampling_rows < 0:
+        raise ValueError(f"num_sampling_rows must be >= 0, got {num_sampling_rows}")
+    if num_non_draft_tokens < 0:
+        raise ValueError(f"num_non_draft_tokens must be >= 0, got {num_non_draft_tokens}")
+    if max_total_logit_rows < 0:
+        raise ValueError(f"max_total_logit_rows must be >= 0, got {max_total_logit_rows}")
+    if not (np.isfinite(min_predicted_gain) and min_predicted_gain >= 0):
+        raise ValueError(f"min_predicted_gain must be finite and >= 0, got {min_predicted_gain}")
+
+
 def _max_budget(sched: np.ndarray, max_total_logit_rows: int) -> int:
     return max(0, min(int(sched.sum()), int(max_total_logit_rows) - sched.shape[0]))
 
@@ -154,14 +165,7 @@ def choose_budget(
       or ``maxB`` when that argmax does not beat ``value(maxB)`` by ``min_predicted_gain``.
     """
     conf, sched = _validated(stale_confidences, scheduled_drafts)
-    if num_sampling_rows < 0:
-        raise ValueError(f"num_sampling_rows must be >= 0, got {num_sampling_rows}")
-    if num_non_draft_tokens < 0:
-        raise ValueError(f"num_non_draft_tokens must be >= 0, got {num_non_draft_tokens}")
-    if max_total_logit_rows < 0:
-        raise ValueError(f"max_total_logit_rows must be >= 0, got {max_total_logit_rows}")
-    if not (np.isfinite(min_predicted_gain) and min_predicted_gain >= 0):
-        raise ValueError(f"min_predicted_gain must be finite and >= 0, got {min_predicted_gain}")
+    _check_scalars(num_sampling_rows, num_non_draft_tokens, max_total_logit_rows, min_predicted_gain)
     max_b = _max_budget(sched, max_total_logit_rows)
     if cost_table is None or cost_table.is_flat:
         return max_b
@@ -214,7 +218,7 @@ def choose_plan(
     if len(lengths) < 2 or cost_table is None or cost_table.is_flat or not cost_table.draft_lengths:
         sched_full = np.minimum(sched, full_len)
         return choose_budget(conf, sched_full, min_predicted_gain=min_predicted_gain, **kw), full_len
-    choose_budget(conf, sched, min_predicted_gain=min_predicted_gain, **kw)  # validates the scalars
+    _check_scalars(num_sampling_rows, num_non_draft_tokens, max_total_logit_rows, min_predicted_gain)
     best = (-np.inf, 0, 0)  # (value, d, b)
     for d in lengths:
         values = budget_values(conf, sched, draft_len=d, token_buckets=(token_buckets or {}).get(d), **kw)
