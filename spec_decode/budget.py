@@ -50,10 +50,10 @@ import numpy as np
 from spec_decode.allocator import survival
 from spec_decode.cost_table import CostTable, CostTableArrays, draft_length_cost_device, lookup_device
 
-__all__ = ["DEFAULT_MIN_PREDICTED_GAIN", "budget_values", "choose_budget", "choose_budget_device", "choose_plan",
-           "choose_plan_device"]
+__all__ = ["DEFAULT_MIN_PREDICTED_GAIN", "TIE_RTOL", "budget_values", "choose_budget", "choose_budget_device",
+           "choose_plan", "choose_plan_device", "select_plan"]
 
-_TIE_RTOL = 1e-9  # values this close (relative) to the best count as ties
+TIE_RTOL = 1e-9  # values this close (relative) to the best count as ties
 DEFAULT_MIN_PREDICTED_GAIN = 0.01  # a trim must beat value(maxB) by 1%
 
 
@@ -179,7 +179,7 @@ def choose_budget(
     )
     # The smallest b within float rounding of the maximum: a draft of negligible survival never buys a larger B.
     best = values.max()
-    b = int(np.flatnonzero(values >= best - _TIE_RTOL * abs(best))[0])
+    b = int(np.flatnonzero(values >= best - TIE_RTOL * abs(best))[0])
     # Trim only for a clear predicted gain over verifying everything.
     if min_predicted_gain > 0 and b < max_b and values[b] < (1.0 + min_predicted_gain) * values[max_b]:
         return max_b
@@ -219,15 +219,23 @@ def choose_plan(
         sched_full = np.minimum(sched, full_len)
         return choose_budget(conf, sched_full, min_predicted_gain=min_predicted_gain, **kw), full_len
     _check_scalars(num_sampling_rows, num_non_draft_tokens, max_total_logit_rows, min_predicted_gain)
-    best = (-np.inf, 0, 0)  # (value, d, b)
-    for d in lengths:
-        values = budget_values(conf, sched, draft_len=d, token_buckets=(token_buckets or {}).get(d), **kw)
+    curves = [(d, budget_values(conf, sched, draft_len=d, token_buckets=(token_buckets or {}).get(d), **kw))
+              for d in lengths]
+    return select_plan(curves, min_predicted_gain=min_predicted_gain)
+
+
+def select_plan(curves, *, min_predicted_gain: float) -> tuple[int, int]:
+    """``(B, K_d)`` from the value curves ``[(K_d, value(K_d, b) for b = 0..maxB)]`` of every candidate length,
+    ascending, the last the full plan: the global best (the shorter length, then the smaller ``b``, on ties
+    within a relative ``1e-9``), unless it does not beat the full plan by ``min_predicted_gain``."""
+    best = None  # (value, d, b)
+    for d, values in curves:
         top = values.max()
-        b = int(np.flatnonzero(values >= top - _TIE_RTOL * abs(top))[0])
-        if top > best[0] * (1 + _TIE_RTOL) or not np.isfinite(best[0]):
+        b = int(np.flatnonzero(values >= top - TIE_RTOL * abs(top))[0])
+        if best is None or top > best[0] * (1 + TIE_RTOL) or not np.isfinite(best[0]):
             best = (top, d, b)
-        if d == full_len:
-            full = (values[-1], d, len(values) - 1)
+    full_d, full_values = curves[-1]
+    full = (full_values[-1], full_d, len(full_values) - 1)
     value, d, b = best
     if min_predicted_gain > 0 and (d, b) != full[1:] and value < (1.0 + min_predicted_gain) * full[0]:
         return full[2], full[1]

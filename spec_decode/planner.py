@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from spec_decode.budget import _TIE_RTOL, DEFAULT_MIN_PREDICTED_GAIN
+from spec_decode.budget import DEFAULT_MIN_PREDICTED_GAIN, select_plan
 from spec_decode.cost_table import CostTable, CostTableArrays, split_step_costs
 
 __all__ = ["Planner"]
@@ -122,24 +122,15 @@ class Planner:
         order = np.argsort(-a[valid], kind="stable")
         vals, at = a[valid][order], pos[valid][order]
         draft = self.table.draft_cost(n)
-        best = full = None
+        curves = []
         for d, extra, verify, ok in self._costs():
             v = vals[at < d] if d < k else vals
             max_b = max(0, min(len(v), cap - n))
             gain = num_sampling_rows + np.concatenate([[0.0], np.cumsum(v[:max_b])])
             t = np.minimum(num_non_draft_tokens + np.arange(max_b + 1), len(verify) - 1)
             cost = np.maximum((draft + extra) + verify[t], self.host_floor_s)
-            values = np.where(ok[t], gain / np.maximum(cost, 1e-12), -np.inf)
-            top = values.max()
-            b = int(np.flatnonzero(values >= top - _TIE_RTOL * abs(top))[0])
-            if best is None or top > best[0] * (1 + _TIE_RTOL) or not np.isfinite(best[0]):
-                best = (top, d, b)
-            full = (values[-1], d, max_b)
-        value, d, b = best
-        g = self.min_predicted_gain
-        if g > 0 and (d, b) != full[1:] and value < (1.0 + g) * full[0]:
-            return full[2], full[1]
-        return b, d
+            curves.append((d, np.where(ok[t], gain / np.maximum(cost, 1e-12), -np.inf)))
+        return select_plan(curves, min_predicted_gain=self.min_predicted_gain)
 
     def budget(self, stale_confidences, scheduled, *, num_sampling_rows: int, num_non_draft_tokens: int) -> int:
         """The budget of :meth:`plan` alone."""
