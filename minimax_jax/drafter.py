@@ -171,7 +171,7 @@ class MarkovHead(nnx.Module):
             return state, bias
 
         _, bias = jax.lax.scan(body, self.init_state(h.shape[0]),
-                               (jnp.swapaxes(prev_tokens, 0, 1), jnp.swapaxes(h, 0, 1)))
+                               (jnp.swapaxes(prev_tokens, 0, 1), jnp.swapaxes(h, 0, 1)), unroll=True)
         return jnp.swapaxes(bias, 0, 1)
 
 
@@ -383,7 +383,9 @@ class DSparkDrafter(nnx.Module):
             return (tok, state), ys
 
         xs = (u, h_t, jnp.arange(k, dtype=jnp.int32))
-        _, ys = jax.lax.scan(body, (anchors.astype(jnp.int32), state0), xs)
+        # unrolled: K is small, and a rolled scan is an XLA while loop that a GPU drives from the host (a launch
+        # and a predicate read-back per position, in the host loop's dispatch time)
+        _, ys = jax.lax.scan(body, (anchors.astype(jnp.int32), state0), xs, unroll=True)
         ys = {name: jnp.swapaxes(val, 0, 1) for name, val in ys.items()}
         conf_logits = ys.get("confidence_logits")
         sts = self.cfg.sts_temperatures

@@ -22,14 +22,16 @@ def token_to_request(query_start_loc: jax.Array, num_tokens: int) -> jax.Array:
     """Request row of each of ``num_tokens`` packed slots; ``-1`` for slots at or beyond ``qsl[R]``.
 
     The row of token ``t`` is the first ``r`` with ``query_start_loc[r + 1] > t``; zero-length rows never own a
-    token. Implemented with ``jnp.searchsorted`` (a binary search, static shapes, no host sync).
+    token. Implemented as a count of the row ends at or before each slot (``jnp.searchsorted`` with
+    ``method="compare_all"``: ``T x R`` comparisons in one fused kernel, static shapes, no host sync; the default
+    binary search lowers to an XLA while loop, which a GPU runs from the host, one launch per iteration).
     """
     qsl = jnp.asarray(query_start_loc, jnp.int32)
     if qsl.ndim != 1 or qsl.shape[0] < 1:
         raise ValueError(f"query_start_loc must be int32[R + 1], got shape {qsl.shape}")
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     # side="right" over qsl[1:]: the first r with qsl[r + 1] > t.
-    row = jnp.searchsorted(qsl[1:], t, side="right").astype(jnp.int32)
+    row = jnp.searchsorted(qsl[1:], t, side="right", method="compare_all").astype(jnp.int32)
     valid = t < qsl[-1]
     return jnp.where(valid, row, -1)
 
