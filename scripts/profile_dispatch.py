@@ -121,6 +121,7 @@ def main():
     row["key"] = str(step.key)
     progs = eng._programs
     fn = progs._compiled[step.key]
+    flat = progs._flat(eng._target_params, eng._drafter_params)
     pack_s, put_s, call_s, copy_s, dev_s = [], [], [], [], []
     state = eng._state
     for i in range(args.calls):
@@ -129,7 +130,7 @@ def main():
         b = time.perf_counter()
         x = progs.put(packed)
         c = time.perf_counter()
-        state, out = fn(eng._target_params, eng._drafter_params, state, x)
+        state, out = fn(*flat, state, x)
         d = time.perf_counter()
         for leaf in jax.tree.leaves(out):
             leaf.copy_to_host_async()
@@ -142,7 +143,7 @@ def main():
     # back-to-back calls without waiting: the rate the host can launch at
     t = time.perf_counter()
     for _ in range(args.calls):
-        state, out = fn(eng._target_params, eng._drafter_params, state, progs.put(pack_plan(step.plan)))
+        state, out = fn(*flat, state, progs.put(pack_plan(step.plan)))
     launched = time.perf_counter() - t
     jax.block_until_ready(state)
     pipelined = time.perf_counter() - t
@@ -163,7 +164,7 @@ def main():
         th.start()
         if launching:
             for _ in range(args.calls):
-                state, out = fn(eng._target_params, eng._drafter_params, state, progs.put(pack_plan(step.plan)))
+                state, out = fn(*flat, state, progs.put(pack_plan(step.plan)))
         else:
             time.sleep(0.1)
         w = time.perf_counter() - t
@@ -176,7 +177,7 @@ def main():
         tdir = os.path.join(args.out, f"trace_{args.tag}")
         with jax.profiler.trace(tdir, create_perfetto_trace=True):
             for _ in range(5):
-                state, out = fn(eng._target_params, eng._drafter_params, state, progs.put(pack_plan(step.plan)))
+                state, out = fn(*flat, state, progs.put(pack_plan(step.plan)))
                 jax.block_until_ready(state)
         row["trace_summary"] = summarize_trace(tdir)
     eng._state = state

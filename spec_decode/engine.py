@@ -27,6 +27,7 @@ and a refused call leaves the engine as it was.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
@@ -53,7 +54,14 @@ from spec_decode.cost_table import CostTable, CostTableArrays, load_cost_table, 
 from spec_decode.device_loop import LoopConfig, fill_requests, loop_inputs, make_loop_fn
 from spec_decode.page_pool import PagePool
 from spec_decode.planner import Planner
-from spec_decode.programs import CompileReport, StepPrograms, compile_counter, compile_in_pool, on_mesh
+from spec_decode.programs import (
+    CompileReport,
+    StepPrograms,
+    compile_counter,
+    compile_in_pool,
+    on_mesh,
+    pack_plan,
+)
 from spec_decode.request import Request, build_requests
 from spec_decode.results import GenerationResult, GenerationResults, request_result, run_stats
 from spec_decode.scheduler import ScheduledStep, Scheduler
@@ -223,13 +231,14 @@ class Engine:
         self.loop_config = self._loop_config(device_loop_token_buckets)
         self._state_shardings = None  # the decode state's placement on the mesh (set with the first state)
         self._programs = StepPrograms(target, self.drafter, self._step_config, self.step_keys,
-                                     num_stop_ids=self.num_stop_ids, mesh=self.mesh)
+                                     num_rows=self.max_num_seqs, num_stop_ids=self.num_stop_ids, mesh=self.mesh)
         self._loop_programs: dict[bool, object] = {}  # sampling -> the compiled device loop
         self._warm_device_loop = bool(device_loop)
         self._target_params = nnx.state(target)
         self._drafter_params = nnx.state(self.drafter) if self.drafter is not None else None
         self._state: DecodeState | None = None
         self._lock = threading.Lock()
+        self._launch_pool: concurrent.futures.ThreadPoolExecutor | None = None  # the host loop's launcher
         self._owner: int | None = None
         self._warned_no_eos = False
         self.warmup_report: CompileReport | None = None
@@ -613,13 +622,27 @@ class Engine:
                          max_num_batched_tokens=self.max_num_batched_tokens, token_buckets=self.buckets_by_length,
                          max_total_logit_rows=self.max_total_logit_rows, num_stop_ids=self.num_stop_ids)
 
-    def _launch(self, step: ScheduledStep):
+    def _launch(self, step: ScheduledStep, packed: np.ndarray | None = None):
         """Dispatch one step (its plan in one transfer); the output is copied back asynchronously."""
         self._state, out = self._programs.run(step.key, self._target_params, self._drafter_params, self._state,
-                                              step.plan)
+                                              step.plan if packed is None else packed)
         for leaf in jax.tree.leaves(out):
             leaf.copy_to_host_async()
         return out
+
+    def _launch_timed(self, step: ScheduledStep, packed: np.ndarray):
+        t = time.perf_counter()
+        out = self._launch(step, packed)
+        return out, time.perf_counter() - t
+
+    def _launcher(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The thread that launches the host loop's steps (created on first use). Launching a step program is
+        mostly the XLA runtime's own work, outside the GIL (1-2 ms per step on an H200: ``docs/ENGINE.md``), so
+        with it on its own thread the host plans and commits while the previous step is being launched."""
+        if self._launch_pool is None:
+            self._launch_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                                      thread_name_prefix="minimax-jax-launch")
+        return self._launch_pool
 
     # ------------------------------------------------------------------ the host loop
     def _host_loop(self, requests: list[Request], stats: dict) -> Iterator[tuple[int, list[int]]]:
@@ -633,7 +656,9 @@ class Engine:
         budget_per_step: list[int] = []
         draft_len_per_step: list[int] = []
         drafted_per_step: list[int] = []
-        host = {"schedule": 0.0, "dispatch": 0.0, "commit": 0.0}  # seconds the host spent, by part
+        # seconds the host spent, by part; "dispatch": launching the step programs (on the launcher thread when
+        # async, where it overlaps the main thread's schedule and commit)
+        host = {"schedule": 0.0, "dispatch": 0.0, "commit": 0.0}
         t0 = time.perf_counter()
         with compile_counter() as compiled:
             try:
@@ -641,17 +666,24 @@ class Engine:
                     h0 = time.perf_counter()
                     commit_s = 0.0
                     step = sched.schedule() if sched.has_work else None
-                    h1 = time.perf_counter()
                     if step is not None:
-                        in_flight.append((step, self._launch(step)))
+                        packed = pack_plan(step.plan)  # here: the launcher never reads the scheduler's arrays
+                        if depth:
+                            launch = self._launcher().submit(self._launch_timed, step, packed)
+                        else:
+                            launch = concurrent.futures.Future()
+                            launch.set_result(self._launch_timed(step, packed))
+                        in_flight.append((step, launch))
                         steps += 1
                     elif not in_flight:
                         raise RuntimeError("the scheduler could not place any work (page pool too small?)")
                     h2 = time.perf_counter()
-                    host["schedule"] += h1 - h0
-                    host["dispatch"] += h2 - h1
+                    host["schedule"] += h2 - h0
+                    launch_s = 0.0
                     while in_flight and (len(in_flight) > depth or step is None):
-                        done, out = in_flight.popleft()
+                        done, launch = in_flight.popleft()
+                        out, launch_s = launch.result()
+                        host["dispatch"] += launch_s
                         out = jax.device_get(out)  # waits for that step only
                         h3 = time.perf_counter()
                         events = sched.commit(done, out)
@@ -666,12 +698,15 @@ class Engine:
                             yield req.index, new
                     host["commit"] += commit_s
                     if depth and step is not None:
-                        # with a step in flight while the host plans, a step takes at least the host's time: the
-                        # planner's costs have that floor (an average over the recent steps)
-                        it = (h2 - h0) + commit_s
+                        # with a step in flight while the host plans, a step takes at least the host's time (the
+                        # main thread's, or the launcher's if longer): the planner's costs have that floor (an
+                        # average over the recent steps)
+                        it = max((h2 - h0) + commit_s, launch_s)
                         p = self.planner
                         p.host_floor_s = it if p.host_floor_s == 0.0 else 0.9 * p.host_floor_s + 0.1 * it
             except BaseException:
+                for _, launch in in_flight:  # let launched steps finish before the state is inspected
+                    concurrent.futures.wait([launch])
                 self._recover(sched)
                 raise
             finally:

@@ -19,6 +19,7 @@ import sys
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from spec_decode.buckets import StepKey
@@ -111,35 +112,34 @@ _INT_FIELDS = ("rows", "prefill_len", "prefill_start", "prefill_last", "resume_t
                "limit", "prefill_emitted")
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PackedPlan:
-    """A host :class:`~spec_decode.step.StepPlan` in three arrays (three transfers instead of seventeen)."""
-
-    ints: jax.Array  # int32[R, 10 + M + B]  the per-row integer fields, the stop ids, the block table
-    floats: jax.Array  # f32[R, 2]            temperature, top_p
-    tokens: jax.Array  # int32[T + 2]         the prefill tokens, then the budget and the commit flag
-
-
-def pack_plan(plan: StepPlan) -> PackedPlan:
-    """Numpy side: the plan's arrays stacked by dtype."""
+def pack_plan(plan: StepPlan) -> np.ndarray:
+    """Numpy side: the whole plan in one flat ``int32`` vector (one transfer per step): the per-row integer fields,
+    the stop ids and the block table (``int32[R, C]``, row-major), the two float fields bit-cast (``[R, 2]``:
+    temperature, top_p), then the prefill tokens, the budget and the commit flag (``T + 2``)."""
     cols = [np.asarray(getattr(plan, f), np.int32)[:, None] for f in _INT_FIELDS]
     ints = np.concatenate(cols + [np.asarray(plan.stop_ids, np.int32), np.asarray(plan.block_tables, np.int32)],
                           axis=1)
     floats = np.stack([np.asarray(plan.temperature, np.float32), np.asarray(plan.top_p, np.float32)], axis=1)
-    tokens = np.concatenate([np.asarray(plan.prefill_tokens, np.int32),
-                             np.asarray([plan.budget, plan.commit], np.int32)])
-    return PackedPlan(ints, floats, tokens)
+    return np.concatenate([ints.ravel(), floats.view(np.int32).ravel(), np.asarray(plan.prefill_tokens, np.int32),
+                           np.asarray([plan.budget, plan.commit], np.int32)])
 
 
-def unpack_plan(packed: PackedPlan, *, num_stop_ids: int) -> StepPlan:
-    """Device side (traced): the :class:`StepPlan` back, by slicing."""
+def unpack_plan(packed: jax.Array, *, num_rows: int, num_tokens: int, num_stop_ids: int) -> StepPlan:
+    """Device side (traced): the :class:`StepPlan` of ``num_rows`` rows and ``num_tokens`` packed token slots back
+    from :func:`pack_plan`'s vector, by static slicing."""
     n = len(_INT_FIELDS)
-    f = {name: packed.ints[:, i] for i, name in enumerate(_INT_FIELDS)}
+    int_size = packed.shape[0] - 2 * num_rows - num_tokens - 2
+    if int_size <= 0 or int_size % num_rows:
+        raise ValueError(f"a packed plan of {packed.shape[0]} values does not hold {num_rows} rows and "
+                         f"{num_tokens} tokens")
+    ints = packed[:int_size].reshape(num_rows, int_size // num_rows)
+    floats = jax.lax.bitcast_convert_type(packed[int_size:int_size + 2 * num_rows], jnp.float32).reshape(num_rows, 2)
+    tail = packed[int_size + 2 * num_rows:]
+    f = {name: ints[:, i] for i, name in enumerate(_INT_FIELDS)}
     f["prefill_last"] = f["prefill_last"] != 0
-    return StepPlan(**f, stop_ids=packed.ints[:, n:n + num_stop_ids], block_tables=packed.ints[:, n + num_stop_ids:],
-                    temperature=packed.floats[:, 0], top_p=packed.floats[:, 1], prefill_tokens=packed.tokens[:-2],
-                    budget=packed.tokens[-2], commit=packed.tokens[-1] != 0)
+    return StepPlan(**f, stop_ids=ints[:, n:n + num_stop_ids], block_tables=ints[:, n + num_stop_ids:],
+                    temperature=floats[:, 0], top_p=floats[:, 1], prefill_tokens=tail[:-2], budget=tail[-2],
+                    commit=tail[-1] != 0)
 
 
 def on_mesh(fn, mesh):
@@ -159,10 +159,11 @@ def on_mesh(fn, mesh):
 
 class StepPrograms:
     """One compiled step program per key of the closed set (``keys``), the state donated. A program takes the
-    plan packed (:class:`PackedPlan`): :meth:`run` packs and sends a host plan in three transfers."""
+    plan packed (:func:`pack_plan`): :meth:`run` packs and sends a host plan of ``num_rows`` rows in one
+    transfer."""
 
-    def __init__(self, target, drafter, base: StepConfig, keys: tuple[StepKey, ...], *, num_stop_ids: int,
-                 mesh=None):
+    def __init__(self, target, drafter, base: StepConfig, keys: tuple[StepKey, ...], *, num_rows: int,
+                 num_stop_ids: int, mesh=None):
         self.keys = tuple(keys)
         self.mesh = mesh
         self._fns = {}
@@ -171,11 +172,28 @@ class StepPrograms:
                 base, num_logit_rows=key.logit_rows, sampling=key.sampling,
                 draft_len=None if key.draft_len < 0 else key.draft_len))
 
-            def packed_step(target_params, drafter_params, state, packed, step=step):
-                return step(target_params, drafter_params, state, unpack_plan(packed, num_stop_ids=num_stop_ids))
+            def packed_step(target_leaves, drafter_leaves, state, packed, step=step, tokens=key.tokens):
+                target_params, drafter_params = self._unflatten(target_leaves, drafter_leaves)
+                plan = unpack_plan(packed, num_rows=num_rows, num_tokens=tokens, num_stop_ids=num_stop_ids)
+                return step(target_params, drafter_params, state, plan)
 
             self._fns[key] = jax.jit(on_mesh(packed_step, mesh), donate_argnums=(2,))
         self._compiled: dict[StepKey, object] = {}
+        self._params = None  # (target_params, drafter_params, their leaves, their treedefs), set on first use
+
+    def _flat(self, target_params, drafter_params):
+        """The parameters as two tuples of arrays: a program takes them flat, so a launch flattens no module
+        state in Python (the engine's parameters never change, so their leaves are computed once)."""
+        p = self._params
+        if p is None or p[0] is not target_params or p[1] is not drafter_params:
+            lt, tt = jax.tree.flatten(target_params)
+            ld, td = jax.tree.flatten(drafter_params)
+            p = self._params = (target_params, drafter_params, (tuple(lt), tuple(ld)), (tt, td))
+        return p[2]
+
+    def _unflatten(self, target_leaves, drafter_leaves):
+        tt, td = self._params[3]
+        return jax.tree.unflatten(tt, target_leaves), jax.tree.unflatten(td, drafter_leaves)
 
     @property
     def ready(self) -> bool:
@@ -183,20 +201,22 @@ class StepPrograms:
 
     def lower(self, target_params, drafter_params, state, plan_for) -> dict:
         """``{key: Lowered}`` of the programs not compiled yet; ``plan_for(key)`` gives an example host plan."""
-        return {key: self._fns[key].lower(target_params, drafter_params, state, pack_plan(plan_for(key)))
+        flat = self._flat(target_params, drafter_params)
+        return {key: self._fns[key].lower(*flat, state, pack_plan(plan_for(key)))
                 for key in self.keys if key not in self._compiled}
 
     def install(self, compiled: dict) -> None:
         self._compiled.update(compiled)
 
-    def run(self, key: StepKey, target_params, drafter_params, state, plan: StepPlan):
-        """Run the program of ``key`` on a host plan (dispatch only: returns device futures). A key outside the
-        closed set is a bug, never a compile."""
+    def run(self, key: StepKey, target_params, drafter_params, state, plan: StepPlan | np.ndarray):
+        """Run the program of ``key`` on a host plan, or one already packed by :func:`pack_plan` (dispatch only:
+        returns device futures). A key outside the closed set is a bug, never a compile."""
         fn = self._compiled.get(key)
         if fn is None:
             raise RuntimeError(f"no compiled program for {key}: not in the engine's closed set {self.keys} (or "
                                f"Engine.warmup() was not run)")
-        return fn(target_params, drafter_params, state, self.put(pack_plan(plan)))
+        packed = plan if isinstance(plan, np.ndarray) else pack_plan(plan)
+        return fn(*self._flat(target_params, drafter_params), state, self.put(packed))
 
     def put(self, tree):
         """Host arrays to the device(s): replicated over the mesh, or to the default device."""

@@ -42,7 +42,7 @@ COSTS = CostTable.from_measurements({1: 1.0, 2: 1.75, 3: 1.75})
 class CurrentConfidenceBudget(Engine):
     """NEGATIVE CONTROL: plans each step's budget from the confidences of the drafts it is about to verify."""
 
-    def _launch(self, step):
+    def _launch(self, step, packed=None):  # re-plans the step, so the host's packed plan is dropped
         plan = step.plan
         dec = [i for i, r in enumerate(step.row_requests) if r is not None and plan.prefill_len[i] == 0]
         if dec:
