@@ -282,6 +282,7 @@ def load_model(path: str | os.PathLike, *, dtype=jnp.bfloat16, config: MiniMaxM3
     cfg = config if config is not None else MiniMaxM3Config.from_pretrained(raw_config or path)
     scheme = read_quantization_config(raw_config) if raw_config is not None else None
     reader = SafetensorsReader(path, rename=compose_rename(rename, text_model_name))
+    dense_plan = weight_plan(cfg)  # what the quantized tensors decode to: dense shapes, the linears
     keep_experts = scheme is not None and quantization == "keep" and bool(cfg.moe_layer_ids)
     if keep_experts:
         if not any(f.name == "expert_quantization" for f in dataclasses.fields(cfg)):
@@ -290,11 +291,11 @@ def load_model(path: str | os.PathLike, *, dtype=jnp.bfloat16, config: MiniMaxM3
                 f"quantized parameters (MiniMaxM3Config.expert_quantization); load it with "
                 f"quantization='dequantize'")
         cfg = dataclasses.replace(cfg, expert_quantization=scheme.weight_format)
-    plan = weight_plan(cfg, scale_name=scheme.scale_suffix if keep_experts else None)
+    plan = weight_plan(cfg, scale_name=scheme.scale_suffix) if keep_experts else dense_plan
     if scheme is not None:
         kept = {n for k, alts in plan.items() if k[-1] in _KEPT_EXPERTS for src in alts.values() for n in src.names}
-        reader = DequantizingReader(reader, scheme, linear_names=_linear_names(plan),
-                                    expected_shapes=_expected_shapes(plan), keep=kept.__contains__, dtype=dtype)
+        reader = DequantizingReader(reader, scheme, linear_names=_linear_names(dense_plan),
+                                    expected_shapes=_expected_shapes(dense_plan), keep=kept.__contains__, dtype=dtype)
     _say_skipped(reader)
     placement, model_cfg = None, cfg
     if mesh is not None:  # the checkpoint is cfg's; the model stores its heads for the mesh

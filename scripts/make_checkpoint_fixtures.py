@@ -60,8 +60,8 @@ CHAT_TEMPLATE = (
 
 def fixture_config() -> MiniMaxM3Config:
     """The tiny MiniMax-M3 of the fixtures: every input dimension a multiple of the MX block (32); the vocabulary
-    holds the byte-level tokenizer's 256 bytes and its special tokens."""
-    return MiniMaxM3Config.tiny(vocab_size=256 + len(SPECIALS), bos_token_id=256, eos_token_id=(257,))
+    holds the byte-level tokenizer's 256 bytes and its special tokens, padded to a multiple of 8."""
+    return MiniMaxM3Config.tiny(vocab_size=264, bos_token_id=256, eos_token_id=(257,))  # padded, as releases are
 
 
 def vl_config(cfg: MiniMaxM3Config, quantization: dict | None) -> dict:
