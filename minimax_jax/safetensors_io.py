@@ -383,9 +383,11 @@ def load_weights(plan: WeightPlan, reader: SafetensorsReader, state: nnx.State, 
             parts.append(f"  missing ({len(missing)}): " + ", ".join(missing))
         if unexpected:
             parts.append(f"  unexpected ({len(unexpected)}): " + ", ".join(unexpected))
-            if any(_QUANTISED.search(n) for n in unexpected):
-                parts.append(f"  (scale tensors of quantised weights: a {kind} checkpoint is read as quantised only "
-                             f"with the quantization_config of its config.json, docs/CHECKPOINTS.md)")
+            if any(_QUANTISED.search(n) for n in unexpected) and kind == "model":
+                parts.append("  (scale tensors of quantised weights: a model checkpoint is read as quantised only "
+                             "with the quantization_config of its config.json, docs/CHECKPOINTS.md)")
+            elif any(_QUANTISED.search(n) for n in unexpected):
+                parts.append(f"  (quantised {kind} weights are not supported: dequantise to bf16/fp32 first)")
         if misshaped:
             parts.append(f"  mis-shaped ({len(misshaped)}): " + "; ".join(misshaped))
         if mistyped:
