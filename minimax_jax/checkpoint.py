@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from minimax_jax.config import MiniMaxM3Config, read_config_json
+from minimax_jax.config import ConfigError, MiniMaxM3Config, read_config_json
 from minimax_jax.model import MiniMaxM3ForCausalLM, abstract_model
 from minimax_jax.safetensors_io import (
     CheckpointError,
@@ -278,7 +278,7 @@ def load_model(path: str | os.PathLike, *, dtype=jnp.bfloat16, config: MiniMaxM3
         raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {quantization!r}")
     if config is None:
         path = checkpoint_directory(path, kind="model")
-    raw_config = _config_json_beside(path)
+    raw_config = _config_json_beside(path, required=config is None)
     cfg = config if config is not None else MiniMaxM3Config.from_pretrained(raw_config or path)
     scheme = read_quantization_config(raw_config) if raw_config is not None else None
     reader = SafetensorsReader(path, rename=compose_rename(rename, text_model_name))
@@ -313,12 +313,20 @@ def load_model(path: str | os.PathLike, *, dtype=jnp.bfloat16, config: MiniMaxM3
 _KEPT_EXPERTS = ("w_gate_up_q", "w_gate_up_scale", "w_down_q", "w_down_scale")
 
 
-def _config_json_beside(path) -> dict | None:
-    """The parsed ``config.json`` of a checkpoint directory (or of a single file's directory), None if absent."""
+def _config_json_beside(path, *, required: bool) -> dict | None:
+    """The parsed ``config.json`` of a checkpoint directory (or of a single file's directory), None if absent (or,
+    when the caller gave its own config, unreadable: then only its quantization_config would have been read)."""
     path = os.fspath(path)
     directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     file = os.path.join(directory, "config.json")
-    return read_config_json(file) if os.path.isfile(file) else None
+    if not os.path.isfile(file):
+        return None
+    try:
+        return read_config_json(file)
+    except ConfigError:
+        if required:
+            raise
+        return None
 
 
 def _linear_names(plan) -> set[str]:
