@@ -298,7 +298,11 @@ class DequantizingReader:
     def _decode(self, w: np.ndarray, s: np.ndarray) -> np.ndarray:
         import jax
 
-        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        try:  # on the host: the decoded tensor goes back to numpy for the loader
+            device = jax.local_devices(backend="cpu")[0]
+        except RuntimeError:  # JAX_PLATFORMS without cpu
+            device = jax.local_devices()[0]
+        with jax.default_device(device):
             return np.asarray(mx_formats.dequantize(self.scheme.weight_format, w, s, dtype=self.dtype_))
 
     def read(self, name: str) -> np.ndarray:
