@@ -15,15 +15,17 @@ and raises one :class:`CheckpointError` listing every missing, unexpected, mis-s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
+import sys
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from minimax_jax.config import MiniMaxM3Config
+from minimax_jax.config import ConfigError, MiniMaxM3Config, read_config_json
 from minimax_jax.model import MiniMaxM3ForCausalLM, abstract_model
 from minimax_jax.safetensors_io import (
     CheckpointError,
@@ -92,11 +94,72 @@ def _stack_down_block(src, read_slice, spans):
 _stack_down.block = _stack_down_block
 
 
-def weight_plan(cfg: MiniMaxM3Config) -> dict[tuple, dict[str, Source]]:
+def _stack_experts(num_experts: int, parts: int):
+    """``[a_0, b_0, a_1, b_1, ...]`` (``parts`` tensors per expert, each ``[rows_i, cols]``, shipped ``[N, K]``) ->
+    ``[E, sum rows_i, cols]``: each expert's tensors concatenated along the rows, no transpose (the quantized
+    experts keep the checkpoint's layout, packed columns and scale columns alike)."""
+    def f(xs):
+        return np.stack([np.concatenate(xs[parts * e:parts * (e + 1)], axis=0) for e in range(num_experts)])
+
+    def block(src, read_slice, spans):
+        (e0, e1), (r0, r1), (c0, c1) = spans
+        sizes = [s[0] for s in src.shapes[:parts]]
+        return np.stack([np.concatenate([read_slice(src.names[parts * e + i], (slice(a, b), slice(c0, c1)))
+                                         for i, a, b in rows_of_parts(sizes, r0, r1)], axis=0)
+                         for e in range(e0, e1)])
+
+    f.block = block
+    return f
+
+
+def _quantized_experts(cfg: MiniMaxM3Config, p: str, fmt: str, scale_name: str) -> dict[str, dict[str, Source]]:
+    """The keep-mode MoE parameters of the layer at prefix ``p`` (MiniMax names; docs/CHECKPOINTS.md):
+    ``w_gate_up_q [E, 2I, d/2 | d]`` (rows ``[0, I)`` the gate w1, ``[I, 2I)`` the up w3), ``w_gate_up_scale
+    [E, 2I, d/32]``, ``w_down_q [E, d, I/2 | I]``, ``w_down_scale [E, d, I/32]``, as shipped."""
+    e, d, inter = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    pack = 2 if fmt == "mxfp4" else 1
+    blk = 32
+
+    def src(tensor, which, rows, cols):
+        names = tuple(f"{p}block_sparse_moe.experts.{j}.{w}.{tensor}" for j in range(e) for w in which)
+        return {"minimax": Source(names, tuple((rows, cols) for _ in names), _stack_experts(e, len(which)))}
+
+    return {
+        "w_gate_up_q": src("weight", ("w1", "w3"), inter, d // pack),
+        "w_gate_up_scale": src(scale_name, ("w1", "w3"), inter, d // blk),
+        "w_down_q": src("weight", ("w2",), d, inter // pack),
+        "w_down_scale": src(scale_name, ("w2",), d, inter // blk),
+    }
+
+
+def _dense_experts(plan, M, p, e, inter, d):
+    """The routed experts in JAX layout (``experts_gate_up [E, d, 2I]``, ``experts_down [E, I, d]``)."""
+    plan[M + ("experts_gate_up",)] = {
+        "hf": Source((p + "mlp.experts.gate_up_proj",), ((e, 2 * inter, d),), experts_transpose),
+        "minimax": Source(
+            tuple(f"{p}block_sparse_moe.experts.{j}.{w}.weight" for j in range(e) for w in ("w1", "w3")),
+            tuple((inter, d) for _ in range(2 * e)), _stack_gate_up(e)),
+    }
+    plan[M + ("experts_down",)] = {
+        "hf": Source((p + "mlp.experts.down_proj",), ((e, d, inter),), experts_transpose),
+        "minimax": Source(tuple(f"{p}block_sparse_moe.experts.{j}.w2.weight" for j in range(e)),
+                          tuple((d, inter) for _ in range(e)), _stack_down),
+    }
+
+
+def weight_plan(cfg: MiniMaxM3Config, *, scale_name: str | None = None) -> dict[tuple, dict[str, Source]]:
     """For every parameter path of the NNX model: ``{"hf": Source, "minimax": Source}``.
 
-    The two schemes share a name wherever the checkpoints do.
+    The two schemes share a name wherever the checkpoints do. When ``cfg.expert_quantization`` is ``"mxfp4"`` or
+    ``"mxfp8"`` (the routed experts kept quantized), the MoE layers' routed experts are the four shipped tensors
+    of :func:`_quantized_experts` (MiniMax names; ``scale_name``: the scale tensor's name, by default the one of
+    the format's release, :data:`minimax_jax.quantization.SCALE_SUFFIX`).
     """
+    expert_fmt = getattr(cfg, "expert_quantization", None)
+    if expert_fmt is not None and scale_name is None:
+        from minimax_jax.quantization import SCALE_SUFFIX
+
+        scale_name = SCALE_SUFFIX[expert_fmt]
     d, v = cfg.hidden_size, cfg.vocab_size
     h, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     plan: dict[tuple, dict[str, Source]] = {}
@@ -145,17 +208,11 @@ def weight_plan(cfg: MiniMaxM3Config) -> dict[tuple, dict[str, Source]]:
                 "hf": Source((p + "mlp.gate.e_score_correction_bias",), ((e,),), identity),
                 "minimax": Source((p + "block_sparse_moe.e_score_correction_bias",), ((e,),), identity),
             }
-            plan[M + ("experts_gate_up",)] = {
-                "hf": Source((p + "mlp.experts.gate_up_proj",), ((e, 2 * inter, d),), experts_transpose),
-                "minimax": Source(
-                    tuple(f"{p}block_sparse_moe.experts.{j}.{w}.weight" for j in range(e) for w in ("w1", "w3")),
-                    tuple((inter, d) for _ in range(2 * e)), _stack_gate_up(e)),
-            }
-            plan[M + ("experts_down",)] = {
-                "hf": Source((p + "mlp.experts.down_proj",), ((e, d, inter),), experts_transpose),
-                "minimax": Source(tuple(f"{p}block_sparse_moe.experts.{j}.w2.weight" for j in range(e)),
-                                  tuple((d, inter) for _ in range(e)), _stack_down),
-            }
+            if expert_fmt is not None:
+                for name, alts in _quantized_experts(cfg, p, expert_fmt, scale_name).items():
+                    plan[M + (name,)] = alts
+            else:
+                _dense_experts(plan, M, p, e, inter, d)
             if cfg.shared_intermediate_size > 0:
                 si = cfg.shared_intermediate_size
                 S = M + ("shared_experts",)
@@ -181,29 +238,65 @@ def weight_plan(cfg: MiniMaxM3Config) -> dict[tuple, dict[str, Source]]:
 
 
 # ----------------------------------------------------------------------------------------------- loading
+QUANTIZATION_MODES = ("keep", "dequantize")
+
+
 def load_model(path: str | os.PathLike, *, dtype=jnp.bfloat16, config: MiniMaxM3Config | None = None,
-               rename: Rename = None, mesh=None) -> MiniMaxM3ForCausalLM:
+               rename: Rename = None, mesh=None, quantization: str = "keep") -> MiniMaxM3ForCausalLM:
     """Load a MiniMax-M3 safetensors checkpoint (single file or sharded) into a :class:`MiniMaxM3ForCausalLM`.
 
     Args:
       path: a directory with ``config.json`` and the safetensors file(s) (a single ``.safetensors`` file is
-        accepted when ``config`` is given).
+        accepted when ``config`` is given). The VL releases load as they ship: the text model's config under
+        ``text_config``, tensors under ``language_model.``; vision, projector and ``mtp.*`` tensors are skipped
+        (one line on stderr says how many).
       dtype: parameter dtype (the router's correction bias stays fp32).
-      config: overrides the directory's ``config.json``.
+      config: overrides the directory's ``config.json`` (its ``quantization_config`` is still read from the
+        directory when there is one).
       rename: optional extra name table (or function) applied to checkpoint names before matching.
       mesh: a ``jax.sharding.Mesh`` with a ``"tensor"`` axis: the parameters are placed by
         :func:`minimax_jax.sharding.param_layout` while loading (KV and index heads replicated past their count,
         the model's config says so), each device reading only the checkpoint slices of its own blocks
-        (docs/PARALLELISM.md).
+        (docs/PARALLELISM.md); quantized weights are decoded per slice.
+      quantization: for a quantized checkpoint (``quantization_config``: ``mxfp8``, or ``quark`` with MXFP4
+        weights; docs/CHECKPOINTS.md). ``"dequantize"``: every quantized weight is decoded to ``dtype`` on load.
+        ``"keep"``: the routed experts stay as shipped (packed elements and E8M0 scales, the MoE's
+        ``w_gate_up_q`` / ``w_gate_up_scale`` / ``w_down_q`` / ``w_down_scale``), every other quantized linear
+        is decoded to ``dtype``. Either reads an unquantized checkpoint as it is.
     Raises:
       FileNotFoundError / NotADirectoryError for a path that does not exist or is a file (without ``config``);
-      CheckpointError listing every missing, unexpected, mis-shaped and wrongly typed tensor, or naming a
-      safetensors file that cannot be read.
+      ConfigError for a ``quantization_config`` that is not supported (naming the key);
+      CheckpointError listing every missing, unexpected, mis-shaped and wrongly typed tensor, every quantized
+      tensor that does not fit its scales or the config, or naming a safetensors file that cannot be read or a
+      shard that disagrees with the index;
+      NotImplementedError for ``quantization="keep"`` of a quantized checkpoint when the MoE of this build has no
+      quantized parameters (``MiniMaxM3Config.expert_quantization``).
     """
+    from minimax_jax.quantization import DequantizingReader, read_quantization_config
+
+    if quantization not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {quantization!r}")
     if config is None:
         path = checkpoint_directory(path, kind="model")
-    cfg = config if config is not None else MiniMaxM3Config.from_pretrained(path)
+    raw_config = _config_json_beside(path, required=config is None)
+    cfg = config if config is not None else MiniMaxM3Config.from_pretrained(raw_config or path)
+    scheme = read_quantization_config(raw_config) if raw_config is not None else None
     reader = SafetensorsReader(path, rename=compose_rename(rename, text_model_name))
+    dense_plan = weight_plan(cfg)  # what the quantized tensors decode to: dense shapes, the linears
+    keep_experts = scheme is not None and quantization == "keep" and bool(cfg.moe_layer_ids)
+    if keep_experts:
+        if not any(f.name == "expert_quantization" for f in dataclasses.fields(cfg)):
+            raise NotImplementedError(
+                f"quantization='keep': {path} holds {scheme.weight_format} experts, but this build's MoE has no "
+                f"quantized parameters (MiniMaxM3Config.expert_quantization); load it with "
+                f"quantization='dequantize'")
+        cfg = dataclasses.replace(cfg, expert_quantization=scheme.weight_format)
+    plan = weight_plan(cfg, scale_name=scheme.scale_suffix) if keep_experts else dense_plan
+    if scheme is not None:
+        kept = {n for k, alts in plan.items() if k[-1] in _KEPT_EXPERTS for src in alts.values() for n in src.names}
+        reader = DequantizingReader(reader, scheme, linear_names=_linear_names(dense_plan),
+                                    expected_shapes=_expected_shapes(dense_plan), keep=kept.__contains__, dtype=dtype)
+    _say_skipped(reader)
     placement, model_cfg = None, cfg
     if mesh is not None:  # the checkpoint is cfg's; the model stores its heads for the mesh
         from minimax_jax import sharding
@@ -212,10 +305,57 @@ def load_model(path: str | os.PathLike, *, dtype=jnp.bfloat16, config: MiniMaxM3
         model_cfg = sharding.stored_config(cfg, mesh.shape[sharding.TENSOR])
 
     graphdef, state = nnx.split(abstract_model(model_cfg, dtype=dtype))
-    state = load_weights(weight_plan(cfg), reader, state, kind="model",
-                         against=f"the {cfg.num_hidden_layers}-layer config", prefer="hf", ignore=_IGNORED,
-                         placement=placement)
+    state = load_weights(plan, reader, state, kind="model", against=f"the {cfg.num_hidden_layers}-layer config",
+                         prefer="hf", ignore=_IGNORED, placement=placement)
     return nnx.merge(graphdef, state)
+
+
+_KEPT_EXPERTS = ("w_gate_up_q", "w_gate_up_scale", "w_down_q", "w_down_scale")
+
+
+def _config_json_beside(path, *, required: bool) -> dict | None:
+    """The parsed ``config.json`` of a checkpoint directory (or of a single file's directory), None if absent (or,
+    when the caller gave its own config, unreadable: then only its quantization_config would have been read)."""
+    path = os.fspath(path)
+    directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    file = os.path.join(directory, "config.json")
+    if not os.path.isfile(file):
+        return None
+    try:
+        return read_config_json(file)
+    except ConfigError:
+        if required:
+            raise
+        return None
+
+
+def _linear_names(plan) -> set[str]:
+    """Checkpoint names a linear parameter is built from (the weight plan's non-identity sources): the tensors a
+    ``quantization_config`` may quantize. Norms, embeddings and the router's bias are not linears."""
+    return {n for alts in plan.values() for src in alts.values() if src.combine is not identity
+            for n in src.names}
+
+
+def _expected_shapes(plan) -> dict[str, tuple[int, ...]]:
+    return {n: shape for alts in plan.values() for src in alts.values() for n, shape in zip(src.names, src.shapes)}
+
+
+def _say_skipped(reader) -> None:
+    """One line on stderr for the tensors of a VL or MTP release the text model does not use (not an error)."""
+    skipped = [n for n in reader.names if _IGNORED.search(n)]
+    if not skipped:
+        return
+    kinds: dict[str, int] = {}
+    for n in skipped:
+        kind = next((k for k, pat in _SKIPPED_KINDS if pat.search(n)), "other")
+        kinds[kind] = kinds.get(kind, 0) + 1
+    print(f"minimax-jax: load_model: skipped {len(skipped)} tensors the text model does not use ("
+          + ", ".join(f"{k} {c}" for k, c in kinds.items()) + ")", file=sys.stderr)
+
+
+_SKIPPED_KINDS = (("vision tower", re.compile(r"vision_tower\.")), ("projector", re.compile(r"multi_modal_projector\.")),
+                  ("patch merge", re.compile(r"patch_merge_mlp\.")), ("mtp", re.compile(r"(^|\.)mtp\.")),
+                  ("rotary inv_freq", re.compile(r"rotary_emb\.inv_freq$")))
 
 
 # ----------------------------------------------------------------------------------------------- orbax
@@ -269,5 +409,5 @@ def restore_checkpoint(path: str | os.PathLike, *, dtype=None) -> MiniMaxM3ForCa
     return nnx.merge(graphdef, state)
 
 
-__all__ = ["CheckpointError", "load_model", "restore_checkpoint", "save_checkpoint", "text_model_name",
-           "weight_plan"]
+__all__ = ["QUANTIZATION_MODES", "CheckpointError", "load_model", "restore_checkpoint", "save_checkpoint",
+           "text_model_name", "weight_plan"]

@@ -24,8 +24,9 @@ Strictness:
 * ``hidden_act`` must be ``swigluoai``; ``silu`` is accepted only in a config written by transformers (its
   MiniMax-M3 class writes that default but always runs swigluoai).
 * Feature switches we do not implement (an attention output gate, top-k reuse across layers, non-sigmoid
-  routing, quantised weights, ...) are refused with a message naming the key, never silently run as something
-  else.
+  routing, ...) are refused with a message naming the key, never silently run as something else.
+* ``quantization_config`` is read by :mod:`minimax_jax.quantization`: the MXFP8 and Quark MXFP4 releases load,
+  any other scheme is refused naming what is unsupported (docs/CHECKPOINTS.md).
 * Special token ids (BOS, EOS, PAD) outside the vocabulary are loaded as *absent*, with a warning: small test
   models saved by the reference carry MiniMax-M3's ids. Whoever needs such a token later says clearly that it
   is missing.
@@ -210,7 +211,10 @@ class MiniMaxM3Config:
         Raises :class:`ConfigError` naming every missing required key, or the first bad value; warns once
         (:class:`ConfigWarning`) about unknown keys and about special token ids outside the vocabulary.
         """
+        from minimax_jax.quantization import read_quantization_config
+
         raw = read_config_json(path_or_dict)
+        read_quantization_config(raw)  # refuses a scheme the loader cannot read, naming the key
         return cls(**_normalise(raw))
 
     def to_dict(self) -> dict[str, Any]:
@@ -321,7 +325,7 @@ _BOOKKEEPING = {
 # Keys the parser reads besides the field names.
 _READ = {
     "text_config", "vision_config", "sparse_attention_config", "moe_layer_freq", "num_experts", "rope_parameters",
-    "rope_scaling", "partial_rotary_factor", "hidden_act",
+    "rope_scaling", "partial_rotary_factor", "hidden_act", "quantization_config",
 }
 # Feature switches: key -> (the value(s) we implement, what the other values would need).
 _SWITCHES = {
@@ -338,7 +342,6 @@ _SWITCHES = {
     "mlp_bias": ((False, None), "biases in the MLP projections"),
     "use_sliding_window": ((False, None), "sliding-window attention"),
     "sliding_window": ((None,), "sliding-window attention"),
-    "quantization_config": ((None,), "quantised weights (MXFP4 / MXFP8 releases)"),
 }
 _KNOWN = _FIELDS | set(_LEGACY_SPARSE_KEYS) | _BOOKKEEPING | _READ | set(_SWITCHES) | {"n_shared_experts"}
 

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import re
+import struct
 from collections.abc import Callable, Iterator, Mapping
 
 import jax.numpy as jnp
@@ -26,8 +27,10 @@ from safetensors import SafetensorError, safe_open
 Rename = Mapping[str, str] | Callable[[str], str] | None
 WeightPlan = Mapping[tuple, Mapping[str, "Source"]]
 
-# Tensor names of quantised releases (scales beside the weights): not supported, said so in the error.
+# Tensor names of quantised releases (scales beside the weights): read only with a quantization_config.
 _QUANTISED = re.compile(r"\.(weight_scale_inv|weight_scale|scales?)$")
+# safetensors dtypes numpy has no name for: read through a memory map of the file and ml_dtypes
+_ML_DTYPES = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 # safetensors header dtypes -> numpy names (for messages)
 _DTYPE_NAMES = {
     "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "U32": "uint32", "I32": "int32",
@@ -182,6 +185,7 @@ class SafetensorsReader:
                 missing_files = sorted({f for f in files.values() if not os.path.isfile(f)})
                 if missing_files:
                     raise CheckpointError(f"{index} names shard files that do not exist: {missing_files}")
+                self._check_index(index, files)
             else:
                 candidates = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
                 if not candidates:
@@ -217,6 +221,40 @@ class SafetensorsReader:
                 self._headers[file, name] = (tuple(sl.get_shape()), sl.get_dtype())
         return names
 
+    def _check_index(self, index: str, files: Mapping[str, str]) -> None:
+        """Every shard's header read once (headers only): a tensor the index places in a shard that lacks it, or
+        a shard holding a tensor the index places elsewhere or omits, is one error naming the files."""
+        held: dict[str, set[str]] = {f: set(self._read_header(f)) for f in sorted(set(files.values()))}
+        problems = []
+        for f, names in held.items():
+            absent = sorted(n for n, g in files.items() if g == f and n not in names)
+            if absent:
+                problems.append(f"{os.path.basename(f)} lacks {len(absent)} tensor(s) the index places in it: "
+                                + ", ".join(absent[:8]) + (" ..." if len(absent) > 8 else ""))
+            stray = sorted(n for n in names if files.get(n) != f)
+            if stray:
+                where = ", ".join(f"{n} (index: {os.path.basename(files[n]) if n in files else 'not listed'})"
+                                  for n in stray[:8])
+                problems.append(f"{os.path.basename(f)} holds {len(stray)} tensor(s) the index does not place in it: "
+                                + where + (" ..." if len(stray) > 8 else ""))
+        if problems:
+            raise CheckpointError(f"{index} disagrees with its shards:\n  " + "\n  ".join(problems))
+
+    def _memmap(self, name: str) -> np.ndarray:
+        """A read-only memory map of a tensor whose dtype numpy lacks (float8): its bytes, from the file header."""
+        import ml_dtypes
+
+        raw = self.names[name]
+        file = self.raw_files[raw]
+        with open(file, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        info = header[raw]
+        start, stop = info["data_offsets"]
+        dtype = np.dtype(getattr(ml_dtypes, _ML_DTYPES[info["dtype"]]))
+        flat = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + n + start, shape=(stop - start,))
+        return flat.view(dtype).reshape(tuple(info["shape"]))
+
     def _header(self, name: str) -> tuple[tuple[int, ...], str]:
         raw = self.names[name]
         key = (self.raw_files[raw], raw)
@@ -239,18 +277,28 @@ class SafetensorsReader:
 
     def read(self, name: str) -> np.ndarray:
         raw = self.names[name]
-        with self._open(self.raw_files[raw]) as f:
-            out = f.get_tensor(raw)
+        if self._header(name)[1] in _ML_DTYPES:
+            out = np.array(self._memmap(name))
+        else:
+            with self._open(self.raw_files[raw]) as f:
+                out = f.get_tensor(raw)
         self.bytes_read += out.nbytes
         return out
 
     def read_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         """``tensor[index]`` (unit-step slices, one per leading axis) read without the rest of the tensor."""
         raw = self.names[name]
-        with self._open(self.raw_files[raw]) as f:
-            out = f.get_slice(raw)[tuple(index)]
+        if self._header(name)[1] in _ML_DTYPES:
+            out = np.array(self._memmap(name)[tuple(index)])
+        else:
+            with self._open(self.raw_files[raw]) as f:
+                out = f.get_slice(raw)[tuple(index)]
         self.bytes_read += out.nbytes
         return out
+
+    def shape_note(self, name: str) -> str:
+        """Words added after a tensor's shape in a mis-shaped report (a quantized reader says how it is packed)."""
+        return ""
 
     bytes_read = 0  # bytes of tensor data read so far (tests count what a sharded load reads)
 
@@ -316,7 +364,8 @@ def load_weights(plan: WeightPlan, reader: SafetensorsReader, state: nnx.State, 
         for n, shape in zip(src.names, src.shapes):
             used.add(n)
             if reader.shape(n) != shape:
-                misshaped.append(f"{reader.names[n]}: expected shape {shape}, found {reader.shape(n)}")
+                misshaped.append(f"{reader.names[n]}: expected shape {shape}, found {reader.shape(n)}"
+                                 f"{reader.shape_note(n)}")
             if jnp.issubdtype(param_dtype, jnp.floating) and not reader.is_floating(n):
                 mistyped.append(f"{reader.names[n]}: found {reader.dtype(n)}, but the {param_dtype.name} parameter "
                                 f"{'.'.join(map(str, path))} needs a floating-point tensor")
@@ -334,7 +383,10 @@ def load_weights(plan: WeightPlan, reader: SafetensorsReader, state: nnx.State, 
             parts.append(f"  missing ({len(missing)}): " + ", ".join(missing))
         if unexpected:
             parts.append(f"  unexpected ({len(unexpected)}): " + ", ".join(unexpected))
-            if any(_QUANTISED.search(n) for n in unexpected):
+            if any(_QUANTISED.search(n) for n in unexpected) and kind == "model":
+                parts.append("  (scale tensors of quantised weights: a model checkpoint is read as quantised only "
+                             "with the quantization_config of its config.json, docs/CHECKPOINTS.md)")
+            elif any(_QUANTISED.search(n) for n in unexpected):
                 parts.append(f"  (quantised {kind} weights are not supported: dequantise to bf16/fp32 first)")
         if misshaped:
             parts.append(f"  mis-shaped ({len(misshaped)}): " + "; ".join(misshaped))

@@ -167,9 +167,13 @@ class MemoryPlan:
 
 
 def memory_plan(cfg: MiniMaxM3Config, *, tensor_parallel_size: int, dtype=jnp.bfloat16, kv_dtype=None,
-                drafter_cfg=None) -> MemoryPlan:
+                drafter_cfg=None, bytes_per_weight=None) -> MemoryPlan:
     """Per-device bytes of ``cfg`` (and its DSpark drafter ``drafter_cfg``) over ``tensor_parallel_size`` devices,
-    from the real shapes (``jax.eval_shape``) and :func:`param_layout`."""
+    from the real shapes (``jax.eval_shape``) and :func:`param_layout`.
+
+    ``bytes_per_weight``: optional ``name -> bytes per element`` (None: the parameter's dtype) for the target's
+    parameters stored in another format, e.g. the routed experts kept as MXFP4 (``0.5 + 1/32``: packed elements
+    and one E8M0 scale per 32) or MXFP8 (``1 + 1/32``), docs/CHECKPOINTS.md."""
     from flax import nnx
 
     from minimax_jax.model import MiniMaxM3ForCausalLM
@@ -177,8 +181,12 @@ def memory_plan(cfg: MiniMaxM3Config, *, tensor_parallel_size: int, dtype=jnp.bf
     tp = int(tensor_parallel_size)
     mesh_shape = {TENSOR: tp, DATA: 1}
     layout = param_layout(lambda: MiniMaxM3ForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)), cfg, tp)
-    weights = sum(p.device_bytes(mesh_shape) for p in layout.values())
-    stored = sum(math.prod(p.shape) * jnp.dtype(p.dtype).itemsize for p in layout.values())
+    def per(name, p):
+        b = None if bytes_per_weight is None else bytes_per_weight(name)
+        return jnp.dtype(p.dtype).itemsize if b is None else b
+
+    weights = int(sum(p.device_bytes(mesh_shape) / jnp.dtype(p.dtype).itemsize * per(n, p) for n, p in layout.items()))
+    stored = int(sum(math.prod(p.shape) * per(n, p) for n, p in layout.items()))
     draft = 0
     if drafter_cfg is not None:
         from minimax_jax.drafter import DSparkDrafter

@@ -9,6 +9,13 @@ MiniMax-M3 ``tokenizer.json`` (byte-level BPE with added special tokens).
 
 ``encode`` never adds special tokens on its own (pass ``add_bos=True``), and ``decode`` is exact for byte-level
 BPE: ``decode(encode(text)) == text`` for any text without special-token strings in it.
+
+The chat template comes from ``tokenizer_config.json``'s ``chat_template`` (a string, or HF's list of named
+templates, ``default`` first), else from a ``chat_template.jinja`` file beside it. :meth:`Tokenizer.apply_chat_template`
+renders it with jinja2 in a sandboxed environment the way HF transformers does (``trim_blocks``, ``lstrip_blocks``,
+the ``loopcontrols`` extension, the globals ``raise_exception`` and ``strftime_now``, a ``tojson`` filter that keeps
+non-ASCII text), with ``messages``, ``add_generation_prompt``, ``tools`` and the special token strings
+(``bos_token``, ``eos_token``, ``pad_token``, ``unk_token``) in its context; no transformers at run time.
 """
 
 from __future__ import annotations
@@ -39,9 +46,14 @@ class Tokenizer:
 
     def __init__(self, backend, *, bos_token: str | None = None, eos_tokens: Sequence[str] = (),
                  pad_token: str | None = None, mask_token: str | None = None,
-                 extra_eos_token_ids: Iterable[int] = (), name: str = "tokenizer"):
+                 extra_eos_token_ids: Iterable[int] = (), name: str = "tokenizer",
+                 chat_template: str | None = None, unk_token: str | None = None):
         self._tok = backend
         self.name = name
+        self.special_tokens = {"bos_token": bos_token, "eos_token": eos_tokens[0] if eos_tokens else None,
+                               "pad_token": pad_token, "unk_token": unk_token}
+        self.chat_template = chat_template
+        self._template = None if chat_template is None else _compile_template(chat_template, name)
 
         def token_id(token: str | None, key: str) -> int | None:
             if token is None:
@@ -110,9 +122,98 @@ class Tokenizer:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    # ------------------------------------------------------------------ chat
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+                            tokenize: bool = True, tools: Sequence[Mapping[str, Any]] | None = None,
+                            **context: Any) -> list[int] | str:
+        """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) with the checkpoint's chat template.
+
+        ``add_generation_prompt``: end with the assistant turn's opening, so the model answers. ``tokenize``:
+        return token ids (special-token strings the template writes become their ids; nothing else is added),
+        else the text. ``tools`` and any further keywords go to the template's context.
+
+        Raises:
+          TokenizerError: the tokenizer has no chat template, or the template raised (its ``raise_exception``
+            message is kept) or failed to render.
+        """
+        if self._template is None:
+            raise TokenizerError(f"{self.name} has no chat template (no chat_template in {TOKENIZER_CONFIG_FILE} "
+                                 f"and no {CHAT_TEMPLATE_FILE} beside it)")
+        if isinstance(messages, (str, bytes)) or not all(isinstance(m, Mapping) for m in messages):
+            raise TypeError("messages must be a list of {'role': ..., 'content': ...} mappings")
+        import jinja2
+
+        values = {**self.special_tokens, **context}
+        try:
+            text = self._template.render(messages=[dict(m) for m in messages], tools=tools,
+                                         add_generation_prompt=add_generation_prompt, **values)
+        except _TemplateError as e:
+            raise TokenizerError(f"{self.name}: the chat template refused the messages: {e}") from None
+        except jinja2.TemplateError as e:
+            raise TokenizerError(f"{self.name}: the chat template failed to render: {e}") from None
+        return self.encode(text) if tokenize else text
+
     def __repr__(self) -> str:
         return (f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, bos={self.bos_token_id}, "
                 f"eos={list(self.eos_token_ids)}, pad={self.pad_token_id}, mask={self.mask_token_id})")
+
+
+# ----------------------------------------------------------------------------------------------- chat templates
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+
+class _TemplateError(Exception):
+    """Raised by a template's ``raise_exception(message)``."""
+
+
+def _raise_exception(message):
+    raise _TemplateError(message)
+
+
+def _strftime_now(fmt):
+    import datetime
+
+    return datetime.datetime.now().strftime(fmt)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _compile_template(source: str, name: str):
+    try:
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as e:  # pragma: no cover - a dependency of the package
+        raise ImportError("chat templates need the 'jinja2' package: pip install jinja2") from e
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise TokenizerError(f"{name}: the chat template is not valid jinja2 (line {e.lineno}: {e.message})") from None
+
+
+def _chat_template_from(cfg: Mapping[str, Any] | None, cfg_file: str, directory: str) -> str | None:
+    """``chat_template`` of tokenizer_config.json (a string, or ``[{"name", "template"}]`` with ``default`` taken
+    first), else the ``chat_template.jinja`` file beside it, else None."""
+    value = None if cfg is None else cfg.get("chat_template")
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
+        if not named or not all(isinstance(t, str) for t in named.values()):
+            raise TokenizerError(f"{cfg_file}: chat_template must be a string or a list of "
+                                 f"{{'name': ..., 'template': ...}} objects")
+        value = named.get("default", next(iter(named.values())))
+    if value is not None and not isinstance(value, str):
+        raise TokenizerError(f"{cfg_file}: chat_template must be a string, got {type(value).__name__}")
+    if value is None:
+        file = os.path.join(directory, CHAT_TEMPLATE_FILE)
+        if os.path.isfile(file):
+            with open(file, encoding="utf-8") as f:
+                value = f.read()
+    return value
 
 
 # ----------------------------------------------------------------------------------------------- loading
@@ -156,12 +257,14 @@ def load_tokenizer(path: str | os.PathLike, *, bos_token: str | None = None, eos
                    pad_token: str | None = None, mask_token: str | None = None) -> Tokenizer:
     """Load a tokenizer from a directory holding ``tokenizer.json`` (or that file itself).
 
-    Special tokens come from ``tokenizer_config.json`` beside it (keyword arguments override them); extra
-    end-of-sequence ids from ``generation_config.json`` / ``config.json`` (``eos_token_id``) when present.
+    Special tokens and the chat template come from ``tokenizer_config.json`` beside it (keyword arguments
+    override the tokens; the template may also be a ``chat_template.jinja`` file); extra end-of-sequence ids from
+    ``generation_config.json`` / ``config.json`` (``eos_token_id``) when present.
 
     Raises:
       FileNotFoundError: no ``tokenizer.json`` at ``path``.
-      TokenizerError: a file that is not valid JSON or not a tokenizer, or a special token not in the vocabulary.
+      TokenizerError: a file that is not valid JSON or not a tokenizer, a special token not in the vocabulary, or
+        a chat template that is not valid jinja2.
     """
     try:
         import tokenizers
@@ -187,12 +290,15 @@ def load_tokenizer(path: str | os.PathLike, *, bos_token: str | None = None, eos
 
     specials: dict[str, str | None] = dict.fromkeys(SPECIAL_TOKEN_KEYS)
     cfg_file = os.path.join(directory, TOKENIZER_CONFIG_FILE)
+    cfg, unk = None, None
     if os.path.isfile(cfg_file):
         cfg = _read_json(cfg_file)
         if not isinstance(cfg, Mapping):
             raise TokenizerError(f"{cfg_file} must hold a JSON object")
         for key in SPECIAL_TOKEN_KEYS:
             specials[key] = _token_content(cfg.get(key), key, cfg_file)
+        unk = _token_content(cfg.get("unk_token"), "unk_token", cfg_file)
+    chat_template = _chat_template_from(cfg, cfg_file, directory)
     for key, value in (("bos_token", bos_token), ("eos_token", eos_token), ("pad_token", pad_token),
                        ("mask_token", mask_token)):
         if value is not None:
@@ -203,7 +309,7 @@ def load_tokenizer(path: str | os.PathLike, *, bos_token: str | None = None, eos
     return Tokenizer(backend, bos_token=specials["bos_token"],
                      eos_tokens=() if specials["eos_token"] is None else (specials["eos_token"],),
                      pad_token=specials["pad_token"], mask_token=specials["mask_token"],
-                     extra_eos_token_ids=extra_eos, name=file)
+                     extra_eos_token_ids=extra_eos, name=file, chat_template=chat_template, unk_token=unk)
 
 
-__all__ = ["Tokenizer", "TokenizerError", "load_tokenizer"]
+__all__ = ["CHAT_TEMPLATE_FILE", "Tokenizer", "TokenizerError", "load_tokenizer"]

@@ -613,6 +613,14 @@ class Engine:
                 bar.close()
             return GenerationResults([self._result(r) for r in requests], stats)
 
+    def chat(self, messages, **kwargs) -> GenerationResult:
+        """One conversation (``[{"role": ..., "content": ...}, ...]``) rendered by the tokenizer's chat template
+        (``Tokenizer.apply_chat_template``, the assistant turn opened), then :meth:`generate` with ``kwargs``."""
+        render = getattr(self.tokenizer, "apply_chat_template", None)
+        if render is None:
+            raise ValueError("chat needs a tokenizer with a chat template: Engine(..., tokenizer=load_tokenizer(dir))")
+        return self.generate([render(messages, add_generation_prompt=True, tokenize=True)], **kwargs)[0]
+
     def _result(self, req: Request) -> GenerationResult:
         return request_result(req, k=self.k, tokenizer=self.tokenizer)
 
