@@ -129,15 +129,35 @@ def _e2m1(codes):
     return jax.lax.bitcast_convert_type(mag | ((c & 8) << 28), jnp.float32)
 
 
-def _weight_tile(q, s, *, fmt: str, dtype):
-    """Packed elements ``[bn, bk / pack]`` and scales ``[bn, bk / 32]`` -> the weight tile ``[bn, bk]`` in
-    ``dtype`` (the checkpoint's [out, in] orientation)."""
-    bn = q.shape[0]
-    if fmt == "mxfp4":  # low nibble = element 2i, high = 2i + 1: interleave back with a join
-        elems = _e2m1(jnp.stack([q & 0xF, q >> 4], axis=-1).reshape(bn, 2 * q.shape[1]))
-    else:
-        elems = q.astype(jnp.float32)
-    bk = elems.shape[1]
+def _interleave(parts):
+    """``[bn, bw]`` arrays ``parts[t]`` (element ``t`` of each word) -> ``[bn, bw * len(parts)]`` in element
+    order (``t`` fastest), with joins along a new last axis (Triton's ``tt.join``); 2 or 4 parts."""
+    (bn, bw), n = parts[0].shape, len(parts)
+    if n == 4:  # t = 2a + b: join over a first, b last (the last join is the fastest axis)
+        parts = [jnp.stack([parts[b], parts[2 + b]], axis=-1) for b in (0, 1)]
+    return jnp.stack(parts, axis=-1).reshape(bn, bw * n)
+
+
+def _as_words(w_q):
+    """MX elements ``[G, N, K / pack]`` (uint8 or float8_e4m3fn) viewed as ``uint16 [G, N, K / pack / 2]``
+    words, two bytes each (little-endian: byte ``2j`` in the low half). Pallas' Triton lowering picks 32-bit
+    pointer offsets for a ref of at most 2**32 bytes, which overflow for 1-byte elements past 2**31 (M3's MXFP4
+    gate/up is 2.4 GB); 2-byte words keep every offset below 2**31."""
+    b = w_q if w_q.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(w_q, jnp.uint8)
+    return jax.lax.bitcast_convert_type(b.reshape(*b.shape[:-1], b.shape[-1] // 2, 2), jnp.uint16)
+
+
+def _weight_tile(words, s, *, fmt: str, dtype):
+    """``uint16`` words ``[bn, bk / (2 pack)]`` and scales ``[bn, bk / 32]`` -> the weight tile ``[bn, bk]``
+    in ``dtype`` (the checkpoint's [out, in] orientation)."""
+    w = words.astype(jnp.int32)
+    if fmt == "mxfp4":  # nibble t of a word is element t (byte 2j: low nibble 4j, high 4j + 1)
+        elems = _e2m1(_interleave([(w >> (4 * t)) & 0xF for t in range(4)]))
+    else:  # byte t of a word is element t
+        f8 = [jax.lax.bitcast_convert_type(((w >> (8 * t)) & 0xFF).astype(jnp.uint8), jnp.float8_e4m3fn)
+              for t in range(2)]
+        elems = _interleave([x.astype(jnp.float32) for x in f8])
+    bn, bk = elems.shape
     w = elems.reshape(bn, bk // BLOCK, BLOCK) * _e8m0(s)[:, :, None]
     return w.reshape(bn, bk).astype(dtype)
 
@@ -157,7 +177,7 @@ def _dot_nt(a, w):
 def _mx_grouped_matmul_kernel(
     gs_ref,  # [G] int32
     lhs_ref,  # [M, K]
-    q_ref,  # [G, N, K / pack] uint8 (MXFP4) | float8_e4m3fn (MXFP8)
+    q_ref,  # [G, N, K / (2 pack)] uint16: two bytes of MX elements (pack = 2 for MXFP4, 1 for MXFP8)
     s_ref,  # [G, N, K / 32] uint8 (E8M0)
     out_ref,  # [M, N_out]
     *,
@@ -191,13 +211,12 @@ def _mx_grouped_matmul_kernel(
     kk = jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
     n0 = pl.multiple_of(n_tile * block_n, block_n)
     dtype = out_ref.dtype
-    pack = _PACK[fmt]
-    bq, bs = block_k // pack, block_k // BLOCK
+    bq, bs = block_k // (2 * _PACK[fmt]), block_k // BLOCK
 
     def weight(rows0, i):
         q0 = pl.multiple_of(i * bq, bq)
         s0 = pl.multiple_of(i * bs, bs)
-        q = q_ref[group, pl.ds(rows0, block_n), pl.ds(q0, bq)]  # [block_n, block_k / pack]
+        q = q_ref[group, pl.ds(rows0, block_n), pl.ds(q0, bq)]  # [block_n, block_k / (2 pack)] uint16
         s = s_ref[group, pl.ds(rows0, block_n), pl.ds(s0, bs)]  # [block_n, block_k / 32]
         return _weight_tile(q, s, fmt=fmt, dtype=dtype)  # [block_n, block_k]
 
@@ -331,6 +350,10 @@ def mx_grouped_matmul_pallas(
         raise ValueError(f"compiled Triton dots need blocks >= {MIN_DOT_DIM}, got {config}")
     if num_rows == 0:
         return jnp.zeros((0, n_out), lhs.dtype)
+    if 2**31 <= w_scale.size <= 2**32:  # 1-byte elements under Pallas' 32-bit offsets (_as_words)
+        raise ValueError(f"w_scale {tuple(w_scale.shape)} holds {w_scale.size} bytes: the kernel indexes at most "
+                         f"2**31 of them; split the experts")
+    words = _as_words(w_q)
     n_tiles = n_out // config.block_n
     programs = num_tiles_bound(num_rows, num_groups, config.block_m) * n_tiles
     kernel = functools.partial(
@@ -354,12 +377,12 @@ def mx_grouped_matmul_pallas(
         in_specs=[
             pl.BlockSpec((num_groups,), lambda p: (0,)),
             pl.BlockSpec(lhs.shape, lambda p: (0, 0)),
-            pl.BlockSpec(w_q.shape, lambda p: (0, 0, 0)),
+            pl.BlockSpec(words.shape, lambda p: (0, 0, 0)),
             pl.BlockSpec(w_scale.shape, lambda p: (0, 0, 0)),
         ],
         out_specs=[pl.BlockSpec((num_rows, n_out), lambda p: (0, 0))],
         out_shape=[jax.ShapeDtypeStruct((num_rows, n_out), lhs.dtype)],
-        args=[group_sizes.astype(jnp.int32), lhs, w_q, w_scale],
+        args=[group_sizes.astype(jnp.int32), lhs, words, w_scale],
         poison=poison,
         interpret=interpret,
         num_warps=c.num_warps,
