@@ -196,18 +196,20 @@ _HOPPER_GEMM = GroupedGemmTable(
 )
 
 
-# Dequantizing grouped GEMM (``pallas_kernels.mx_grouped_gemm``: MXFP4 / MXFP8 experts decoded in registers).
-# The decoded weight tile is ``block_n x block_k`` fp32 values before the cast to the rows' dtype (two of them
-# with the fused gate/up), so the tiles are smaller than the bf16 kernel's: 64 output columns, 128-deep steps
-# (64 packed bytes per MXFP4 weight row: 16-byte vector loads); ``block_k`` is a multiple of the 32-element
-# scale block. Starting point, not an H200 sweep (scripts/bench_moe.py --quantization).
+# Dequantizing grouped GEMM (``pallas_kernels.mx_grouped_gemm``: MXFP4 / MXFP8 experts decoded in registers),
+# from the H200 sweep (scripts/bench_moe.py --quantization, M3 width, uniform routing, 2026-12-01;
+# docs/bench_results/moe_mxfp{4,8}_h200.json, docs/kernels/mx_grouped_gemm.md). The decode is ALU work per
+# weight element and per row tile, so a weight tile must be decoded as few times as possible: at 2,048 pairs
+# (16 rows per expert) 32-row tiles (one per expert) beat 16-row ones (MXFP4 gate/up 3.66 against 4.50 ms,
+# MXFP8 2.26 against 2.68 ms); at 16,384 pairs 128 x 64 tiles on 8 warps were the fastest (MXFP4 7.36 ms, MXFP8
+# 6.03 ms; 64 x 64 on 4 warps: 8.31 / 6.23 ms). ``block_k`` is a multiple of the 32-element scale block.
 _HOPPER_MX_GEMM = GroupedGemmTable(
     tiles=(
-        GemmTile(min_rows=64, block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3),
-        GemmTile(min_rows=1, block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4),
+        GemmTile(min_rows=64, block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3),
+        GemmTile(min_rows=1, block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4),
     ),
     smem_bytes=160 * 1024,
-    max_acc_elems=8192,
+    max_acc_elems=16384,
 )
 
 
