@@ -11,7 +11,8 @@ tensor axis:
   index heads) is replicated;
 * **dense MLPs and the shared expert**: column-parallel ``gate_up`` (split as stored, ``[gate; up]``: XLA pairs
   the halves), row-parallel ``down``: one reduction per block;
-* **routed experts**: expert parallelism over the same devices, ``num_local_experts / N`` experts each, tokens
+* **routed experts** (dense, or kept as MX tensors with their scales): expert parallelism over the same devices,
+  ``num_local_experts / N`` experts each, tokens
   replicated to every shard, a ``psum`` after the grouped GEMM (sglang-jax's design; it runs on XLA:CPU). The
   router and ``e_score_correction_bias`` (fp32) are replicated;
 * **embeddings and ``lm_head``**: split over the vocabulary;

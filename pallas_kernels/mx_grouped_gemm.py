@@ -23,12 +23,12 @@ accumulation, rounded once (the gate/up product rounded to lhs's dtype before th
 Kernel. ``grouped_gemm``'s grid and program search unchanged (a 1-D grid over the ragged row tiles of the
 ``G + 1`` segments times the column tiles, found on the device from ``group_sizes``; bands of ``group_m`` row
 tiles per column sweep). Per ``block_k`` step a program loads its ``[block_m, block_k]`` rows, then per weight
-tile (two with the fused swigluoai: gate rows ``n0`` and up rows ``I + n0`` of ``w``) the packed
-``[block_n, block_k / pack]`` elements and their ``[block_n, block_k / 32]`` scales, and decodes in registers:
-E2M1 codes by bit arithmetic into float32 bits (low nibble then high nibble, interleaved back with a join),
-E4M3 by a float8 conversion, E8M0 by placing the code in the float32 exponent field; the decoded fp32 tile
-times its broadcast scales is cast to lhs's dtype (exact: at most 4 significant bits times a power of two) and
-multiplied as ``rows @ tile.T`` into the fp32 accumulators. Then the activation in registers and a masked store
+tile (two with the fused swigluoai: gate rows ``n0`` and up rows ``I + n0`` of ``w``) the packed elements as
+``uint16`` words (:func:`_as_words`: Pallas' 32-bit offsets) and their ``[block_n, block_k / 32]`` scales, and
+decodes in registers: E2M1 codes by bit arithmetic into float32 bits, E4M3 by a float8 conversion of each byte
+(nibbles or bytes put back in element order with joins), E8M0 by placing the code in the float32 exponent
+field; the decoded fp32 tile times its broadcast scales is cast to lhs's dtype (exact: at most 4 significant
+bits times a power of two) and multiplied as ``rows @ tile.T`` into the fp32 accumulators. Then the activation in registers and a masked store
 of the program's own rows. ``block_k`` is a multiple of 32 (one scale per 32 columns).
 
 Bytes and FLOPs (``A`` active groups, ``R`` rows, ``b`` the rows' itemsize, ``q = 1/2`` (MXFP4) or ``1``
@@ -36,7 +36,8 @@ Bytes and FLOPs (``A`` active groups, ``R`` rows, ``b`` the rows' itemsize, ``q 
 rows ``R * K * b`` once per column tile (from L2), output ``R * N_out * b``; ``2 * R * K * N`` useful FLOPs
 plus about 10 integer operations per decoded MXFP4 element (once per row tile). M3 gate/up (128 experts,
 hidden 6144, intermediate 3072): 2.57 GB MXFP4 (0.53 ms at 4.8 TB/s), 4.98 GB MXFP8 (1.04 ms), against
-9.66 GB bf16 (2.01 ms); docs/kernels/mx_grouped_gemm.md has the full table.
+9.66 GB bf16 (2.01 ms). On the H200 the decode's integer work, not the bytes, bounds the kernel today
+(docs/kernels/mx_grouped_gemm.md has the tables and the measurements).
 """
 
 from __future__ import annotations
