@@ -96,6 +96,8 @@ class MiniMaxM3Config:
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
     tie_word_embeddings: bool = False
+    # ---- storage: routed experts kept quantized in HBM ("mxfp4" / "mxfp8", E8M0 scales; layers.MoE); None: dense
+    expert_quantization: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
@@ -193,6 +195,13 @@ class MiniMaxM3Config:
                                   f"got {self.index_local_blocks}")
         if self.index_block_size is not None:
             positive("index_block_size")
+        if self.expert_quantization not in (None, "mxfp4", "mxfp8"):
+            raise ConfigError(f"expert_quantization must be None, 'mxfp4' or 'mxfp8', got {self.expert_quantization!r}")
+        if self.expert_quantization is not None and self.moe_layer_ids:
+            for name in ("hidden_size", "intermediate_size"):
+                if getattr(self, name) % 32:
+                    raise ConfigError(f"expert_quantization={self.expert_quantization!r} needs {name} to be a "
+                                      f"multiple of 32 (one E8M0 scale per 32 inputs), got {getattr(self, name)}")
         if self.swiglu_limit <= 0:
             raise ConfigError(f"swiglu_limit must be > 0, got {self.swiglu_limit}")
         for name in ("bos_token_id", "pad_token_id"):

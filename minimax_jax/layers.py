@@ -1,10 +1,14 @@
 """Building blocks of MiniMax-M3: Gemma RMSNorm, partial NeoX RoPE, swigluoai, dense MLP and the MoE block.
 
 Parameters are stored in JAX layout: a linear map's ``kernel`` is ``[in, out]`` (torch stores ``[out, in]``);
-the routed experts are stacked ``gate_up [E, d, 2I]`` and ``down [E, I, d]``.
+the routed experts are stacked ``gate_up [E, d, 2I]`` and ``down [E, I, d]``, or, with
+``cfg.expert_quantization`` ("mxfp4" / "mxfp8"), kept as the checkpoint's MX tensors in its ``[out, in]``
+layout (:class:`MoE`).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -12,10 +16,38 @@ from flax import nnx
 
 from minimax_jax.config import MiniMaxM3Config
 from pallas_kernels.grouped_gemm import moe_ffn
+from pallas_kernels.mx_formats import BLOCK as MX_BLOCK
+from pallas_kernels.mx_grouped_gemm import mx_moe_ffn
 
 
 def _normal(stddev: float):
     return nnx.initializers.normal(stddev)
+
+
+# RMS of the MX elements random_mx_weights draws: E2M1 codes uniform over all 16 (sqrt(mean of the squared
+# values) = 2.93), E4M3 elements N(0, 64^2).
+_MX_ELEMENT_RMS = {"mxfp4": 2.93, "mxfp8": 64.0}
+
+
+def random_mx_weights(key: jax.Array, fmt: str, shape: tuple[int, ...], *, stddev: float = 0.02):
+    """Random MX weights ``[..., N, K]`` with entries of about ``stddev`` RMS: ``(elements, scales)``, valid
+    tensors of the format (``pallas_kernels.mx_formats``: MXFP4 ``uint8 [..., N, K / 2]``, MXFP8
+    ``float8_e4m3fn [..., N, K]``; ``uint8 [..., N, K / 32]`` E8M0 scales, each within a factor 2 of
+    ``stddev / element RMS``, so the scales vary block to block). Traceable (``jax.eval_shape``, ``jit``): the
+    random init of a quantized model, and benchmark weights at M3 size."""
+    *lead, n, k = shape
+    if fmt not in _MX_ELEMENT_RMS:
+        raise ValueError(f"fmt must be one of {tuple(_MX_ELEMENT_RMS)}, got {fmt!r}")
+    if k % MX_BLOCK:
+        raise ValueError(f"MX weights need the input dimension to be a multiple of {MX_BLOCK}, got shape {shape}")
+    ks, ke = jax.random.split(key)
+    base = 127 + round(math.log2(stddev / _MX_ELEMENT_RMS[fmt]))
+    scales = (base + jax.random.randint(ks, (*lead, n, k // MX_BLOCK), -1, 2)).astype(jnp.uint8)
+    if fmt == "mxfp4":
+        elems = jax.random.randint(ke, (*lead, n, k // 2), 0, 256).astype(jnp.uint8)
+    else:
+        elems = jnp.clip(jax.random.normal(ke, shape) * 64.0, -448.0, 448.0).astype(jnp.float8_e4m3fn)
+    return elems, scales
 
 
 class Linear(nnx.Module):
@@ -127,14 +159,30 @@ class Router(nnx.Module):
 
 class MoE(nnx.Module):
     """Routed experts (grouped matmuls over expert-sorted tokens, ``pallas_kernels.grouped_gemm``) plus one
-    always-on shared expert."""
+    always-on shared expert.
+
+    Routed-expert parameters: ``experts_gate_up [E, d, 2I]`` (gate columns, then up) and ``experts_down
+    [E, I, d]`` in the model dtype; or, with ``cfg.expert_quantization`` "mxfp4" / "mxfp8", the checkpoint's MX
+    tensors in its ``[out, in]`` layout, read by the dequantizing kernel (``pallas_kernels.mx_grouped_gemm``):
+    ``w_gate_up_q`` (MXFP4 ``uint8 [E, 2I, d / 2]``, two E2M1 codes a byte, low nibble first; MXFP8
+    ``float8_e4m3fn [E, 2I, d]``; rows ``[0, I)`` gate ``w1``, ``[I, 2I)`` up ``w3``), ``w_gate_up_scale``
+    (``uint8 [E, 2I, d / 32]`` E8M0), ``w_down_q`` (``uint8 [E, d, I / 2]`` | ``float8_e4m3fn [E, d, I]``,
+    ``w2``) and ``w_down_scale`` (``uint8 [E, d, I / 32]``). A random init draws valid MX tensors
+    (:func:`random_mx_weights`); the products run in the input's dtype."""
 
     def __init__(self, cfg: MiniMaxM3Config, *, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
         e, d, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
         self.gate = Router(cfg, dtype=dtype, rngs=rngs)
-        self.experts_gate_up = nnx.Param(_normal(0.02)(rngs.params(), (e, d, 2 * i), dtype))
-        self.experts_down = nnx.Param(_normal(0.02)(rngs.params(), (e, i, d), dtype))
+        self.quantization = cfg.expert_quantization
+        if self.quantization is None:
+            self.experts_gate_up = nnx.Param(_normal(0.02)(rngs.params(), (e, d, 2 * i), dtype))
+            self.experts_down = nnx.Param(_normal(0.02)(rngs.params(), (e, i, d), dtype))
+        else:  # the checkpoint's MX tensors, [out, in] (pallas_kernels.mx_grouped_gemm)
+            q, s = random_mx_weights(rngs.params(), self.quantization, (e, 2 * i, d))
+            self.w_gate_up_q, self.w_gate_up_scale = nnx.Param(q), nnx.Param(s)
+            q, s = random_mx_weights(rngs.params(), self.quantization, (e, d, i))
+            self.w_down_q, self.w_down_scale = nnx.Param(q), nnx.Param(s)
         self.shared_experts = (
             DenseMLP(cfg, cfg.shared_intermediate_size, dtype=dtype, rngs=rngs)
             if cfg.shared_intermediate_size > 0 else None
@@ -166,26 +214,40 @@ class MoE(nnx.Module):
         ``psum`` adds the devices' partial sums."""
         weights, experts = self.gate(x)
         kw = dict(swiglu=swiglu_params(self.cfg), implementation=implementation, interpret=interpret)
+        params = self.expert_params()
+
+        def run(x, weights, experts, mask, params):
+            if self.quantization is None:
+                return routed_experts(x, weights, experts, *params, token_mask=mask, **kw)
+            gu, gu_scale, dn, dn_scale = params
+            return routed_experts(x, weights, experts, gu, dn, w_gate_up_scale=gu_scale, w_down_scale=dn_scale,
+                                  token_mask=mask, **kw)
+
         if mesh is None:
-            return routed_experts(x, weights, experts, self.experts_gate_up[...], self.experts_down[...],
-                                  token_mask=token_mask, **kw)
+            return run(x, weights, experts, token_mask, params)
         from jax.sharding import PartitionSpec
 
         from minimax_jax.sharding import TENSOR
 
         mask = jnp.ones(x.shape[:1], bool) if token_mask is None else token_mask
 
-        def local(x, weights, experts, mask, w_gate_up, w_down):
-            n_local = w_gate_up.shape[0]
+        def local(x, weights, experts, mask, params):
+            n_local = params[0].shape[0]
             mine = experts - jax.lax.axis_index(TENSOR) * n_local
             mine = jnp.where((mine >= 0) & (mine < n_local), mine, n_local)  # another device's: no expert here
-            y = routed_experts(x, weights, mine, w_gate_up, w_down, token_mask=mask, **kw)
-            return jax.lax.psum(y, TENSOR)
+            return jax.lax.psum(run(x, weights, mine, mask, params), TENSOR)
 
         rep, split = PartitionSpec(), PartitionSpec(TENSOR)
-        return jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, rep, rep, split, split), out_specs=rep,
-                             check_vma=False)(x, weights, experts, mask, self.experts_gate_up[...],
-                                              self.experts_down[...])
+        specs = (rep, rep, rep, rep, tuple(split for _ in params))
+        return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=rep, check_vma=False)(
+            x, weights, experts, mask, params)
+
+    def expert_params(self) -> tuple[jax.Array, ...]:
+        """The routed experts' arrays, expert axis first: ``(experts_gate_up, experts_down)``, or quantized
+        ``(w_gate_up_q, w_gate_up_scale, w_down_q, w_down_scale)``."""
+        if self.quantization is None:
+            return self.experts_gate_up[...], self.experts_down[...]
+        return self.w_gate_up_q[...], self.w_gate_up_scale[...], self.w_down_q[...], self.w_down_scale[...]
 
 
 def swiglu_params(cfg: MiniMaxM3Config) -> tuple[float, float, float]:
@@ -197,12 +259,16 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_
                    w_down: jax.Array, *, swiglu: tuple[float, float, float],
                    implementation: str = "reference", interpret: bool | None = None,
                    token_mask: jax.Array | None = None,
-                   gate_up_config=None, down_config=None) -> jax.Array:
+                   gate_up_config=None, down_config=None,
+                   w_gate_up_scale: jax.Array | None = None, w_down_scale: jax.Array | None = None) -> jax.Array:
     """The routed half of the MoE, fp32 ``[N, d]``: the ``N * k`` (token, expert) pairs sorted by expert
     (stable argsort), the tokens gathered, ``grouped_gemm.moe_ffn`` (``implementation``; launch configs of its
     two kernels, ``None``: the chip's policy), each output row scaled by its routing weight and scattered back
     onto its token. Pairs of tokens where ``token_mask`` is False sort after every expert's rows: padding rows
-    of ``moe_ffn``, which multiplies nothing for them and returns zeros."""
+    of ``moe_ffn``, which multiplies nothing for them and returns zeros.
+
+    With ``w_gate_up_scale`` and ``w_down_scale``, ``w_gate_up`` / ``w_down`` are MX elements (:class:`MoE`'s
+    quantized parameters) and the products are ``mx_grouped_gemm.mx_moe_ffn``'s, in ``x``'s dtype."""
     n, k = experts.shape
     num_experts = w_gate_up.shape[0]
     flat_expert = experts.reshape(-1)
@@ -211,8 +277,13 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_
     order = jnp.argsort(flat_expert, stable=True)
     token = order // k
     group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)  # drops the masked pairs
-    xs = x[token].astype(w_gate_up.dtype)
-    y = moe_ffn(xs, w_gate_up, w_down, group_sizes, swiglu=swiglu, implementation=implementation,
-                interpret=interpret, gate_up_config=gate_up_config, down_config=down_config)
+    kw = dict(swiglu=swiglu, implementation=implementation, interpret=interpret, gate_up_config=gate_up_config,
+              down_config=down_config)
+    if (w_gate_up_scale is None) != (w_down_scale is None):
+        raise ValueError("quantized experts need both w_gate_up_scale and w_down_scale")
+    if w_gate_up_scale is None:
+        y = moe_ffn(x[token].astype(w_gate_up.dtype), w_gate_up, w_down, group_sizes, **kw)
+    else:
+        y = mx_moe_ffn(x[token], w_gate_up, w_gate_up_scale, w_down, w_down_scale, group_sizes, **kw)
     y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(y)

@@ -11,7 +11,8 @@ tensor axis:
   index heads) is replicated;
 * **dense MLPs and the shared expert**: column-parallel ``gate_up`` (split as stored, ``[gate; up]``: XLA pairs
   the halves), row-parallel ``down``: one reduction per block;
-* **routed experts**: expert parallelism over the same devices, ``num_local_experts / N`` experts each, tokens
+* **routed experts** (dense, or kept as MX tensors with their scales): expert parallelism over the same devices,
+  ``num_local_experts / N`` experts each, tokens
   replicated to every shard, a ``psum`` after the grouped GEMM (sglang-jax's design; it runs on XLA:CPU). The
   router and ``e_score_correction_bias`` (fp32) are replicated;
 * **embeddings and ``lm_head``**: split over the vocabulary;
@@ -99,6 +100,10 @@ def _path(path) -> str:
     return "/".join(parts)
 
 
+# The routed experts' parameters (layers.MoE), expert axis first: dense, or kept as MX tensors with their scales.
+EXPERT_PARAMS = ("experts_gate_up", "experts_down", "w_gate_up_q", "w_gate_up_scale", "w_down_q", "w_down_scale")
+
+
 def param_rule(name: str, shape: tuple[int, ...], cfg: MiniMaxM3Config, tp: int) -> tuple[tuple[int, ...], PartitionSpec]:
     """(stored shape, spec) of the parameter at ``name`` (a ``/``-joined path)."""
     t = TENSOR
@@ -125,7 +130,7 @@ def param_rule(name: str, shape: tuple[int, ...], cfg: MiniMaxM3Config, tp: int)
         return shape, PartitionSpec(None, t)
     if last == "down_proj/kernel":
         return shape, PartitionSpec(t, None)
-    if name.endswith("experts_gate_up") or name.endswith("experts_down"):
+    if name.endswith(EXPERT_PARAMS):
         if cfg.num_local_experts % tp:
             raise ValueError(f"{cfg.num_local_experts} experts do not split over tensor_parallel_size={tp}")
         return shape, PartitionSpec(t, None, None)

@@ -84,6 +84,7 @@ __all__ = [
     "resolve_implementation",
     "segments",
     "supports",
+    "swigluoai_halves",
 ]
 
 IMPLEMENTATIONS = ("auto", "pallas", "xla", "reference")
@@ -168,8 +169,8 @@ def _dot(a, b):
                                preferred_element_type=jnp.float32)
 
 
-def _swigluoai(g, u, swiglu):
-    """``layers.swigluoai`` on split fp32 halves."""
+def swigluoai_halves(g, u, swiglu):
+    """``layers.swigluoai`` on its split fp32 halves (gate ``g``, up ``u``); ``swiglu = (alpha, limit, beta)``."""
     alpha, limit, beta = swiglu
     g = jnp.minimum(g, limit)
     u = jnp.clip(u, -limit, limit)
@@ -227,7 +228,7 @@ def _grouped_matmul_kernel(
         y = accs[0]
     else:  # the reference rounds the product to the weights' dtype before the activation: so does the kernel
         g, u = (acc.astype(dtype).astype(jnp.float32) for acc in accs)
-        y = _swigluoai(g, u, swiglu)
+        y = swigluoai_halves(g, u, swiglu)
     cols = n0 + jax.lax.broadcasted_iota(jnp.int32, (block_n,), 0)
     out_rows = out_of_bounds_where(row_ok, row0 + r, num_rows)
     plgpu.store(out_ref.at[out_rows[:, None], cols[None, :]], y.astype(dtype), mask=row_ok[:, None])
@@ -461,7 +462,7 @@ def _ragged(lhs, group_sizes, weights, swiglus):
         x = x.astype(lhs.dtype)
         if swiglu is not None:
             g, u = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-            x = _swigluoai(g, u, swiglu).astype(lhs.dtype)
+            x = swigluoai_halves(g, u, swiglu).astype(lhs.dtype)
     return x
 
 
@@ -521,7 +522,7 @@ def _chain(x, weights, swiglus, dtype):
         x = jnp.einsum("bck,bkn->bcn", x, w, preferred_element_type=jnp.float32).astype(dtype)
         if swiglu is not None:
             g, u = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-            x = _swigluoai(g, u, swiglu).astype(dtype)
+            x = swigluoai_halves(g, u, swiglu).astype(dtype)
     return x
 
 

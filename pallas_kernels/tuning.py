@@ -196,6 +196,23 @@ _HOPPER_GEMM = GroupedGemmTable(
 )
 
 
+# Dequantizing grouped GEMM (``pallas_kernels.mx_grouped_gemm``: MXFP4 / MXFP8 experts decoded in registers),
+# from the H200 sweep (scripts/bench_moe.py --quantization, M3 width, uniform routing, 2026-12-01;
+# docs/bench_results/moe_mxfp{4,8}_h200.json, docs/kernels/mx_grouped_gemm.md). The decode is ALU work per
+# weight element and per row tile, so a weight tile must be decoded as few times as possible: at 2,048 pairs
+# (16 rows per expert) 32-row tiles (one per expert) beat 16-row ones (MXFP4 gate/up 3.66 against 4.50 ms,
+# MXFP8 2.26 against 2.68 ms); at 16,384 pairs 128 x 64 tiles on 8 warps were the fastest (MXFP4 7.36 ms, MXFP8
+# 6.03 ms; 64 x 64 on 4 warps: 8.31 / 6.23 ms). ``block_k`` is a multiple of the 32-element scale block.
+_HOPPER_MX_GEMM = GroupedGemmTable(
+    tiles=(
+        GemmTile(min_rows=64, block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3),
+        GemmTile(min_rows=1, block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4),
+    ),
+    smem_bytes=160 * 1024,
+    max_acc_elems=16384,
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class DraftAttentionTable:
     """The DSpark draft-attention kernel's knobs (``pallas_kernels.draft_attention``): one program per
@@ -236,6 +253,7 @@ class ChipTables:
     prepass: PrepassTable = PrepassTable()
     merge: MergeTable = MergeTable()
     grouped_gemm: GroupedGemmTable = _HOPPER_GEMM
+    mx_grouped_gemm: GroupedGemmTable = _HOPPER_MX_GEMM
     draft_attention: DraftAttentionTable = _HOPPER_DRAFT
 
 
@@ -292,6 +310,15 @@ _CDNA3 = ChipTables(
     paged_attention=WalkTable(tiles=_CDNA3_WALK_TILES, smem_bytes=64 * 1024, max_splits=16),
     # Grouped GEMM: 2-stage pipelines kept well under the 64 KiB LDS of a CU (24 KiB per program).
     grouped_gemm=GroupedGemmTable(
+        tiles=(
+            GemmTile(min_rows=64, block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2),
+            GemmTile(min_rows=1, block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=2),
+        ),
+        smem_bytes=24 * 1024,
+        max_acc_elems=8192,
+    ),
+    # Dequantizing grouped GEMM: the bf16 table's tiles; block_k at least the 32-element scale block.
+    mx_grouped_gemm=GroupedGemmTable(
         tiles=(
             GemmTile(min_rows=64, block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2),
             GemmTile(min_rows=1, block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=2),
@@ -654,7 +681,56 @@ def grouped_matmul_launch_config(
     weight tiles fit ``smem_bytes``.
     """
     chip = resolve_chip(chip)
-    table = TABLES[chip].grouped_gemm
+    return _gemm_launch_config(
+        TABLES[chip].grouped_gemm, chip, num_rows=num_rows, num_groups=num_groups, k=k, n=n, fused=fused,
+        row_bytes=itemsize, weight_bytes=itemsize, min_block_k=MIN_DOT_DIM, block_m=block_m, block_n=block_n,
+        block_k=block_k, num_warps=num_warps, num_stages=num_stages, group_m=group_m,
+    )
+
+
+# Bytes per weight element of the MX formats in HBM (elements plus one E8M0 byte per 32 of them).
+MX_WEIGHT_BYTES = {"mxfp4": 0.5 + 1 / 32, "mxfp8": 1 + 1 / 32}
+MX_BLOCK = 32  # elements per E8M0 scale (pallas_kernels.mx_formats.BLOCK)
+
+
+def mx_grouped_matmul_launch_config(
+    *,
+    num_rows: int,
+    num_groups: int,
+    k: int,
+    n: int,
+    fmt: str,
+    fused: bool = False,
+    itemsize: int = 2,
+    chip: str | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    group_m: int | None = None,
+) -> GroupedMatmulLaunchConfig:
+    """Launch settings of the dequantizing grouped matmul (``mx_grouped_gemm``): rows ``[num_rows, k]`` of
+    ``itemsize`` bytes against ``fmt`` (``"mxfp4"`` / ``"mxfp8"``) weights ``[num_groups, n', k]``; explicit
+    arguments win. The policy of :func:`grouped_matmul_launch_config` on the chip's ``mx_grouped_gemm`` table,
+    with the weight tiles' bytes of the format and ``block_k`` a multiple of the 32-element scale block."""
+    if fmt not in MX_WEIGHT_BYTES:
+        raise ValueError(f"fmt must be one of {tuple(MX_WEIGHT_BYTES)}, got {fmt!r}")
+    chip = resolve_chip(chip)
+    return _gemm_launch_config(
+        TABLES[chip].mx_grouped_gemm, chip, num_rows=num_rows, num_groups=num_groups, k=k, n=n, fused=fused,
+        row_bytes=itemsize, weight_bytes=MX_WEIGHT_BYTES[fmt], min_block_k=MX_BLOCK, block_m=block_m,
+        block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages, group_m=group_m,
+    )
+
+
+def _gemm_launch_config(
+    table: GroupedGemmTable, chip: str, *, num_rows, num_groups, k, n, fused, row_bytes, weight_bytes,
+    min_block_k, block_m, block_n, block_k, num_warps, num_stages, group_m,
+) -> GroupedMatmulLaunchConfig:
+    """The grouped GEMM policy (:func:`grouped_matmul_launch_config`) on one table: ``row_bytes`` /
+    ``weight_bytes`` per element of a row tile / weight tile; the shared-memory fit never halves ``block_k``
+    below ``min_block_k``."""
     mats = 2 if fused else 1
     active = max(1, min(num_groups, num_rows))
     mean = cdiv(max(num_rows, 1), active)
@@ -675,8 +751,8 @@ def grouped_matmul_launch_config(
             programs *= 2
     if block_k is None:
         block_k = min(tile.block_k, pow2_divisor(k))
-        tile_bytes = (block_m + mats * block_n) * itemsize  # one row tile + weight tiles, per unit of block_k
-        while block_k > MIN_DOT_DIM and num_stages * tile_bytes * block_k > table.smem_bytes:
+        tile_bytes = block_m * row_bytes + mats * block_n * weight_bytes  # per unit of block_k
+        while block_k > min_block_k and num_stages * tile_bytes * block_k > table.smem_bytes:
             block_k //= 2
     return GroupedMatmulLaunchConfig(
         block_m=int(block_m),

@@ -20,6 +20,14 @@ max relative to the reference's max) and, on a GPU with ``--profile``, device ti
     PYTHONPATH=. python3 scripts/bench_moe.py --out docs/bench_results/moe_h200.json
     PYTHONPATH=. python3 scripts/bench_moe.py --sweep --out /tmp/moe_sweep.json   # launch variants too
     PYTHONPATH=. python3 scripts/bench_moe.py --tiny --out /tmp/moe_tiny.json     # CPU smoke run (interpret)
+    PYTHONPATH=. python3 scripts/bench_moe.py --quantization mxfp4 --out /tmp/moe_mxfp4.json
+
+``--quantization mxfp4|mxfp8``: the experts kept as MX tensors (``layers.random_mx_weights``: the checkpoint's
+``[out, in]`` layout, E8M0 scales per 32 inputs), bf16 rows; the implementations are then
+``mx_grouped_gemm``'s (``reference`` = dequantize + ``lax.ragged_dot``, ``xla`` = dequantize + the fallback,
+``pallas`` = the dequantizing kernel) and the floor is the quantized bytes (elements plus scales). Every row
+also carries ``spec_floor_ms`` (the same bytes at the H200's 4.8 TB/s data-sheet rate) and ``bf16_floor_ms``
+(the bf16 experts' bytes at 4.3 TB/s: what keeping the weights quantized saves).
 
 ``run(...) -> list[dict]`` is the library entry point; ``main()`` prints a table and writes JSON.
 """
@@ -36,13 +44,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minimax_jax.layers import routed_experts
+from minimax_jax.layers import random_mx_weights, routed_experts
 from pallas_kernels import grouped_gemm as gg
+from pallas_kernels import mx_grouped_gemm as mg
 from pallas_kernels.platform import on_gpu
-from pallas_kernels.tuning import grouped_matmul_launch_config
+from pallas_kernels.tuning import (
+    MX_WEIGHT_BYTES,
+    grouped_matmul_launch_config,
+    mx_grouped_matmul_launch_config,
+)
 from scripts import bench_common
 
 HBM_BYTES_PER_S = 4.3e12  # H200 HBM3e
+SPEC_BYTES_PER_S = 4.8e12  # H200 data sheet
 PEAK_FLOPS = 989e12  # H200 dense bf16 tensor cores
 SWIGLU = (1.702, 7.0, 1.0)  # M3's swigluoai (alpha, limit, beta)
 
@@ -102,6 +116,15 @@ def make_weights(key, shape: Shape):
     return wgu, wd
 
 
+def make_mx_weights(key, shape: Shape, fmt: str):
+    """``((gate_up elements, scales), (down elements, scales))`` in the checkpoint's ``[E, out, in]`` layout."""
+    k1, k2 = jax.random.split(key)
+    e, d, i = shape.experts, shape.hidden, shape.inter
+    gu = jax.jit(random_mx_weights, static_argnums=(1, 2))(k1, fmt, (e, 2 * i, d))
+    dn = jax.jit(random_mx_weights, static_argnums=(1, 2))(k2, fmt, (e, d, i))
+    return gu, dn
+
+
 def sorted_rows(x, experts, num_experts: int):
     """The rows ``grouped_matmul`` takes: tokens gathered in expert order, and the group sizes."""
     flat = experts.reshape(-1)
@@ -110,12 +133,13 @@ def sorted_rows(x, experts, num_experts: int):
     return x[order // experts.shape[1]], group_sizes
 
 
-def bytes_and_flops(group_sizes: np.ndarray, shape: Shape, num_rows: int) -> dict:
-    item = jnp.dtype(shape.dtype).itemsize
+def bytes_and_flops(group_sizes: np.ndarray, shape: Shape, num_rows: int, quantization: str | None = None) -> dict:
+    """Weight bytes of the active experts (``quantization``: MX elements plus scales) and useful FLOPs."""
+    item = jnp.dtype(shape.dtype).itemsize if quantization is None else MX_WEIGHT_BYTES[quantization]
     active = int(np.sum(group_sizes > 0))
     d, i = shape.hidden, shape.inter
-    gu_w = active * d * 2 * i * item
-    dn_w = active * i * d * item
+    gu_w = round(active * d * 2 * i * item)
+    dn_w = round(active * i * d * item)
     gu_flops = 2 * num_rows * d * 2 * i
     dn_flops = 2 * num_rows * i * d
     return {
@@ -136,6 +160,25 @@ def _errors(out, ref) -> dict:
         "max_rel_err": float(d.max() / max(float(np.abs(r).max()), 1e-30)),
         "nan": bool(np.isnan(o).any()),
     }
+
+
+def _mx_fns(impl: str, variant: dict, shape: Shape, num_rows: int, fmt: str):
+    """:func:`_fns` for MX experts: ``gate_up(xs, q, scale, gs)``, ``moe(x, weights, experts, gu_q, gu_scale,
+    dn_q, dn_scale)``."""
+    gate_up = jax.jit(functools.partial(mg.mx_grouped_matmul, swiglu=SWIGLU, implementation=impl, **variant))
+    configs = {}
+    if variant:
+        common = {"num_rows": num_rows, "num_groups": shape.experts, "fmt": fmt, **variant}
+        configs = {
+            "gate_up_config": mx_grouped_matmul_launch_config(k=shape.hidden, n=shape.inter, fused=True, **common),
+            "down_config": mx_grouped_matmul_launch_config(k=shape.inter, n=shape.hidden, **common),
+        }
+
+    def moe(x, weights, experts, gu_q, gu_scale, dn_q, dn_scale):
+        return routed_experts(x, weights, experts, gu_q, dn_q, w_gate_up_scale=gu_scale, w_down_scale=dn_scale,
+                              swiglu=SWIGLU, implementation=impl, **configs)
+
+    return gate_up, jax.jit(moe)
 
 
 def _fns(impl: str, variant: dict, shape: Shape, num_rows: int):
@@ -162,34 +205,46 @@ def run(
     reps: int = 10,
     samples: int = 5,
     profile: bool = False,
+    quantization: str | None = None,
     seed: int = 0,
     json_path: str | None = None,
     environment: dict | None = None,
     log=print,
 ) -> list[dict]:
-    """Time every (tokens, routing, implementation[, variant]) of ``shape``; see the module docstring."""
+    """Time every (tokens, routing, implementation[, variant]) of ``shape``; see the module docstring
+    (``quantization``: the experts kept as ``"mxfp4"`` / ``"mxfp8"``)."""
     key = jax.random.PRNGKey(seed)
-    wgu, wd = make_weights(jax.random.fold_in(key, 1), shape)
+    if quantization is None:
+        wgu, wd = make_weights(jax.random.fold_in(key, 1), shape)
+    else:
+        (gu_q, gu_s), (dn_q, dn_s) = make_mx_weights(jax.random.fold_in(key, 1), shape, quantization)
+    dtype = jnp.dtype(shape.dtype)
     rows = []
     for num_tokens in shape.tokens:
         num_rows = num_tokens * shape.top_k
         x = jax.random.normal(jax.random.fold_in(key, 2), (num_tokens, shape.hidden), jnp.float32)
-        x = x.astype(wgu.dtype)
+        x = x.astype(dtype)
         for routing in routings:
             weights, experts = make_routing(jax.random.fold_in(key, 3), num_tokens, shape, routing)
             xs, gs = sorted_rows(x, experts, shape.experts)
-            model = bytes_and_flops(np.asarray(gs), shape, num_rows)
+            model = bytes_and_flops(np.asarray(gs), shape, num_rows, quantization)
+            bf16 = bytes_and_flops(np.asarray(gs), shape, num_rows)
             refs = {}
             jobs = [(impl, {}) for impl in implementations]
             if sweep and "pallas" in implementations:
                 jobs += [("pallas", v) for v in SWEEP]
             for impl, variant in jobs:
                 try:
-                    gate_up, moe = _fns(impl, variant, shape, num_rows)
+                    if quantization is None:
+                        gate_up, moe = _fns(impl, variant, shape, num_rows)
+                        parts = (("gate_up", gate_up, (xs, wgu, gs)), ("moe", moe, (x, weights, experts, wgu, wd)))
+                    else:
+                        gate_up, moe = _mx_fns(impl, variant, shape, num_rows, quantization)
+                        parts = (("gate_up", gate_up, (xs, gu_q, gu_s, gs)),
+                                 ("moe", moe, (x, weights, experts, gu_q, gu_s, dn_q, dn_s)))
                 except Exception as e:  # noqa: BLE001  (a variant the policy rejects)
                     log(f"[{num_tokens} {routing} {impl} {variant}] {type(e).__name__}: {str(e)[:200]}")
                     continue
-                parts = (("gate_up", gate_up, (xs, wgu, gs)), ("moe", moe, (x, weights, experts, wgu, wd)))
                 for part, fn, args in parts:
                     row = {
                         "part": part,
@@ -197,6 +252,7 @@ def run(
                         "pairs": num_rows,
                         "routing": routing,
                         "impl": impl,
+                        "quantization": quantization or shape.dtype,
                         "variant": ",".join(f"{k}={v}" for k, v in variant.items()) or "default",
                         "active_experts": model["active_experts"],
                         "max_group": model["max_group"],
@@ -204,13 +260,17 @@ def run(
                         **model[part],
                     }
                     row["floor_ms"] = 1e3 * row["weight_bytes"] / HBM_BYTES_PER_S
+                    row["spec_floor_ms"] = 1e3 * row["weight_bytes"] / SPEC_BYTES_PER_S
+                    row["bf16_floor_ms"] = 1e3 * bf16[part]["weight_bytes"] / HBM_BYTES_PER_S
                     row["roofline_ms"] = 1e3 * row["flops"] / PEAK_FLOPS
                     if impl == "pallas":
                         kernels = {"gu": (shape.hidden, shape.inter, True),
                                    "dn": (shape.inter, shape.hidden, False)}
                         for name, (k, n, fused) in kernels.items():
-                            cfg = grouped_matmul_launch_config(num_rows=num_rows, num_groups=shape.experts,
-                                                               k=k, n=n, fused=fused, **variant)
+                            common = dict(num_rows=num_rows, num_groups=shape.experts, k=k, n=n, fused=fused,
+                                          **variant)
+                            cfg = (grouped_matmul_launch_config(**common) if quantization is None else
+                                   mx_grouped_matmul_launch_config(fmt=quantization, **common))
                             row[f"cfg_{name}"] = dataclasses.asdict(cfg)
                     try:
                         t0 = time.perf_counter()
@@ -248,8 +308,9 @@ def run(
     return rows
 
 
-COLUMNS = ["part", "tokens", "routing", "impl", "variant", "max_group", "time_ms", "floor_ms", "roofline_ms",
-           "pct_of_bound", "weight_TBps", "TFLOPs", "max_rel_err", "error"]
+COLUMNS = ["part", "tokens", "routing", "impl", "quantization", "variant", "max_group", "time_ms", "floor_ms",
+           "spec_floor_ms", "bf16_floor_ms", "roofline_ms", "pct_of_bound", "weight_TBps", "TFLOPs", "max_rel_err",
+           "error"]
 
 
 def _one_line(row: dict) -> str:
@@ -266,6 +327,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--impls", default="reference,xla,pallas")
     p.add_argument("--sweep", action="store_true", help="also time the kernel's launch variants (SWEEP)")
     p.add_argument("--profile", action="store_true", help="device time from a profiler trace (GPU)")
+    p.add_argument("--quantization", choices=("mxfp4", "mxfp8"), default=None,
+                   help="experts kept as MX tensors (the dequantizing kernel and its references)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", default=None, help="write rows and environment to this JSON file")
     a = p.parse_args(argv)
@@ -283,6 +346,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         reps=2 if a.tiny else a.reps,
         samples=2 if a.tiny else 5,
         profile=a.profile,
+        quantization=a.quantization,
         json_path=a.out,
         environment=env,
     )

@@ -30,6 +30,7 @@ Adding a kernel to the check is one entry in :data:`KERNELS`: a name and a funct
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import re
@@ -285,6 +286,23 @@ def _moe_ffn_call(batch: Batch, *, experts: int | None = None) -> KernelCall:
     return KernelCall(moe_ffn, args, {"swiglu": swiglu_params(cfg), "implementation": "pallas"})
 
 
+def _mx_moe_ffn_call(batch: Batch, *, fmt: str) -> KernelCall:
+    """The routed experts of one M3 MoE layer kept quantized (``fmt``: ``"mxfp4"`` / ``"mxfp8"``, E8M0 scales
+    per 32 input columns), bf16 rows: the dequantizing gate/up with swigluoai, then down."""
+    from minimax_jax.layers import swiglu_params
+    from pallas_kernels.mx_grouped_gemm import mx_moe_ffn
+
+    cfg = _m3()
+    s = jax.ShapeDtypeStruct
+    e = cfg.num_local_experts
+    pairs = batch.requests * batch.tokens * cfg.num_experts_per_tok
+    d, i = cfg.hidden_size, cfg.intermediate_size
+    pack, elem = (2, jnp.uint8) if fmt == "mxfp4" else (1, jnp.float8_e4m3fn)
+    args = (s((pairs, d), jnp.bfloat16), s((e, 2 * i, d // pack), elem), s((e, 2 * i, d // 32), jnp.uint8),
+            s((e, d, i // pack), elem), s((e, d, i // 32), jnp.uint8), s((e,), jnp.int32))
+    return KernelCall(mx_moe_ffn, args, {"swiglu": swiglu_params(cfg), "implementation": "pallas"})
+
+
 def _draft_attention_call(batch: Batch) -> KernelCall | None:
     """The DSpark drafter's context attention (K = 7, M3-width draft layer, the batch's context on pages of the
     target's page size, read through block tables) at decode and verify sizes (one draft step per request)."""
@@ -310,6 +328,8 @@ KERNELS: tuple[tuple[str, Callable[[Batch], KernelCall | None]], ...] = (
     ("ragged_sparse_attention", _sparse_attention_call),
     ("ragged_paged_attention", _paged_attention_call),
     ("moe_ffn", _moe_ffn_call),
+    ("mx_moe_ffn_mxfp4", functools.partial(_mx_moe_ffn_call, fmt="mxfp4")),
+    ("mx_moe_ffn_mxfp8", functools.partial(_mx_moe_ffn_call, fmt="mxfp8")),
     ("draft_attention", _draft_attention_call),
 )
 
@@ -338,10 +358,11 @@ def all_cases(kernels=KERNELS, batches: Iterable[Batch] = BATCHES, *, only: Iter
 # VGPRs on gfx942, the split indexer, the union pre-pass at its worst: 95 SGPRs spilled with the old 4-warp
 # pre-pass), 16 requests decoding (the engine's default slots: 16-row walks, split-K and its merge on every
 # chip), and the indexer's fused path (512 decoding requests) and 8-warp, 32-token prefill tile.
-# The MoE's grouped GEMM joins at verify sizes (its decode tiles) and at 512 x 8 (its 64-row tiles).
+# The MoE's grouped GEMMs (bf16, and the dequantizing MXFP4 / MXFP8 kernel) join at verify sizes (their decode
+# tiles) and at 512 x 8 (their 64-row tiles).
 GATE_CASES: tuple[Case, ...] = (
     *all_cases(batches=(Batch("verify", 32, 8, 32768),)),
-    *all_cases(batches=(Batch("verify", 512, 8, 4096),), only=("moe_ffn",)),
+    *all_cases(batches=(Batch("verify", 512, 8, 4096),), only=("moe_ffn", "mx_moe_ffn_mxfp4", "mx_moe_ffn_mxfp8")),
     *all_cases(batches=(Batch("decode", 16, 1, 4096),), only=("ragged_sparse_attention", "ragged_paged_attention")),
     *all_cases(batches=(Batch("decode", 512, 1, 4096), Batch("prefill", 1, 512, 4096)), only=("ragged_index_topk",)),
 )

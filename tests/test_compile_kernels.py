@@ -1,4 +1,5 @@
-"""The AMD compile gate: every Pallas kernel compiled for gfx942, gfx950 and sm_90 on the CPU.
+"""The AMD compile gate: every Pallas kernel compiled for gfx942, gfx950 and sm_90 on the CPU (the dequantizing
+MXFP4 / MXFP8 grouped GEMM included).
 
 ``scripts.compile_check`` lowers each kernel deviceless at M3 shapes with each chip's launch tables and
 compiles the Triton IR with the pip triton wheel (``GATE_CASES``: every kernel and every AMD launch shape). The
@@ -62,6 +63,8 @@ def test_compile_gate(reports):
         "ragged_sparse_attention_tiles", "ragged_sparse_attention", "ragged_sparse_attention_merge",
         "ragged_paged_attention_tiles", "ragged_paged_attention", "ragged_paged_attention_merge",
         "draft_attention", "draft_attention_merge", "grouped_matmul_swigluoai", "grouped_matmul",
+        "mx_grouped_matmul_mxfp4_swigluoai", "mx_grouped_matmul_mxfp4", "mx_grouped_matmul_mxfp8_swigluoai",
+        "mx_grouped_matmul_mxfp8",
     }
     for target in TARGETS:
         mine = [r for r in reports if r.target == target]
