@@ -33,6 +33,7 @@ power of 2 and every dot 2-D. Launch settings: ``tuning.draft_attention_launch_c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -59,6 +60,8 @@ from pallas_kernels.tuning import (
     draft_attention_rows,
     resolve_chip,
 )
+
+WINDOW_MAX_BLOCK_S = 64  # context keys per step of the windowed walk (its per-row masks)
 
 __all__ = ["draft_attention", "draft_attention_pallas", "draft_attention_reference", "paged_context", "supports"]
 
@@ -121,20 +124,17 @@ def _draft_attention_kernel(
     qk_scale = scale * LOG2E
 
     # The context walk: steps [first, n_steps) of cdiv(length, block_s), page / block_s steps per page, shared
-    # out among the splits; the steps from n_full on hold the length (masked) and, with a window, the steps
-    # before head_end hold some slot's window start (masked per query row); the steps between need no mask.
-    # Step ``step`` reads block-table entry step // parts (< cdiv(length, page)).
+    # out among the splits; without a window the first n_full need no mask, with one every step is masked per
+    # query row (each slot's window start). Step ``step`` reads block-table entry step // parts.
     parts = page // block_s
     n_steps = (length + block_s - 1) // block_s
     n_full = length // block_s
     if window is None:
         first = jnp.int32(0)
-        head_end = first
         lo0 = row_lo = None
     else:
         lo0 = qpos_ref[r] - (window - 1)  # slot 0's first visible context position (slot k: lo0 + k)
         first = jnp.clip(lo0, 0, length) // block_s
-        head_end = jnp.clip((jnp.maximum(lo0 + block_size - 1, 0) + block_s - 1) // block_s, first, n_steps)
         row_lo = lo0 + slot  # [rows]
     total = n_steps - first
     lo = first + (split * total) // num_splits
@@ -172,10 +172,11 @@ def _draft_attention_kernel(
         jnp.full((rows,), MASK_VALUE, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
-    if window is not None:
-        carry = jax.lax.fori_loop(lo, jnp.minimum(hi, head_end), masked_step, carry)
-    carry = jax.lax.fori_loop(jnp.maximum(lo, head_end), jnp.minimum(hi, n_full), full_step, carry)
-    carry = jax.lax.fori_loop(jnp.maximum(jnp.maximum(lo, head_end), n_full), hi, masked_step, carry)
+    if window is None:
+        carry = jax.lax.fori_loop(lo, jnp.minimum(hi, n_full), full_step, carry)
+        carry = jax.lax.fori_loop(jnp.maximum(lo, n_full), hi, masked_step, carry)
+    else:  # at most window / block_s + 2 steps: every one masked (one loop body keeps the registers low)
+        carry = jax.lax.fori_loop(lo, hi, masked_step, carry)
 
     # The block's own keys (every slot sees all K of them), in the last split only.
     j = jax.lax.broadcasted_iota(jnp.int32, (blk_rows,), 0)
@@ -519,6 +520,9 @@ def draft_attention(
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if window is not None and block_s is None and config.block_s > WINDOW_MAX_BLOCK_S:
+        # the windowed walk masks every step per query row: 128-key steps spill on sm_90 (compile gate)
+        config = dataclasses.replace(config, block_s=WINDOW_MAX_BLOCK_S)
     return draft_attention_pallas(
         q,
         k_cache,

@@ -272,6 +272,24 @@ def test_lowers_for_gpu(chip):
         assert ("draft_attention_merge_splits" in text) == (config.num_splits > 1)
 
 
+@pytest.mark.parametrize("chip", ["hopper", "cdna3"])
+def test_sliding_window_lowers_for_gpu(chip):
+    """The windowed walk at the Qwen3-style drafter's shapes (nvidia/MiniMax-M3-DSpark: K = 8, 32 query / 8 KV
+    heads of 128, window 1024) over 4K contexts on 128-token pages, R = 64, deviceless for CUDA and ROCm."""
+    s = jax.ShapeDtypeStruct
+    page, nb, rows = 128, 33, 64
+    cache = s((6, 8, rows * nb + 1, page, 128), jnp.bfloat16)
+    shapes = (s((rows, 8, 32, 128), jnp.bfloat16), cache, cache, s((rows, nb), jnp.int32), s((rows,), jnp.int32),
+              s((rows, 8, 8, 128), jnp.bfloat16), s((rows, 8, 8, 128), jnp.bfloat16), s((rows,), jnp.int32))
+
+    def windowed(*a, **kw):  # query_positions traced (lower_for_gpu closes over keyword arguments)
+        return da.draft_attention(*a[:7], query_positions=a[7], **kw)
+
+    text = lower_for_gpu(windowed, *shapes, platform=tuning.chip_platform(chip), scale=128**-0.5, layer=5,
+                         window=1024, interpret=False, chip=chip)
+    assert "triton" in text.lower() and "_window" in text
+
+
 def test_launch_policy():
     m3 = {"block_size": 7, "num_q_heads": 64, "num_kv_heads": 4, "capacity": 4224, "page_size": 128,
           "head_dim": 128}
