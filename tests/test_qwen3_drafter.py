@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from minimax_jax import load_drafter
+from minimax_jax import load_drafter, save_drafter
 from minimax_jax.config import ConfigError, MiniMaxM3Config
 from minimax_jax.draft_step import append_context_step, draft_step
 from minimax_jax.drafter_config import (
@@ -160,11 +160,16 @@ def test_draft_step_matches_a_numpy_restatement(target, fixture_dir):
 
 def test_name_schemes_shards_and_dtype(target, fixture_dir, tmp_path):
     """vLLM's nested head names and a sharded checkpoint with an index load the same weights as ModelOpt's flat
-    names; the float32 checkpoint is cast to the requested dtype (bf16)."""
+    names; save_drafter round-trips; the float32 checkpoint is cast to the requested dtype (bf16)."""
     base = load_drafter(fixture_dir, target)
     write_qwen3_dspark_fixture(tmp_path / "vllm", seed=0, names="vllm", shards=3, **FIXTURE)
     other = load_drafter(tmp_path / "vllm", target)
     for a, b in zip(jax.tree.leaves(nnx.state(base)), jax.tree.leaves(nnx.state(other))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    save_drafter(base, tmp_path / "saved")  # save_drafter writes the Qwen3DSparkModel schema back
+    again = load_drafter(tmp_path / "saved", target)
+    assert again.cfg == base.cfg
+    for a, b in zip(jax.tree.leaves(nnx.state(base)), jax.tree.leaves(nnx.state(again))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     half = load_drafter(fixture_dir, target, dtype=jnp.bfloat16)
     assert half.layers[0].self_attn.q_proj.kernel[...].dtype == jnp.bfloat16
