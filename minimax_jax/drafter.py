@@ -12,10 +12,12 @@ Data flow of one speculative step, for ``R`` request rows (padding rows included
   page id of its target K/V). The cache only ever holds context entries.
 * **Block.** Inputs ``[anchor, MASK x (K - 1)]`` (target embeddings, ``MASK = mask_token_id``) at positions
   ``anchor_pos + 0..K-1``. Each draft layer is the target's block shape (MiniMax-M3 attention with per-head
-  Gemma q/k norm and partial RoPE, dense swigluoai MLP). Its keys/values are the cached context entries at
-  positions ``j < min(lengths[r], anchor_pos[r])`` (strictly before the anchor) followed by the block's own
-  ``K`` keys/values, and attention is bidirectional inside the block. Block keys/values are never written to
-  the cache. After the final norm, ``h_k`` and ``U_k = h_k @ lm_head`` (the target's head).
+  Gemma q/k norm and partial RoPE, dense swigluoai MLP), or a Qwen3 block (per-head RMSNorm q/k norms, full
+  RoPE, SiLU MLP, own head counts: :class:`~minimax_jax.drafter_config.Qwen3DSparkConfig`). Its keys/values
+  are the cached context entries at positions ``j < min(lengths[r], anchor_pos[r])`` (strictly before the
+  anchor; with a sliding window ``W``, slot ``k`` also only ``j > anchor_pos[r] + k - W``) followed by the
+  block's own ``K`` keys/values, and attention is bidirectional inside the block. Block keys/values are never
+  written to the cache. After the final norm, ``h_k`` and ``U_k = h_k @ lm_head`` (the target's head).
 * **Semi-autoregressive head.** Slot ``k`` predicts the token at ``anchor_pos + k + 1``. Left to right, with
   ``x_0 = anchor``: ``e_k = W1[x_{k-1}]``; the Markov bias ``B_k`` (vanilla / gated / rnn);
   ``p_d,k = softmax((U_k + B_k) / T)``; ``x_k`` drawn from it (argmax for ``T = 0``); the confidence
@@ -81,19 +83,30 @@ class BiasedLinear(nnx.Module):
         return y + self.bias[...].astype(jnp.float32)
 
 
+class SiluMLP(DenseMLP):
+    """Qwen3's MLP, ``down(silu(gate) * up)``, with DenseMLP's parameters (a fused ``[d, 2I]`` gate/up kernel,
+    gate first), so both load through the same checkpoint names."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        g, u = jnp.split(self.gate_up_proj(x).astype(jnp.float32), 2, axis=-1)
+        return self.down_proj((jax.nn.silu(g) * u).astype(x.dtype))
+
+
 class DraftLayer(nnx.Module):
-    """One draft layer: the target's block shape (MiniMax-M3 attention, dense swigluoai MLP).
+    """One draft layer: GQA attention with per-head q/k norms and NeoX RoPE, a dense MLP (the shape and norm
+    convention of ``cfg``: the target's block shape with swigluoai, or a Qwen3 block with ``act="silu"``).
 
     ``h = x + o_proj(attn(input_layernorm(x)))``; ``out = h + mlp(post_attention_layernorm(h))``. The context
     keys/values are projected from ``H_ctx`` directly (no input norm: ``hidden_norm`` already normalised it).
     """
 
-    def __init__(self, cfg: MiniMaxM3Config, layer_idx: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: MiniMaxM3Config, layer_idx: int, *, dtype, rngs: nnx.Rngs, act: str = "swigluoai"):
         self.cfg = cfg
         self.input_layernorm = norm_for(cfg, cfg.hidden_size, dtype=dtype)
         self.self_attn = Attention(cfg, layer_idx, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = norm_for(cfg, cfg.hidden_size, dtype=dtype)
-        self.mlp = DenseMLP(cfg, cfg.dense_intermediate_size, dtype=dtype, rngs=rngs)
+        mlp = SiluMLP if act == "silu" else DenseMLP
+        self.mlp = mlp(cfg, cfg.dense_intermediate_size, dtype=dtype, rngs=rngs)
 
     def context_kv(self, h_ctx: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``H_ctx [..., N, d]`` -> ``k, v [..., N, H_kv, D]`` (k normed and rotated at its position)."""
@@ -188,7 +201,11 @@ class ConfidenceHead(nnx.Module):
 # ----------------------------------------------------------------------------------------------- the drafter
 class DSparkDrafter(nnx.Module):
     """DSpark drafter: ``fc`` + ``hidden_norm`` feature projection, draft layers, final ``norm``, optional Markov
-    and confidence heads. ``embed_tokens [V, d]`` and ``lm_head [d, V]`` are the target's (:class:`Shared`)."""
+    and confidence heads. ``embed_tokens [V, d]`` and ``lm_head [d, V]`` are the target's (:class:`Shared`).
+
+    Both drafter kinds are this module: MiniMax-block layers (:class:`DSparkConfig`) and Qwen3-style layers
+    (:class:`~minimax_jax.drafter_config.Qwen3DSparkConfig`: standard RMSNorm weights, full-width RoPE, a SiLU
+    MLP, own head counts, a sliding window); the config says which."""
 
     def __init__(self, cfg: DSparkConfig, *, embed_tokens: jax.Array | None = None,
                  lm_head: jax.Array | None = None, dtype=jnp.bfloat16, rngs: nnx.Rngs):
@@ -205,7 +222,8 @@ class DSparkDrafter(nnx.Module):
         self.lm_head = Shared(init(rngs.params(), (d, vocab), dtype) if lm_head is None else lm_head)
         self.fc = Linear(cfg.feature_size, d, dtype=dtype, rngs=rngs)
         self.hidden_norm = norm_for(c, d, dtype=dtype)
-        self.layers = nnx.List([DraftLayer(c, i, dtype=dtype, rngs=rngs) for i in range(c.num_hidden_layers)])
+        self.layers = nnx.List([DraftLayer(c, i, dtype=dtype, rngs=rngs, act=cfg.hidden_act)
+                                for i in range(c.num_hidden_layers)])
         self.norm = norm_for(c, d, dtype=dtype)
         self.markov_head = (MarkovHead(cfg.markov_head_type, vocab, cfg.markov_rank, d, dtype=dtype, rngs=rngs)
                             if cfg.markov_rank > 0 else None)
@@ -279,26 +297,29 @@ class DSparkDrafter(nnx.Module):
             ok = (cache_rows >= 0) & (cache_rows < cache.num_requests)
             lengths = jnp.where(ok, lengths[jnp.clip(cache_rows, 0, cache.num_requests - 1)], 0)
         end = jnp.clip(jnp.minimum(lengths, anchor_positions.astype(jnp.int32)), 0, cache.capacity)
+        window = self.cfg.sliding_window
         if impl == "pallas":
             # The kernel reads the [L, H_kv, P, page, D] cache in place (layer, table row and pages chosen
-            # inside), up to end.
+            # inside), up to end (and from the window's start).
+            qpos = None if window is None else anchor_positions.astype(jnp.int32)
             for i, layer in enumerate(self.layers):
                 def attention(q, k_cache, v_cache, ctx_end, kb, vb, *, scale, i=i):
                     return draft_attention_kernel.draft_attention(
                         q, k_cache, v_cache, cache.block_tables, ctx_end, kb, vb, scale=scale, layer=i,
-                        cache_rows=cache_rows, implementation="pallas", interpret=interpret)
+                        cache_rows=cache_rows, window=window, query_positions=qpos, implementation="pallas",
+                        interpret=interpret)
 
                 x = layer(x, cos, sin, cache.k, cache.v, end, attention=attention)
             return self.norm(x)
         tables = cache.block_tables
         if cache_rows is not None:
             tables = tables[jnp.clip(cache_rows, 0, cache.num_requests - 1)]
-        visible = (jnp.arange(cache.capacity, dtype=jnp.int32)[None, :] < end[:, None])[:, None, :]  # [R, 1, S]
+        visible = self._context_mask(cache.capacity, end, anchor_positions)  # [R, 1 | K, S]
+        seen = jnp.any(visible, axis=1)  # [R, S]
         for i, layer in enumerate(self.layers):
             k_ctx = draft_attention_kernel.paged_context(cache.k[i], tables)  # [R, S, H_kv, D]
             # invisible entries are other rows' (or never written) pages: zero them so they cannot leak as NaN
-            v_ctx = jnp.where(visible[:, 0, :, None, None], draft_attention_kernel.paged_context(cache.v[i], tables),
-                              0)
+            v_ctx = jnp.where(seen[:, :, None, None], draft_attention_kernel.paged_context(cache.v[i], tables), 0)
             x = layer(x, cos, sin, k_ctx, v_ctx, visible)
         return self.norm(x)
 
@@ -310,11 +331,22 @@ class DSparkDrafter(nnx.Module):
         r, s = h_ctx.shape[:2]
         cos_c, sin_c = self._rope(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (r, s)))
         x, (cos, sin) = self._block_inputs(anchors, anchor_positions)
-        visible = (jnp.arange(s)[None, :] < anchor_positions[:, None])[:, None, :]
+        visible = self._context_mask(s, anchor_positions, anchor_positions)
         for layer in self.layers:
             k_ctx, v_ctx = layer.context_kv(h_ctx, cos_c, sin_c)
             x = layer(x, cos, sin, k_ctx, v_ctx, visible, attention=draft_attention_reference)
         return self.norm(x)
+
+    def _context_mask(self, capacity: int, end: jax.Array, anchor_positions: jax.Array) -> jax.Array:
+        """Which context positions each slot sees: ``j < end[r]`` (``bool[R, 1, S]``), and with a sliding window
+        ``W`` also ``j > anchor_positions[r] + k - W`` for slot ``k`` (``bool[R, K, S]``)."""
+        j = jnp.arange(capacity, dtype=jnp.int32)[None, None, :]
+        visible = j < end[:, None, None]
+        window = self.cfg.sliding_window
+        if window is None:
+            return visible
+        slot_pos = anchor_positions.astype(jnp.int32)[:, None] + jnp.arange(self.cfg.block_size, dtype=jnp.int32)
+        return visible & (j > slot_pos[:, :, None] - window)
 
     def logits(self, h: jax.Array) -> jax.Array:
         """``U = h @ lm_head`` (the target's head, without the target's final norm): float32 ``[..., V]``."""

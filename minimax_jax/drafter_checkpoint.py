@@ -38,7 +38,7 @@ from flax import nnx
 from minimax_jax.checkpoint import text_model_name, weight_plan
 from minimax_jax.config import ConfigError
 from minimax_jax.drafter import DSparkDrafter
-from minimax_jax.drafter_config import DSparkConfig
+from minimax_jax.drafter_config import DSparkConfig, drafter_config_from_pretrained
 from minimax_jax.model import MiniMaxM3ForCausalLM
 from minimax_jax.safetensors_io import (
     CheckpointError,
@@ -60,8 +60,17 @@ _NAME_REWRITES = (
     (re.compile(r"^model\."), ""),
     (re.compile(r"^(layers\.\d+\.)decoder_layer\."), r"\1"),
     (re.compile(r"^final_norm\."), "norm."),
+    # other DFlash spellings vLLM's DFlashQwen3Model maps
+    (re.compile(r"^midlayer\."), "layers.0."),
+    (re.compile(r"^encoder\.fc\."), "fc."),
+    (re.compile(r"^encoder\.output_norm_enc\."), "hidden_norm."),
+    # ModelOpt's DSpark export keeps its module's flat head names (vLLM nests them)
+    (re.compile(r"^(markov_w1|markov_w2|gate_proj|joint_proj)\."), r"markov_head.\1."),
+    (re.compile(r"^confidence_proj\."), "confidence_head.proj."),
 )
-_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+# not weights of the drafter: RoPE buffers, vLLM's unused mask-embedding placeholder (DSpark masks through the
+# vocabulary row), the training-only target-to-draft vocabulary map
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$|^mask_embedding$|^t2d$")
 
 
 def canonical_name(name: str) -> str:
@@ -108,7 +117,9 @@ def drafter_weight_plan(cfg: DSparkConfig) -> dict[tuple, dict[str, Source]]:
 
 def load_drafter(path: str | os.PathLike, target: MiniMaxM3ForCausalLM, *, dtype=None,
                  config: DSparkConfig | None = None, rename: Rename = None, mesh=None) -> DSparkDrafter:
-    """Load a DeepSpec-format DSpark drafter for ``target`` (embeddings and LM head are the target's).
+    """Load a DSpark drafter for ``target`` (embeddings and LM head are the target's): DeepSpec's MiniMax-block
+    format, or the Qwen3-style ``Qwen3DSparkModel`` (``nvidia/MiniMax-M3-DSpark``), picked by the config's
+    ``architectures`` (:func:`minimax_jax.drafter_config.drafter_config_from_pretrained`).
 
     Args:
       path: directory with ``config.json`` and the safetensors file(s) (a single ``.safetensors`` file is
@@ -136,7 +147,12 @@ def load_drafter(path: str | os.PathLike, target: MiniMaxM3ForCausalLM, *, dtype
             fc_shape = reader.shape("fc.weight")
             if len(fc_shape) == 2 and fc_shape[0] and fc_shape[1] % fc_shape[0] == 0:
                 m = fc_shape[1] // fc_shape[0]
-        config = DSparkConfig.from_pretrained(path, num_target_layers=tcfg.num_hidden_layers, num_target_features=m)
+        with_markov = None  # a Qwen3DSpark config may leave it to the confidence head's width: [1, d] or [1, d + r]
+        if "confidence_head.proj.weight" in reader.names:
+            width = reader.shape("confidence_head.proj.weight")[-1]
+            with_markov = {tcfg.hidden_size: False}.get(width, True if width > tcfg.hidden_size else None)
+        config = drafter_config_from_pretrained(path, num_target_layers=tcfg.num_hidden_layers,
+                                                num_target_features=m, confidence_head_with_markov=with_markov)
     cfg = config
     cfg.check_compatible(tcfg)
     dtype = target.dtype if dtype is None else dtype

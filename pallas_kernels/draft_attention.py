@@ -12,6 +12,12 @@ negative entry reads nothing) and to all ``K`` block keys (bidirectional inside 
 dtype. Lengths are clamped to ``[0, nb * page]``; block-table entries and pages at or past a row's length are
 never read (they may hold anything, NaN included), so the bytes read follow the lengths, not the capacity.
 
+Sliding window (``window = W``, static; the Qwen3-style DSpark drafter's non-causal sliding-window layers,
+docs/DRAFTER.md): slot ``k`` of row ``r`` sits at position ``query_positions[r] + k`` (default: the row's
+context length) and sees only the context keys ``j > query_positions[r] + k - W`` (and ``j < ctx_lengths[r]``),
+the trained mask of ModelOpt's DFlash/DSpark drafters (``kv > q_pos - window`` on the context, the block never
+windowed). The walk then starts at the window's first page: pages before it are never read either.
+
 Algorithm. One program per (request row, KV head, head chunk, split): its query tile is the ``K`` slots x
 ``block_h`` heads of the group (row = slot * block_h + head, padded to a power of 2 >= 16; at M3, K = 7 -> 8
 slots x 16 heads = 128 rows), so every context key and value is loaded once per (row, KV head) for all of
@@ -27,6 +33,7 @@ power of 2 and every dot 2-D. Launch settings: ``tuning.draft_attention_launch_c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -54,6 +61,8 @@ from pallas_kernels.tuning import (
     resolve_chip,
 )
 
+WINDOW_MAX_BLOCK_S = 64  # context keys per step of the windowed walk (its per-row masks)
+
 __all__ = ["draft_attention", "draft_attention_pallas", "draft_attention_reference", "paged_context", "supports"]
 
 
@@ -66,10 +75,12 @@ __all__ = ["draft_attention", "draft_attention_pallas", "draft_attention_referen
 def _draft_attention_kernel(
     layer_ref,  # [1] int32: the layer of the cache to read
     len_ref,  # [R] int32 context lengths
-    *refs,  # [rows_ref [R] when has_rows], bt_ref [R_c, nb] int32, q_ref [R*K*H_q, D],
+    *refs,  # [qpos_ref [R] int32 when windowed], [rows_ref [R] when has_rows], bt_ref [R_c, nb] int32,
+    #         q_ref [R*K*H_q, D],
     #         k_ref / v_ref [L, P, page, D] (this KV head), kb_ref / vb_ref [R*K*H_kv, D],
     #         then the outputs (o_ref, or o_ref f32 + lse_ref f32 for split-K)
     has_rows: bool,
+    window: int | None,
     block_size: int,
     group: int,
     block_h: int,
@@ -81,10 +92,10 @@ def _draft_attention_kernel(
     num_splits: int,
     scale: float,
 ):
-    if has_rows:
-        rows_ref, bt_ref, q_ref, k_ref, v_ref, kb_ref, vb_ref, *out_refs = refs
-    else:
-        bt_ref, q_ref, k_ref, v_ref, kb_ref, vb_ref, *out_refs = refs
+    refs = list(refs)
+    qpos_ref = refs.pop(0) if window is not None else None
+    rows_ref = refs.pop(0) if has_rows else None
+    bt_ref, q_ref, k_ref, v_ref, kb_ref, vb_ref, *out_refs = refs
     r = pl.program_id(0)
     chunks = cdiv(group, block_h)
     g = pl.program_id(1) // chunks
@@ -112,13 +123,22 @@ def _draft_attention_kernel(
     q = plgpu.load(q_ref.at[q_rows[:, None], d[None, :]], mask=row_ok[:, None], other=0)  # [rows, D]
     qk_scale = scale * LOG2E
 
-    # The context walk: steps [lo, hi) of cdiv(length, block_s), page / block_s steps per page; the first
-    # n_full need no mask. Step ``step`` reads block-table entry step // parts (< cdiv(length, page)).
+    # The context walk: steps [first, n_steps) of cdiv(length, block_s), page / block_s steps per page, shared
+    # out among the splits; without a window the first n_full need no mask, with one every step is masked per
+    # query row (each slot's window start). Step ``step`` reads block-table entry step // parts.
     parts = page // block_s
     n_steps = (length + block_s - 1) // block_s
     n_full = length // block_s
-    lo = (split * n_steps) // num_splits
-    hi = ((split + 1) * n_steps) // num_splits
+    if window is None:
+        first = jnp.int32(0)
+        lo0 = row_lo = None
+    else:
+        lo0 = qpos_ref[r] - (window - 1)  # slot 0's first visible context position (slot k: lo0 + k)
+        first = jnp.clip(lo0, 0, length) // block_s
+        row_lo = lo0 + slot  # [rows]
+    total = n_steps - first
+    lo = first + (split * total) // num_splits
+    hi = first + ((split + 1) * total) // num_splits
     key_iota = jax.lax.broadcasted_iota(jnp.int32, (block_s,), 0)
 
     def kv_slice(ref, step):
@@ -134,20 +154,29 @@ def _draft_attention_kernel(
         vb = kv_slice(v_ref, step)[...]
         return online_softmax_step(carry, dot_f32(q, kb, contract_b=1) * qk_scale, vb)  # scores [rows, block_s]
 
-    def tail_step(step, carry):
-        visible = step * block_s + key_iota < length  # never read at or past the length
-        kb = plgpu.load(kv_slice(k_ref, step), mask=visible[:, None], other=0)
-        vb = plgpu.load(kv_slice(v_ref, step), mask=visible[:, None], other=0)
-        s = jnp.where(visible[None, :], dot_f32(q, kb, contract_b=1) * qk_scale, MASK_VALUE)
-        return online_softmax_step(carry, s, vb, visible[None, :])
+    def masked_step(step, carry):
+        pos = step * block_s + key_iota  # [block_s]
+        in_len = pos < length  # never read at or past the length
+        if row_lo is not None:
+            in_len = in_len & (pos >= lo0)  # nor before slot 0's window
+        kb = plgpu.load(kv_slice(k_ref, step), mask=in_len[:, None], other=0)
+        vb = plgpu.load(kv_slice(v_ref, step), mask=in_len[:, None], other=0)
+        visible = in_len[None, :]
+        if row_lo is not None:
+            visible = visible & (pos[None, :] >= row_lo[:, None])  # [rows, block_s]: each slot's window
+        s = jnp.where(visible, dot_f32(q, kb, contract_b=1) * qk_scale, MASK_VALUE)
+        return online_softmax_step(carry, s, vb, visible)
 
     carry = (
         jnp.zeros((rows, head_dim), jnp.float32),
         jnp.full((rows,), MASK_VALUE, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
-    carry = jax.lax.fori_loop(lo, jnp.minimum(hi, n_full), full_step, carry)
-    carry = jax.lax.fori_loop(jnp.maximum(lo, n_full), hi, tail_step, carry)
+    if window is None:
+        carry = jax.lax.fori_loop(lo, jnp.minimum(hi, n_full), full_step, carry)
+        carry = jax.lax.fori_loop(jnp.maximum(lo, n_full), hi, masked_step, carry)
+    else:  # at most window / block_s + 2 steps: every one masked (one loop body keeps the registers low)
+        carry = jax.lax.fori_loop(lo, hi, masked_step, carry)
 
     # The block's own keys (every slot sees all K of them), in the last split only.
     j = jax.lax.broadcasted_iota(jnp.int32, (blk_rows,), 0)
@@ -221,7 +250,8 @@ def supports(
     )
 
 
-def _check_inputs(q, k_cache, v_cache, block_tables, ctx_lengths, k_blk, v_blk, layer, cache_rows):
+def _check_inputs(q, k_cache, v_cache, block_tables, ctx_lengths, k_blk, v_blk, layer, cache_rows, window=None,
+                  query_positions=None):
     """Static shape/dtype checks (ValueErrors naming the shapes)."""
     if q.ndim != 4:
         raise ValueError(f"q must be [R, K, H_q, D], got shape {q.shape}")
@@ -265,6 +295,14 @@ def _check_inputs(q, k_cache, v_cache, block_tables, ctx_lengths, k_blk, v_blk, 
             )
     elif cache_rows.shape != (r,) or not jnp.issubdtype(cache_rows.dtype, jnp.integer):
         raise ValueError(f"cache_rows must be int32[R={r}], got {cache_rows.dtype}{list(cache_rows.shape)}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive integer (the sliding window in tokens) or None, got {window!r}")
+    if query_positions is not None:
+        if window is None:
+            raise ValueError("query_positions only matter with a window: pass window= too")
+        if query_positions.shape != (r,) or not jnp.issubdtype(query_positions.dtype, jnp.integer):
+            raise ValueError(f"query_positions must be int32[R={r}], got "
+                             f"{query_positions.dtype}{list(query_positions.shape)}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -272,7 +310,7 @@ def _check_inputs(q, k_cache, v_cache, block_tables, ctx_lengths, k_blk, v_blk, 
 # ----------------------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "layer", "config", "interpret", "poison"))
+@functools.partial(jax.jit, static_argnames=("scale", "layer", "config", "interpret", "poison", "window"))
 def draft_attention_pallas(
     q,
     k_cache,
@@ -282,16 +320,19 @@ def draft_attention_pallas(
     k_blk,
     v_blk,
     cache_rows=None,
+    query_positions=None,
     *,
     scale: float,
     layer: int | None,
     config: DraftAttentionLaunchConfig,
     interpret: bool,
     poison: bool = False,
+    window: int | None = None,
 ):
     """The kernel (and the split-K merge) with an explicit launch ``config``. ``poison`` (tests only): the
     float output buffers start as NaN, so a row the kernels fail to write shows up."""
-    _check_inputs(q, k_cache, v_cache, block_tables, ctx_lengths, k_blk, v_blk, layer, cache_rows)
+    _check_inputs(q, k_cache, v_cache, block_tables, ctx_lengths, k_blk, v_blk, layer, cache_rows, window,
+                  query_positions)
     page = k_cache.shape[-2]
     reason = _unsupported(
         head_dim=q.shape[3],
@@ -327,8 +368,11 @@ def draft_attention_pallas(
     cache_spec = pl.BlockSpec((num_layers, None, num_pages, page, d), lambda i, c, s: (0, c // chunks, 0, 0, 0))
     full_1d = pl.BlockSpec((r,), lambda i, c, s: (0,))
     has_rows = cache_rows is not None
+    if window is not None and query_positions is None:
+        query_positions = ctx_lengths  # the block follows the visible context
     in_specs = (
         [pl.BlockSpec((1,), lambda i, c, s: (0,)), full_1d]
+        + ([full_1d] if window is not None else [])
         + ([full_1d] if has_rows else [])
         + [
             pl.BlockSpec((num_cache_rows, max_blocks), lambda i, c, s: (0, 0)),
@@ -341,6 +385,7 @@ def draft_attention_pallas(
     )
     args = (
         [jnp.full((1,), layer, jnp.int32), ctx_lengths.astype(jnp.int32)]
+        + ([query_positions.astype(jnp.int32)] if window is not None else [])
         + ([cache_rows.astype(jnp.int32)] if has_rows else [])
         + [
             block_tables.astype(jnp.int32),
@@ -355,6 +400,7 @@ def draft_attention_pallas(
     kernel = functools.partial(
         _draft_attention_kernel,
         has_rows=has_rows,
+        window=window,
         block_size=kq,
         group=group,
         block_h=block_h,
@@ -377,7 +423,7 @@ def draft_attention_pallas(
         interpret=interpret,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        name=f"draft_attention_rows{rows}_bs{block_s}_splits{num_splits}",
+        name=f"draft_attention_rows{rows}_bs{block_s}_splits{num_splits}" + ("" if window is None else "_window"),
     )
     out = outs[0] if num_splits == 1 else merge_splits(
         outs, num_splits=num_splits, dtype=q.dtype, merge_rows=config.merge_rows, merge_warps=config.merge_warps,
@@ -390,6 +436,7 @@ def draft_attention_pallas(
     static_argnames=(
         "scale",
         "layer",
+        "window",
         "implementation",
         "interpret",
         "block_h",
@@ -412,6 +459,8 @@ def draft_attention(
     scale: float,
     layer: int | None = None,
     cache_rows: jax.Array | None = None,
+    window: int | None = None,
+    query_positions: jax.Array | None = None,
     implementation: str = "pallas",
     interpret: bool | None = None,
     block_h: int | None = None,
@@ -434,6 +483,9 @@ def draft_attention(
       scale: softmax scale.
       cache_rows: optional ``int32[R]``: row ``r`` reads through block-table row ``cache_rows[r]`` (negative:
         no context) instead of row ``r`` (what an engine's slot map needs without gathering the tables).
+      window: static sliding window ``W`` (``None``: the whole context): slot ``k`` sees only the context keys
+        ``j > query_positions[r] + k - W``; the block's own keys are always visible.
+      query_positions: ``int32[R]`` position of slot 0 of each row (with ``window``; default ``ctx_lengths``).
       implementation: ``"pallas"`` (Triton; interpret mode on CPU) or ``"reference"`` (plain jnp).
       interpret: ``None``: interpret mode on CPU, compiled Triton on a GPU.
       block_h, block_s, num_splits, num_warps, num_stages: launch overrides; ``None`` asks the chip's policy
@@ -442,11 +494,12 @@ def draft_attention(
     Returns:
       ``[R, K, H_q, D]`` in q's dtype.
     """
-    _check_inputs(q, k_cache, v_cache, block_tables, ctx_lengths, k_blk, v_blk, layer, cache_rows)
+    _check_inputs(q, k_cache, v_cache, block_tables, ctx_lengths, k_blk, v_blk, layer, cache_rows, window,
+                  query_positions)
     if implementation == "reference":
         return draft_attention_reference(
             q, k_cache, v_cache, block_tables, ctx_lengths, k_blk, v_blk, scale=scale, layer=layer,
-            cache_rows=cache_rows
+            cache_rows=cache_rows, window=window, query_positions=query_positions
         )
     if implementation != "pallas":
         raise ValueError(f"implementation must be 'pallas' or 'reference', got {implementation!r}")
@@ -455,7 +508,8 @@ def draft_attention(
         block_size=q.shape[1],
         num_q_heads=q.shape[2],
         num_kv_heads=k_blk.shape[2],
-        capacity=block_tables.shape[1] * k_cache.shape[-2],
+        capacity=block_tables.shape[1] * k_cache.shape[-2] if window is None
+        else min(block_tables.shape[1] * k_cache.shape[-2], window + q.shape[1]),  # the keys a row can read
         page_size=k_cache.shape[-2],
         head_dim=q.shape[3],
         itemsize=k_cache.dtype.itemsize,
@@ -466,6 +520,9 @@ def draft_attention(
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if window is not None and block_s is None and config.block_s > WINDOW_MAX_BLOCK_S:
+        # the windowed walk masks every step per query row: 128-key steps spill on sm_90 (compile gate)
+        config = dataclasses.replace(config, block_s=WINDOW_MAX_BLOCK_S)
     return draft_attention_pallas(
         q,
         k_cache,
@@ -475,10 +532,12 @@ def draft_attention(
         k_blk,
         v_blk,
         cache_rows,
+        query_positions,
         scale=scale,
         layer=layer,
         config=config,
         interpret=resolve_interpret(interpret),
+        window=window,
     )
 
 
@@ -504,13 +563,16 @@ def draft_attention_reference(
     scale: float,
     layer: int | None = None,
     cache_rows=None,
+    window: int | None = None,
+    query_positions=None,
     **ignored,
 ) -> jax.Array:
     """Plain jnp, same contract as :func:`draft_attention` (launch arguments are accepted and ignored): the
     row's context gathered through its block table (:func:`paged_context`) and the block's keys concatenated,
     one masked fp32 softmax per (slot, head)."""
     del ignored
-    _check_inputs(q, k_cache, v_cache, block_tables, ctx_lengths, k_blk, v_blk, layer, cache_rows)
+    _check_inputs(q, k_cache, v_cache, block_tables, ctx_lengths, k_blk, v_blk, layer, cache_rows, window,
+                  query_positions)
     kc = k_cache if layer is None else k_cache[layer]
     vc = v_cache if layer is None else v_cache[layer]
     r, kq, h, d = q.shape
@@ -525,18 +587,23 @@ def draft_attention_reference(
     kc, vc = paged_context(kc, tables), paged_context(vc, tables)  # [R, S, G, D]
     keys = jnp.concatenate([kc, k_blk.astype(kc.dtype)], axis=1).astype(jnp.float32)  # [R, S + K, G, D]
     values = jnp.concatenate([vc, v_blk.astype(vc.dtype)], axis=1).astype(jnp.float32)
-    visible = jnp.concatenate(
-        [jnp.arange(capacity)[None, :] < lengths[:, None], jnp.ones((r, kq), bool)], axis=1
-    )
+    pos = jnp.arange(capacity)[None, None, :]  # [1, 1, S]
+    ctx = jnp.broadcast_to(pos < lengths[:, None, None], (r, kq, capacity))  # [R, K, S]
+    if window is not None:
+        qpos = (ctx_lengths if query_positions is None else query_positions).astype(jnp.int32)
+        slot_pos = qpos[:, None] + jnp.arange(kq, dtype=jnp.int32)[None, :]  # [R, K]
+        ctx = ctx & (pos > slot_pos[:, :, None] - window)
+    visible = jnp.concatenate([ctx, jnp.ones((r, kq, kq), bool)], axis=2)  # [R, K, S + K]
     qg = q.astype(jnp.float32).reshape(r, kq, g, h // g, d)
     s = jnp.einsum("rqgnd,rsgd->rgnqs", qg, keys, precision=jax.lax.Precision.HIGHEST) * scale
-    s = jnp.where(visible[:, None, None, None, :], s, -jnp.inf)
+    s = jnp.where(visible[:, None, None], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
-    p = jnp.where(visible[:, None, None, None, :], p, 0.0)  # masked (possibly NaN) values never contribute
+    p = jnp.where(visible[:, None, None], p, 0.0)  # masked (possibly NaN) values never contribute
+    values = jnp.where(jnp.any(visible, axis=1)[:, :, None, None], values, 0.0)  # keys no slot sees
     out = jnp.einsum(
         "rgnqs,rsgd->rqgnd",
         p,
-        jnp.where(visible[:, :, None, None], values, 0.0),
+        values,
         precision=jax.lax.Precision.HIGHEST,
     )
     return out.reshape(r, kq, h, d).astype(q.dtype)

@@ -321,6 +321,26 @@ def _draft_attention_call(batch: Batch) -> KernelCall | None:
     return KernelCall(draft_attention, args, {"scale": hd**-0.5, "layer": 0, "implementation": "pallas"})
 
 
+def _draft_attention_window_call(batch: Batch) -> KernelCall | None:
+    """The Qwen3-style DSpark drafter's attention (``nvidia/MiniMax-M3-DSpark``: K = 8, 32 query / 8 KV heads of
+    128, non-causal sliding window 1024) on the batch's context, at decode and verify sizes."""
+    from pallas_kernels.draft_attention import draft_attention
+
+    if batch.kind == "prefill":
+        return None
+    s, page = jax.ShapeDtypeStruct, _page(_m3())
+    pages, (tables, _, _) = _ragged(batch, page)
+    r, k, h, g, hd = batch.requests, 8, 32, 8, 128
+    cache = s((1, g, pages, page, hd), jnp.bfloat16)
+    args = (s((r, k, h, hd), jnp.bfloat16), cache, cache, tables, s((r,), jnp.int32),
+            s((r, k, g, hd), jnp.bfloat16), s((r, k, g, hd), jnp.bfloat16), s((r,), jnp.int32))
+
+    def windowed(*a, **kw):  # the slots' positions traced, not closed over
+        return draft_attention(*a[:7], query_positions=a[7], **kw)
+
+    return KernelCall(windowed, args, {"scale": hd**-0.5, "layer": 0, "window": 1024, "implementation": "pallas"})
+
+
 # Every kernel entry point: (name, batch -> the call to lower, or None to skip that batch). Add new kernels here;
 # they join both the full report (BATCHES) and the CI gate (GATE_CASES).
 KERNELS: tuple[tuple[str, Callable[[Batch], KernelCall | None]], ...] = (
@@ -331,6 +351,7 @@ KERNELS: tuple[tuple[str, Callable[[Batch], KernelCall | None]], ...] = (
     ("mx_moe_ffn_mxfp4", functools.partial(_mx_moe_ffn_call, fmt="mxfp4")),
     ("mx_moe_ffn_mxfp8", functools.partial(_mx_moe_ffn_call, fmt="mxfp8")),
     ("draft_attention", _draft_attention_call),
+    ("draft_attention_window", _draft_attention_window_call),
 )
 
 

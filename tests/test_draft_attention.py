@@ -21,9 +21,10 @@ from pallas_kernels.platform import lower_for_gpu
 from pallas_kernels.tuning import DraftAttentionLaunchConfig, draft_attention_launch_config
 
 
-def oracle(q, kc, vc, lengths, kb, vb, scale, cache_rows=None):
+def oracle(q, kc, vc, lengths, kb, vb, scale, cache_rows=None, window=None, qpos=None):
     """One (row, slot, head) at a time in float64: context keys j < length of the row's cache row (``kc, vc
-    [R_c, S, H_kv, D]``, in position order), then the block's K keys, one softmax."""
+    [R_c, S, H_kv, D]``, in position order; with a ``window``, only ``j > qpos[r] + k - window`` for slot ``k``,
+    ``qpos`` defaulting to the lengths), then the block's K keys, one softmax."""
     q, kc, vc, kb, vb = (np.asarray(a, np.float64) for a in (q, kc, vc, kb, vb))
     r_rows, k_slots, h, d = q.shape
     g = kb.shape[2]
@@ -32,10 +33,13 @@ def oracle(q, kc, vc, lengths, kb, vb, scale, cache_rows=None):
         row = r if cache_rows is None else int(cache_rows[r])
         n = 0 if row < 0 else min(max(int(lengths[r]), 0), kc.shape[1])
         for k in range(k_slots):
+            lo = 0
+            if window is not None:
+                lo = min(max(int(lengths[r] if qpos is None else qpos[r]) + k - window + 1, 0), n)
             for qh in range(h):
                 grp = qh // (h // g)
-                keys = np.concatenate([kc[row, :n, grp] if n else np.zeros((0, d)), kb[r, :, grp]])
-                vals = np.concatenate([vc[row, :n, grp] if n else np.zeros((0, d)), vb[r, :, grp]])
+                keys = np.concatenate([kc[row, lo:n, grp], kb[r, :, grp]])
+                vals = np.concatenate([vc[row, lo:n, grp], vb[r, :, grp]])
                 s = keys @ q[r, k, qh] * scale
                 p = np.exp(s - s.max())
                 out[r, k, qh] = p @ vals / p.sum()
@@ -139,6 +143,77 @@ def test_paged_kernel_against_oracle_and_reference(block_s, num_splits, seed):
     np.testing.assert_allclose(np.asarray(jnp_out), want, atol=2e-5, rtol=2e-5)
 
 
+def poison_outside(cache, tables, lo_by_cache_row, hi_by_cache_row):
+    """NaN everywhere except each cache row's positions ``lo <= j < hi``."""
+    page = cache.shape[-2]
+    live = np.zeros(cache.shape[-4:-1], bool)[0]  # [P, page]
+    for row, (lo, hi) in enumerate(zip(lo_by_cache_row, hi_by_cache_row)):
+        for j in range(int(lo), int(hi)):
+            live[tables[row, j // page], j % page] = True
+    return np.where(live[:, :, None], cache, np.nan).astype(cache.dtype)
+
+
+@pytest.mark.parametrize(
+    "window, block_s, num_splits, seed",
+    [(13, 8, 1, 3), (13, 4, 3, 4), (3, 8, 2, 5), (64, 8, 1, 6)],  # window < K and window past every context
+)
+def test_sliding_window_kernel_against_oracle_and_reference(window, block_s, num_splits, seed):
+    """The windowed walk (the Qwen3-style drafter's non-causal sliding window): fp32, K = 7, shuffled block
+    tables, a padding row, lengths 0 / 1 / window - 1 / window / window + 1 / a page boundary / full, slot-0
+    positions equal to the lengths or past them (a context shorter than the anchor position); every position
+    outside a row's ``[min window start, length)`` is NaN (the kernel must not read before the window either);
+    outputs poisoned; fresh random inputs per case; the kernel, its jnp reference and the drafter's jnp path
+    (a per-slot mask) against the float64 oracle."""
+    rng = np.random.default_rng(seed)
+    k, h, g, d, page, nb, rows = 7, 4, 2, 16, 8, 5, 8
+    full = nb * page
+    q, kb, vb = inputs(rng, rows=rows, k=k, h=h, g=g, d=d)
+    kc, vc, tables = paged_cache(rng, cache_rows=rows, max_blocks=nb, page=page, g=g, d=d, layers=2)
+    cache_rows = np.arange(rows, dtype=np.int32)
+    cache_rows[2] = -1  # a padding row
+    lengths = np.array([0, 1, 12, min(window, full), page * 2, min(window + 1, full), full,
+                        rng.integers(1, full)], np.int32)
+    qpos = lengths.copy()
+    qpos[4] += 5  # the anchor past the visible context
+    qpos[7] += int(rng.integers(0, 9))
+    lo = np.clip(qpos - window + 1, 0, lengths)
+    clean = (kc.copy(), vc.copy())
+    lo_rows = np.where(cache_rows >= 0, lo, 0)
+    hi_rows = np.where(cache_rows >= 0, lengths, 0)
+    kc = np.stack([poison_outside(kc[li], tables, lo_rows, hi_rows) for li in range(2)])
+    vc = np.stack([poison_outside(vc[li], tables, lo_rows, hi_rows) for li in range(2)])
+    config = DraftAttentionLaunchConfig(block_h=2, block_s=block_s, num_splits=num_splits, num_warps=4,
+                                        num_stages=2)
+    args = [jnp.asarray(a) for a in (q, kc, vc, tables, lengths, kb, vb, cache_rows, qpos)]
+    out = np.asarray(da.draft_attention_pallas(*args, scale=0.3, layer=1, config=config, interpret=True,
+                                               poison=True, window=window))
+    want = oracle(q, dense_view(clean[0][1], tables), dense_view(clean[1][1], tables), lengths, kb, vb, 0.3,
+                  cache_rows, window=window, qpos=qpos)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+    ref = da.draft_attention_reference(*args[:7], scale=0.3, layer=1, cache_rows=args[7], window=window,
+                                       query_positions=args[8])
+    np.testing.assert_allclose(np.asarray(ref), want, atol=2e-5, rtol=2e-5)
+    # without query_positions the slots follow the lengths
+    out0 = da.draft_attention_pallas(*args[:8], scale=0.3, layer=1, config=config, interpret=True, poison=True,
+                                     window=window)
+    want0 = oracle(q, dense_view(clean[0][1], tables), dense_view(clean[1][1], tables), lengths, kb, vb, 0.3,
+                   cache_rows, window=window)
+    fine = qpos == lengths  # rows whose poison pattern does not depend on qpos
+    np.testing.assert_allclose(np.asarray(out0)[fine], want0[fine], atol=2e-5, rtol=2e-5)
+    # The drafter's jnp path: a per-slot [R, K, S] mask over the clean gathered context.
+    safe_rows = np.maximum(cache_rows, 0)
+    ends = np.where(cache_rows >= 0, lengths, 0)
+    j = np.arange(full)[None, None, :]
+    slot_pos = qpos[:, None] + np.arange(k)[None, :]
+    visible = (j < ends[:, None, None]) & (j > slot_pos[:, :, None] - window)
+    jnp_out = jax.jit(jnp_draft_attention, static_argnames="scale")(
+        jnp.asarray(q), da.paged_context(jnp.asarray(clean[0][1]), jnp.asarray(tables[safe_rows])),
+        da.paged_context(jnp.asarray(clean[1][1]), jnp.asarray(tables[safe_rows])), jnp.asarray(visible),
+        jnp.asarray(kb), jnp.asarray(vb), scale=0.3)
+    np.testing.assert_allclose(np.asarray(jnp_out), want, atol=2e-5, rtol=2e-5)
+
+
 def test_split_k_head_chunks_bf16():
     """bf16, a one-layer [H_kv, P, page, D] cache on shuffled pages without a row map, 3 query heads per KV
     head in chunks of 2 (one masked head), the context split 3 ways (a split with no context step, the block
@@ -195,6 +270,24 @@ def test_lowers_for_gpu(chip):
             chip=chip
         )
         assert ("draft_attention_merge_splits" in text) == (config.num_splits > 1)
+
+
+@pytest.mark.parametrize("chip", ["hopper", "cdna3"])
+def test_sliding_window_lowers_for_gpu(chip):
+    """The windowed walk at the Qwen3-style drafter's shapes (nvidia/MiniMax-M3-DSpark: K = 8, 32 query / 8 KV
+    heads of 128, window 1024) over 4K contexts on 128-token pages, R = 64, deviceless for CUDA and ROCm."""
+    s = jax.ShapeDtypeStruct
+    page, nb, rows = 128, 33, 64
+    cache = s((6, 8, rows * nb + 1, page, 128), jnp.bfloat16)
+    shapes = (s((rows, 8, 32, 128), jnp.bfloat16), cache, cache, s((rows, nb), jnp.int32), s((rows,), jnp.int32),
+              s((rows, 8, 8, 128), jnp.bfloat16), s((rows, 8, 8, 128), jnp.bfloat16), s((rows,), jnp.int32))
+
+    def windowed(*a, **kw):  # query_positions traced (lower_for_gpu closes over keyword arguments)
+        return da.draft_attention(*a[:7], query_positions=a[7], **kw)
+
+    text = lower_for_gpu(windowed, *shapes, platform=tuning.chip_platform(chip), scale=128**-0.5, layer=5,
+                         window=1024, interpret=False, chip=chip)
+    assert "triton" in text.lower() and "_window" in text
 
 
 def test_launch_policy():
