@@ -155,7 +155,7 @@ def weight_plan(cfg: MiniMaxM3Config, *, scale_name: str | None = None) -> dict[
     of :func:`_quantized_experts` (MiniMax names; ``scale_name``: the scale tensor's name, by default the one of
     the format's release, :data:`minimax_jax.quantization.SCALE_SUFFIX`).
     """
-    expert_fmt = getattr(cfg, "expert_quantization", None)
+    expert_fmt = cfg.expert_quantization
     if expert_fmt is not None and scale_name is None:
         from minimax_jax.quantization import SCALE_SUFFIX
 
@@ -268,9 +268,7 @@ def load_model(path: str | os.PathLike, *, dtype=jnp.bfloat16, config: MiniMaxM3
       ConfigError for a ``quantization_config`` that is not supported (naming the key);
       CheckpointError listing every missing, unexpected, mis-shaped and wrongly typed tensor, every quantized
       tensor that does not fit its scales or the config, or naming a safetensors file that cannot be read or a
-      shard that disagrees with the index;
-      NotImplementedError for ``quantization="keep"`` of a quantized checkpoint when the MoE of this build has no
-      quantized parameters (``MiniMaxM3Config.expert_quantization``).
+      shard that disagrees with the index.
     """
     from minimax_jax.quantization import DequantizingReader, read_quantization_config
 
@@ -285,11 +283,6 @@ def load_model(path: str | os.PathLike, *, dtype=jnp.bfloat16, config: MiniMaxM3
     dense_plan = weight_plan(cfg)  # what the quantized tensors decode to: dense shapes, the linears
     keep_experts = scheme is not None and quantization == "keep" and bool(cfg.moe_layer_ids)
     if keep_experts:
-        if not any(f.name == "expert_quantization" for f in dataclasses.fields(cfg)):
-            raise NotImplementedError(
-                f"quantization='keep': {path} holds {scheme.weight_format} experts, but this build's MoE has no "
-                f"quantized parameters (MiniMaxM3Config.expert_quantization); load it with "
-                f"quantization='dequantize'")
         cfg = dataclasses.replace(cfg, expert_quantization=scheme.weight_format)
     plan = weight_plan(cfg, scale_name=scheme.scale_suffix) if keep_experts else dense_plan
     if scheme is not None:

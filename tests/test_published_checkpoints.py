@@ -159,18 +159,8 @@ def test_dequantize_onto_a_mesh(fixtures):
 
 
 # ----------------------------------------------------------------------------------------------- keep
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _WithExpertQuantization(MiniMaxM3Config):
-    """The config field the quantized MoE reads (``expert_quantization``), for builds that do not have it yet."""
-
-    expert_quantization: str | None = None
-
-
 def _keep_config(cfg, fmt):
-    if any(f.name == "expert_quantization" for f in dataclasses.fields(MiniMaxM3Config)):
-        return dataclasses.replace(cfg, expert_quantization=fmt)
-    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    return _WithExpertQuantization(**fields, expert_quantization=fmt)
+    return dataclasses.replace(cfg, expert_quantization=fmt)
 
 
 @pytest.mark.parametrize("kind, fmt, scale, elem", [("mxfp4", "mxfp4", "weight_scale", np.uint8),
@@ -217,14 +207,8 @@ def test_keep_mode_plan_reads_the_experts_as_shipped(fixtures, kind, fmt, scale,
 
 
 def test_keep_mode_load(fixtures):
-    """Where this build's MoE has quantized parameters, keep-mode loading holds the shipped experts; where it has
-    not, load_model says so and points at quantization='dequantize'."""
-    has_field = any(f.name == "expert_quantization" for f in dataclasses.fields(MiniMaxM3Config))
-    if not has_field:
-        with pytest.raises(NotImplementedError, match="quantization='dequantize'"):
-            load_model(fixtures["mxfp4"], dtype=jnp.float32)  # keep is the default
-        return
-    model = load_model(fixtures["mxfp4"], dtype=jnp.float32, quantization="keep")
+    """Keep-mode loading (the default) holds the shipped experts, and its logits equal the dense twin's."""
+    model = load_model(fixtures["mxfp4"], dtype=jnp.float32)
     t = stored_tensors(fixtures["mxfp4"])
     p = "language_model.model.layers.3.block_sparse_moe.experts.1."
     mlp = model.layers[3].mlp
