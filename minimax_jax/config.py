@@ -98,6 +98,9 @@ class MiniMaxM3Config:
     tie_word_embeddings: bool = False
     # ---- storage: routed experts kept quantized in HBM ("mxfp4" / "mxfp8", E8M0 scales; layers.MoE); None: dense
     expert_quantization: str | None = None
+    # ---- benchmarks only: every routed token goes to experts chosen round-robin, equal weights (layers.Router;
+    # random router weights otherwise give a load no trained model has). Never set by a checkpoint.
+    balanced_routing: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "layer_types", tuple(self.layer_types))

@@ -150,11 +150,26 @@ class Router(nnx.Module):
         k = self.kernel[...]
         logits = jnp.dot(x.astype(k.dtype), k, preferred_element_type=jnp.float32)
         probs = jax.nn.sigmoid(logits)
-        _, experts = jax.lax.top_k(probs + self.e_score_correction_bias[...].astype(jnp.float32),
-                                   self.cfg.num_experts_per_tok)
+        top = self.cfg.num_experts_per_tok
+        if self.cfg.balanced_routing:
+            return balanced_routes(x.shape[0], top, self.cfg.num_local_experts, self.cfg.routed_scaling_factor,
+                                   like=probs)
+        _, experts = jax.lax.top_k(probs + self.e_score_correction_bias[...].astype(jnp.float32), top)
         weights = jnp.take_along_axis(probs, experts, axis=-1)
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         return weights * self.cfg.routed_scaling_factor, experts.astype(jnp.int32)
+
+
+def balanced_routes(num_tokens: int, top_k: int, num_experts: int, scale: float, *, like: jax.Array):
+    """Benchmark routing (``cfg.balanced_routing``; SGLang's ``SIMULATE_UNIFORM_EXPERTS`` plays the same role):
+    token ``n`` goes to experts ``(n * top_k + j) mod E``, ``j < top_k``, with equal weights summing to ``scale``.
+    Every expert then gets ``N * top_k / E`` tokens (within one), the load of a well-trained router, where
+    random weights would crowd a few experts. The router's product still runs (``like``: its probabilities, kept
+    in the graph through a zero-weight term so its cost is measured)."""
+    n = jnp.arange(num_tokens, dtype=jnp.int32)[:, None]
+    experts = (n * top_k + jnp.arange(top_k, dtype=jnp.int32)[None, :]) % num_experts
+    weights = jnp.full((num_tokens, top_k), scale / top_k, jnp.float32) + 0.0 * like[:, :1]
+    return weights, experts
 
 
 class MoE(nnx.Module):

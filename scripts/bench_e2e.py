@@ -224,7 +224,7 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
         row = {
             "n": n, "mode": mode, "loop": loop, "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
             "dtype": args.dtype, "verification": eng.mode, "K": eng.k, "model": args.model,
-            "tensor_parallel_size": args.tensor_parallel_size,
+            "tensor_parallel_size": args.tensor_parallel_size, "balanced_routing": args.balanced_routing,
             "acceptance": st.get("acceptance", "real"), "shared_prefix": args.shared_prefix,
             "synthetic_rates": list(args.synthetic_rates) if args.synthetic_rates else None,
             "draft_lengths": getattr(eng, "draft_lengths", extra.get("draft_lengths")),
@@ -328,6 +328,7 @@ def load_pair(args):
     kinds = dict(num_hidden_layers=n, layer_types=(FULL_ATTENTION,) + (SPARSE_ATTENTION,) * (n - 1),
                  mlp_layer_types=(DENSE_MLP,) + (MOE_MLP,) * (n - 1))
     vocab = max(target.cfg.vocab_size, 512)
+    kinds["balanced_routing"] = bool(args.balanced_routing)
     if args.m3_tiny:
         cfg = MiniMaxM3Config.tiny(vocab_size=vocab, **kinds)
     else:
@@ -605,6 +606,9 @@ def parse_args(argv=None):
     ap.add_argument("--m3-layers", type=int, default=4, help="m3-slice: layers (1 dense full-attention, the rest "
                                                              "MSA + MoE)")
     ap.add_argument("--m3-tiny", action="store_true", help="m3-slice at test widths (CPU)")
+    ap.add_argument("--balanced-routing", action="store_true",
+                    help="m3-slice: route tokens to experts round-robin with equal weights (MiniMaxM3Config."
+                         "balanced_routing), the expert load of a trained router instead of random weights")
     ap.add_argument("--synthetic-acceptance-length", type=float, default=None,
                     help="emulated acceptance (Engine(synthetic_acceptance_length=...)): tokens per step, bonus "
                          "included; fixed K < 7 takes the first K of the 7 rates")
