@@ -8,8 +8,8 @@ import pytest
 from spec_decode import Engine, SamplingParams
 from spec_decode.logprobs import MAX_LOGPROBS, ScoreResult
 from spec_decode.sampling_params import filter_logits
-from tests.engine_models import bigram_drafter, damped_target, random_prompts
 from tests.engine_models import _padded_forward as padded_forward
+from tests.engine_models import bigram_drafter, damped_target, random_prompts
 
 # 2 slots, 16-token prefill chunks: the 30-token prompt prefills in several chunks; with K = 3 a step has
 # 2 * (1 + 3) = 8 verify-logits rows, so prompt rows are cut to fit them too.
