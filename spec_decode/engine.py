@@ -52,6 +52,7 @@ from spec_decode import compilation_cache as persistent_cache
 from spec_decode.buckets import StepKey, default_draft_lengths, logit_rows, step_keys
 from spec_decode.cost_table import CostTable, CostTableArrays, load_cost_table, save_cost_table
 from spec_decode.device_loop import LoopConfig, fill_requests, loop_inputs, make_loop_fn
+from spec_decode.logprobs import ScoreResult
 from spec_decode.page_pool import PagePool
 from spec_decode.planner import Planner
 from spec_decode.programs import (
@@ -62,8 +63,9 @@ from spec_decode.programs import (
     on_mesh,
     pack_plan,
 )
-from spec_decode.request import Request, build_requests
+from spec_decode.request import Request, build_requests, encode_prompt
 from spec_decode.results import GenerationResult, GenerationResults, request_result, run_stats
+from spec_decode.sampling_params import SamplingParams
 from spec_decode.scheduler import ScheduledStep, Scheduler
 from spec_decode.step import CONFIDENCES, MODES, DecodeState, StepConfig, StepPlan, init_state
 from spec_decode.synthetic import acceptance_rates, conditional_rates
@@ -540,6 +542,10 @@ class Engine:
             if hot:
                 raise ValueError(f"request {hot[0]} has temperature {requests[hot[0]].params.temperature}: this "
                                  f"engine was built with sampling=False (greedy programs only)")
+            asks = [i for i, r in enumerate(requests) if r.params.wants_logprobs]
+            if asks:
+                raise ValueError(f"request {asks[0]} asks for logprobs / prompt_logprobs: the sampling programs "
+                                 f"compute them, and this engine was built with sampling=False")
         for r in requests:
             self._check_fits(r)
         if not self._warned_no_eos and any(not r.stop_ids and not r.params.ignore_eos for r in requests):
@@ -592,6 +598,11 @@ class Engine:
             raise ValueError(f"loop must be 'host' or 'device', got {loop!r}")
         requests = self._requests(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
                                   ignore_eos, sampling_params)
+        if loop == "device":
+            asks = [i for i, r in enumerate(requests) if r.params.wants_logprobs]
+            if asks:
+                raise ValueError(f"request {asks[0]} asks for logprobs / prompt_logprobs, which the device loop "
+                                 f"does not return: use loop='host'")
         with self._exclusive():
             self._warmup(None, device_loop=loop == "device")
             if loop == "device":
@@ -612,6 +623,59 @@ class Engine:
             if bar is not None:
                 bar.close()
             return GenerationResults([self._result(r) for r in requests], stats)
+
+    def score(self, prompts, continuations, *, progress: bool | None = None) -> list[ScoreResult]:
+        """Log-likelihood of each continuation given its prompt, without generating (``docs/EVALUATION.md``).
+
+        ``prompts`` and ``continuations``: lists of the same length, each item text (with a tokenizer: the
+        prompt encoded with BOS first, the continuation on its own, without BOS, and appended) or token ids.
+        Every continuation needs a token, every prompt too (the first continuation token is scored given it).
+        Runs each ``prompt + continuation`` through the prefill with ``prompt_logprobs`` (the raw target
+        distribution; the one token the prefill samples is dropped), so the values do not depend on the
+        verification mode. Returns one :class:`~spec_decode.logprobs.ScoreResult` per pair, in order."""
+        for name, v in (("prompts", prompts), ("continuations", continuations)):
+            if isinstance(v, (str, bytes)) or not isinstance(v, Sequence):
+                raise ValueError(f"{name} must be a list of strings or of token-id lists, got {type(v).__name__}")
+        if len(prompts) != len(continuations):
+            raise ValueError(f"prompts and continuations must have the same length, got {len(prompts)} and "
+                             f"{len(continuations)}")
+        if not prompts:
+            raise ValueError("prompts is empty")
+        full, splits = [], []
+        for i, (p, c) in enumerate(zip(prompts, continuations)):
+            ctx = self._score_ids(i, "prompt", p, bos=True)
+            cont = self._score_ids(i, "continuation", c, bos=False)
+            full.append(ctx + cont)
+            splits.append(len(ctx))
+        params = SamplingParams(max_new_tokens=1, ignore_eos=True, prompt_logprobs=1)
+        results = self.generate(full, sampling_params=params, progress=progress)
+        out = []
+        for r, n in zip(results, splits):
+            scored = r.prompt_logprobs[n:]
+            lps = [t.logprob for t in scored]
+            out.append(ScoreResult(logprob=float(sum(lps)), token_ids=[t.token_id for t in scored],
+                                   token_logprobs=lps, is_greedy=[t.top[0][0] == t.token_id for t in scored]))
+        return out
+
+    def _score_ids(self, i: int, what: str, item, *, bos: bool) -> list[int]:
+        """Token ids of one prompt / continuation of :meth:`score` (range checks come with the requests)."""
+        if isinstance(item, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{what} {i} is a string but the engine has no tokenizer; pass token ids or "
+                                 f"Engine(..., tokenizer=...)")
+            ids = encode_prompt(self.tokenizer, item) if bos else list(self.tokenizer.encode(item))
+        elif isinstance(item, (list, tuple, np.ndarray)) and np.ndim(item) == 1:
+            ids = list(item)
+            bad = [t for t in ids if not isinstance(t, (int, np.integer)) or isinstance(t, (bool, np.bool_))]
+            if bad:
+                raise ValueError(f"{what} {i} holds {bad[0]!r}: token ids must be integers")
+            ids = [int(t) for t in ids]
+        else:
+            raise ValueError(f"{what} {i} must be a string or a list of token ids, got {type(item).__name__}")
+        if not ids:
+            raise ValueError(f"{what} {i} is empty: " + ("its first continuation token is scored given at least one "
+                                                        "prompt token" if bos else "there is nothing to score"))
+        return ids
 
     def chat(self, messages, **kwargs) -> GenerationResult:
         """One conversation (``[{"role": ..., "content": ...}, ...]``) rendered by the tokenizer's chat template

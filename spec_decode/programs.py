@@ -109,14 +109,16 @@ def compile_in_pool(lowered: dict, *, progress: bool, desc: str) -> dict:
 
 
 _INT_FIELDS = ("rows", "prefill_len", "prefill_start", "prefill_last", "resume_token", "scheduled", "top_k", "seed",
-               "limit", "prefill_emitted")
+               "limit", "prefill_emitted", "prompt_logprobs", "next_prompt_token")
 
 
 def pack_plan(plan: StepPlan) -> np.ndarray:
     """Numpy side: the whole plan in one flat ``int32`` vector (one transfer per step): the per-row integer fields,
     the stop ids and the block table (``int32[R, C]``, row-major), the two float fields bit-cast (``[R, 2]``:
     temperature, top_p), then the prefill tokens, the budget and the commit flag (``T + 2``)."""
-    cols = [np.asarray(getattr(plan, f), np.int32)[:, None] for f in _INT_FIELDS]
+    r = np.shape(plan.rows)[0]
+    cols = [np.asarray(np.zeros(r) if getattr(plan, f) is None else getattr(plan, f), np.int32)[:, None]
+            for f in _INT_FIELDS]
     ints = np.concatenate(cols + [np.asarray(plan.stop_ids, np.int32), np.asarray(plan.block_tables, np.int32)],
                           axis=1)
     floats = np.stack([np.asarray(plan.temperature, np.float32), np.asarray(plan.top_p, np.float32)], axis=1)
@@ -137,6 +139,7 @@ def unpack_plan(packed: jax.Array, *, num_rows: int, num_tokens: int, num_stop_i
     tail = packed[int_size + 2 * num_rows:]
     f = {name: ints[:, i] for i, name in enumerate(_INT_FIELDS)}
     f["prefill_last"] = f["prefill_last"] != 0
+    f["prompt_logprobs"] = f["prompt_logprobs"] != 0
     return StepPlan(**f, stop_ids=ints[:, n:n + num_stop_ids], block_tables=ints[:, n + num_stop_ids:],
                     temperature=floats[:, 0], top_p=floats[:, 1], prefill_tokens=tail[:-2], budget=tail[-2],
                     commit=tail[-1] != 0)

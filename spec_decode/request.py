@@ -53,6 +53,9 @@ class Request:
     predicted_per_position: list[float] | None = None  # sums of the predicted survival at each verified position
     verified_drafts_per_step: list[int] = dataclasses.field(default_factory=list)
     preemptions: int = 0
+    # log-probabilities (spec_decode.logprobs), when the params ask: one per output token; one per prompt position
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
     @property
     def is_resumed(self) -> bool:

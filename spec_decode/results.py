@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from spec_decode.logprobs import TokenLogprobs
 from spec_decode.request import Request
 
 __all__ = ["GenerationResult", "GenerationResults", "request_result", "run_stats"]
@@ -22,12 +23,20 @@ class GenerationResult:
     bonus included), ``accepted_per_position`` (K counts), ``verified_per_position`` (K counts),
     ``verified_drafts_per_step`` (list), ``finish_reason`` (``"stop"`` or ``"length"``), ``prompt_tokens``,
     ``preemptions``.
+
+    ``logprobs`` (when the request's ``SamplingParams.logprobs`` is set, else None): one
+    :class:`~spec_decode.logprobs.TokenLogprobs` per token of ``token_ids`` (its log-probability under the target
+    distribution it was sampled from and the ``logprobs`` most likely tokens there). ``prompt_logprobs`` (with
+    ``SamplingParams.prompt_logprobs``): one per prompt token, ``None`` for the first (nothing precedes it), under
+    the raw target distribution. ``docs/ENGINE.md`` ("Log-probabilities") says which distribution exactly.
     """
 
     token_ids: list[int]
     text: str | None
     stats: dict
     prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finish_reason(self) -> str:
@@ -58,7 +67,9 @@ def request_result(req: Request, *, k: int, tokenizer=None) -> GenerationResult:
         "preemptions": req.preemptions,
     }
     text = tokenizer.decode(req.output) if tokenizer is not None else None
-    return GenerationResult(list(req.output), text, stats, list(req.prompt))
+    return GenerationResult(list(req.output), text, stats, list(req.prompt),
+                            logprobs=None if req.logprobs is None else list(req.logprobs),
+                            prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs))
 
 
 def run_stats(requests: Sequence[Request], *, k: int, mode: str, loop: str, wall: float, steps: int,

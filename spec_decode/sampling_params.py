@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spec_decode.logprobs import check_logprobs_setting
+
 __all__ = ["SamplingParams", "filter_logits"]
 
 # Large finite negative instead of -inf: a filtered row never becomes all -inf (NaN after softmax).
@@ -45,6 +47,8 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         for name in ("temperature", "top_p"):
@@ -83,6 +87,8 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        for name in ("logprobs", "prompt_logprobs"):  # spec_decode.logprobs: None or [0, MAX_LOGPROBS]
+            object.__setattr__(self, name, check_logprobs_setting(name, getattr(self, name)))
 
     @property
     def greedy(self) -> bool:
@@ -92,6 +98,11 @@ class SamplingParams:
     def filters(self) -> bool:
         """True when top-k or top-p changes the distribution."""
         return self.top_k > 0 or self.top_p < 1.0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """True when the request asks for generated or prompt log-probabilities (it runs sampling programs)."""
+        return self.logprobs is not None or self.prompt_logprobs is not None
 
     def replace(self, **changes) -> SamplingParams:
         return dataclasses.replace(self, **changes)

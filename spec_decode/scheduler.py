@@ -41,6 +41,7 @@ import dataclasses
 import numpy as np
 
 from spec_decode.buckets import StepKey, logit_rows, token_bucket
+from spec_decode.logprobs import token_logprobs
 from spec_decode.page_pool import OutOfPagesError, PagePool
 from spec_decode.request import Request, RequestStatus
 from spec_decode.step import StepOutput, StepPlan
@@ -110,7 +111,16 @@ class Scheduler:
         request.predicted_per_position = [0.0] * k
         self._inflight[request.index] = collections.deque()
         self._bounds[request.index] = [0, 0]  # sums over its steps in flight: cached_max, emit_min
+        if request.params.logprobs is not None:
+            request.logprobs = []
+        if request.params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * len(request.prompt)  # the first token has none
         self.waiting.append(request)
+
+    @staticmethod
+    def _scores_prompt(req: Request) -> bool:
+        """The request's prefill computes prompt log-probabilities (a resumed one has them already)."""
+        return req.params.prompt_logprobs is not None and not req.is_resumed
 
     @property
     def has_work(self) -> bool:
@@ -214,7 +224,8 @@ class Scheduler:
             if self._inflight[req.index]:
                 break  # preempted while a step of it was in flight: its output is not known yet
             target = req.prompt + req.output[:-1]  # a resumed request recomputes its output but the anchor
-            cached = self.pool.admit(req.index, target)
+            # prompt log-probabilities need every prompt position computed: no prefix reuse
+            cached = 0 if self._scores_prompt(req) else self.pool.admit(req.index, target)
             n = min(room, len(target) - cached)
             if not self._try_ensure(req, cached + n):
                 self.pool.free(req.index)
@@ -230,31 +241,42 @@ class Scheduler:
             room -= n
         if not decode and not prefill:
             return None
+        # prompt log-probabilities take one verify-logits row per scored position: such chunks are cut to fit
+        logit_cap = min(self.max_total_logit_rows, self.num_slots * (1 + k))  # the longest draft length's rows
+        scores = [self._scores_prompt(req) for req, _ in prefill]
+        if any(scores):
+            prefill = self._fit_prompt_rows(prefill, scores, len(decode), logit_cap)
 
         # 3. the draft length and the budget, from the confidences of an earlier step
         n_pre = sum(n for _, n in prefill)
         ends = [req.num_cached + n == len(req.prefill_target) for req, n in prefill]
         fresh_first = [end and not req.is_resumed for (req, _), end in zip(prefill, ends)]
+        # logit rows of the prefill rows: the first token's, or every scored position's (the last one included)
+        prefill_rows = sum(n if sc else int(ff) for (_, n), sc, ff in zip(prefill, scores, fresh_first))
         scheduled = np.asarray([s for _, s in decode], np.int64)
         # no decode rows: the shortest length with a program for the chunks (the longest has them all)
         budget = 0
         draft_len = next(d for d in sorted(self.token_buckets) if self.token_buckets[d][-1] >= n_pre)
         if k and decode:
             stale = self.stale_conf[[r.slot for r, _ in decode]][:, :k]
-            budget, draft_len = self.planner.plan(stale, scheduled, num_sampling_rows=len(decode) + sum(fresh_first),
+            budget, draft_len = self.planner.plan(stale, scheduled, num_sampling_rows=len(decode) + prefill_rows,
                                                   num_non_draft_tokens=n_pre + len(decode))
             decode = [(r, min(s, draft_len)) for r, s in decode]
             budget = max(0, min(int(budget), sum(s for _, s in decode)))
+        if any(scores):  # the longest draft length's programs have the rows (logit_cap) and every token bucket
+            draft_len = max(self.token_buckets)
+            budget = max(0, min(budget, logit_cap - len(decode) - prefill_rows))
         num_tokens = n_pre + len(decode) + budget
         t = token_bucket(self.token_buckets[draft_len], num_tokens)
-        sampling = any(req.params.temperature > 0 for req, _ in prefill + decode)
+        # log-probabilities are computed by the sampling programs (they serve greedy rows too)
+        sampling = any(req.params.temperature > 0 or req.params.wants_logprobs for req, _ in prefill + decode)
         key = StepKey(t, logit_rows(t, rows=self.num_slots, num_speculative_tokens=draft_len,
                                     max_total_logit_rows=self.max_total_logit_rows), sampling, draft_len)
 
         # 4. the plan arrays: prefill rows first, then decode rows, then padding rows
         row_reqs: list[Request | None] = [r for r, _ in prefill] + [r for r, _ in decode]
         row_reqs += [None] * (self.num_slots - len(row_reqs))
-        plan = self._plan_arrays(row_reqs, prefill, ends, decode, budget, t)
+        plan = self._plan_arrays(row_reqs, prefill, ends, decode, budget, t, scores)
         step = ScheduledStep(plan, key, row_reqs, num_tokens, len(decode), n_pre, budget)
         if self.check_writes:
             self._check_writes(prefill, decode)
@@ -271,7 +293,24 @@ class Scheduler:
             self._push(req, _InFlight(1 + s, 1))
         return step
 
-    def _plan_arrays(self, row_reqs, prefill, ends, decode, budget: int, t: int) -> StepPlan:
+    def _fit_prompt_rows(self, prefill, scores, num_decode: int, logit_cap: int):
+        """Cut the chunks that score their prompt so that the step's verify-logits rows fit ``logit_cap``: the
+        decode rows' anchors and the other prefill rows' first tokens come first; each scoring chunk keeps at
+        least one token (the rows never exceed the slots, and ``logit_cap >= max_num_seqs``)."""
+        fixed = num_decode + sum(1 for (req, n), sc in zip(prefill, scores)
+                                 if not sc and req.num_cached + n == len(req.prefill_target) and not req.is_resumed)
+        avail = logit_cap - fixed
+        left = sum(scores)
+        out = []
+        for (req, n), sc in zip(prefill, scores):
+            if sc:
+                left -= 1
+                n = max(1, min(n, avail - left))
+                avail -= n
+            out.append((req, n))
+        return out
+
+    def _plan_arrays(self, row_reqs, prefill, ends, decode, budget: int, t: int, scores) -> StepPlan:
         r, m = self.num_slots, self.num_stop_ids
         live = [req for req in row_reqs if req is not None]
         pad = r - len(live)
@@ -290,6 +329,14 @@ class Scheduler:
                 req.output[-1] if end and req.is_resumed else -1) for (req, n), end in zip(prefill, ends)]
         pre += [(0, 0, False, 0, -1)] * (r - n_pre)
         n_len, n_start, n_last, n_emitted, n_resume = zip(*pre)
+        # prompt rows: the chunks that score their prompt, and the prompt token after each (its last row's target)
+        score_rows = np.zeros(r, np.int32)
+        next_token = np.zeros(r, np.int32)
+        for i, ((req, n), sc) in enumerate(zip(prefill, scores)):
+            if sc:
+                score_rows[i] = 1
+                after = req.num_cached + n
+                next_token[i] = req.prefill_target[after] if after < len(req.prefill_target) else 0
         stop_ids = np.full((r, m), -1, np.int32)
         for i, req in enumerate(live):
             if req.stop_ids:
@@ -308,7 +355,7 @@ class Scheduler:
                         seed=per_row((p.seed for p in params), 0, np.int32),
                         limit=per_row((req.limit for req in live), 0, np.int32),
                         prefill_emitted=np.asarray(n_emitted, np.int32), stop_ids=stop_ids,
-                        commit=np.asarray(True))
+                        commit=np.asarray(True), prompt_logprobs=score_rows, next_prompt_token=next_token)
 
     def _check_writes(self, prefill, decode) -> None:
         for req, n in prefill:
@@ -337,6 +384,31 @@ class Scheduler:
             self._bounds[req.index] = [0, 0]
 
     # ------------------------------------------------------------------ results
+    @staticmethod
+    def _commit_logprobs(step: ScheduledStep, out: StepOutput) -> None:
+        """Fold the step's log-probabilities into the requests that asked: the emitted tokens' (in the order
+        :meth:`commit` appends them) and the scored prompt positions' (by position: a recomputed chunk rewrites
+        the same values)."""
+        lp, plan = out.logprobs, step.plan
+        scored = np.asarray(plan.prompt_logprobs if plan.prompt_logprobs is not None else np.zeros(len(plan.rows)))
+        n_prompt = np.where(scored != 0, plan.prefill_len - plan.prefill_last.astype(np.int64), 0)
+        starts = np.concatenate([[0], np.cumsum(n_prompt)])
+        for i, req in enumerate(step.row_requests):
+            if req is None or req.status is RequestStatus.FINISHED:
+                continue
+            k = req.params.logprobs
+            if k is not None:
+                for j in range(int(out.num_emitted[i])):
+                    req.logprobs.append(token_logprobs(out.tokens[i, j], lp.token_logprobs[i, j],
+                                                       lp.token_top_ids[i, j], lp.token_top_logprobs[i, j], k))
+            if n_prompt[i] and req.prompt_logprobs is not None:
+                k = req.params.prompt_logprobs
+                start = int(plan.prefill_start[i])
+                for o in range(int(n_prompt[i])):
+                    row, pos = starts[i] + o, start + o + 1  # the row at position p scores token p + 1
+                    req.prompt_logprobs[pos] = token_logprobs(req.prompt[pos], lp.prompt_logprobs[row],
+                                                              lp.prompt_top_ids[row], lp.prompt_top_logprobs[row], k)
+
     def commit(self, step: ScheduledStep, out: StepOutput) -> list[tuple[Request, list[int]]]:
         """Fold one step's read-back output into the requests; returns ``(request, new tokens)`` per row that
         emitted, and finishes / frees requests that are done."""
@@ -347,6 +419,8 @@ class Scheduler:
         emitted, accepted = out.num_emitted.tolist(), out.num_accepted.tolist()
         verified, finished = out.num_verified.tolist(), out.finished.tolist()
         tokens = out.tokens.tolist()
+        if out.logprobs is not None:
+            self._commit_logprobs(step, out)
         conf_rows, conf_slots = [], []
         predicted: list[tuple[Request, int, int]] = []  # (request, row, verified drafts)
         for i, req in enumerate(step.row_requests):

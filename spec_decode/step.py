@@ -52,6 +52,7 @@ from spec_decode.estimator import (
     predict,
     update,
 )
+from spec_decode.logprobs import LogprobsOutput, prompt_logit_rows, step_logprobs
 from spec_decode.rejection import STREAM_DRAFT, rejection_sample_packed, sampling_key
 from spec_decode.sampling_params import filter_logits
 from spec_decode.synthetic import emulated_accept_packed, emulated_confidences, request_profiles
@@ -149,6 +150,9 @@ class StepPlan:
     prefill_emitted: jax.Array  # int32[R]  prefill rows: tokens the request emitted before (a preempted one's)
     stop_ids: jax.Array  # int32[R, M]     tokens that end the row (-1 padded)
     commit: jax.Array  # bool[]          False: a timing run that leaves lengths and tokens unchanged
+    # log-probabilities (spec_decode.logprobs; None: no prompt rows, as in the device loop)
+    prompt_logprobs: jax.Array | None = None  # bool[R]  this prefill chunk scores its prompt positions
+    next_prompt_token: jax.Array | None = None  # int32[R] the prompt token after the chunk (its last row's target)
 
 
 @jax.tree_util.register_dataclass
@@ -162,6 +166,7 @@ class StepOutput:
     num_verified: jax.Array  # int32[R]        drafts verified (the allocator's caps)
     confidences: jax.Array  # f32[R, K]       this step's confidences (the next budget's input)
     finished: jax.Array  # bool[R]         a stop token was emitted or the budget is used up
+    logprobs: LogprobsOutput | None = None  # sampling programs only (spec_decode.logprobs)
 
 
 def init_state(target, drafter, *, num_slots: int, num_pages: int, max_model_len: int, num_speculative_tokens: int,
@@ -356,7 +361,13 @@ def make_step_fn(target, drafter, config: StepConfig):
         li = jnp.arange(nl, dtype=jnp.int32) - lqsl[lr]
         src = jnp.where(is_decode[lr], qsl[lr] + li, qsl[lr + 1] - 1)
         src = jnp.clip(jnp.where(lrow >= 0, src, 0), 0, t - 1)
+        scores_prompt = sampled and plan.prompt_logprobs is not None
+        if scores_prompt:  # prompt-logprob rows after the sampler's (spec_decode.logprobs)
+            src, p_owner, p_offset = prompt_logit_rows(src, lqsl, qsl, is_prefill=is_prefill,
+                                                       prompt_logprobs=plan.prompt_logprobs,
+                                                       prefill_len=plan.prefill_len, prefill_last=plan.prefill_last)
         logits = tgt.logits(hidden[src])  # [NL, V] float32
+        raw_logits = logits
         if sampled:  # greedy programs skip the filter: it never changes an argmax
             row_t = safe_temp[lr][:, None]
             logits = filter_logits(logits / row_t, plan.top_k[lr], plan.top_p[lr]) * row_t
@@ -422,8 +433,17 @@ def make_step_fn(target, drafter, config: StepConfig):
                 new_state["estimator"] = jax.tree.map(lambda a, b: jnp.where(plan.commit, a, b), est,
                                                       state.estimator)
         state = dataclasses.replace(state, **new_state)
+        logprobs = None
+        if sampled:  # the target's log-probabilities at the verify positions (and prompt rows)
+            if not scores_prompt:
+                p_owner = p_offset = jnp.full((nl,), -1, jnp.int32)
+            logprobs = step_logprobs(raw_logits, logits, temperature=plan.temperature, lr=lr, lqsl=lqsl,
+                                     out_tokens=out_tokens, prompt_owner=p_owner, prompt_offset=p_offset,
+                                     prefill_tokens=input_ids, qsl=qsl, prefill_len=plan.prefill_len,
+                                     next_prompt_token=(plan.next_prompt_token if scores_prompt
+                                                        else jnp.zeros((r,), jnp.int32)))
         out = StepOutput(tokens=tokens, num_emitted=count, num_accepted=num_acc, num_verified=caps,
-                         confidences=conf, finished=finished)
+                         confidences=conf, finished=finished, logprobs=logprobs)
         return state, out
 
     return step
