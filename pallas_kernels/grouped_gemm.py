@@ -76,6 +76,7 @@ __all__ = [
     "grouped_matmul_pallas",
     "grouped_matmul_reference",
     "grouped_matmul_xla",
+    "grouped_tile_program",
     "locate_program",
     "moe_ffn",
     "moe_ffn_reference",
@@ -177,11 +178,11 @@ def swigluoai_halves(g, u, swiglu):
     return g * jax.nn.sigmoid(alpha * g) * (u + beta)
 
 
-def _grouped_matmul_kernel(
+def grouped_tile_program(
     gs_ref,  # [G] int32
     lhs_ref,  # [M, K]
-    rhs_ref,  # [G, K, N]
     out_ref,  # [M, N_out]
+    tile_product,
     *,
     num_groups: int,
     num_rows: int,
@@ -194,6 +195,12 @@ def _grouped_matmul_kernel(
     group_m: int,
     swiglu,
 ):
+    """The body of one program of a grouped GEMM (this module's kernel and the MX one,
+    ``pallas_kernels.mx_grouped_gemm``): find this program's (segment, row tile, column tile), loop over ``K``
+    in ``block_k`` steps, apply the fused swigluoai if asked, store the program's own rows.
+    ``tile_product(a, group, col0, i)`` -> f32 ``[block_m, block_n]``: the rows' ``K`` slice ``i`` (``a [block_m,
+    block_k]``) times the weight tile of ``group`` at output columns ``[col0, col0 + block_n)``; it is what the
+    two kernels do differently (a plain weight tile; MX elements decoded in registers)."""
     lane = jax.lax.broadcasted_iota(jnp.int32, (next_pow2(num_groups + 1),), 0)
     in_group = lane < num_groups
     gs = plgpu.load(gs_ref.at[jnp.where(in_group, lane, 0)], mask=in_group, other=0)
@@ -216,9 +223,9 @@ def _grouped_matmul_kernel(
     def step(i, accs):
         k0 = pl.multiple_of(i * block_k, block_k)
         a = plgpu.load(lhs_ref.at[rows[:, None], (k0 + kk)[None, :]], mask=row_ok[:, None], other=0)
-        out = [accs[0] + _dot(a, rhs_ref[group, pl.ds(k0, block_k), pl.ds(n0, block_n)])]
+        out = [accs[0] + tile_product(a, group, n0, i)]
         if swiglu is not None:
-            out.append(accs[1] + _dot(a, rhs_ref[group, pl.ds(k0, block_k), pl.ds(half + n0, block_n)]))
+            out.append(accs[1] + tile_product(a, group, half + n0, i))
         return tuple(out)
 
     zeros = jnp.zeros((block_m, block_n), jnp.float32)
@@ -226,12 +233,29 @@ def _grouped_matmul_kernel(
     dtype = out_ref.dtype
     if swiglu is None:
         y = accs[0]
-    else:  # the reference rounds the product to the weights' dtype before the activation: so does the kernel
+    else:  # the reference rounds the product to the output's dtype before the activation: so does the kernel
         g, u = (acc.astype(dtype).astype(jnp.float32) for acc in accs)
         y = swigluoai_halves(g, u, swiglu)
     cols = n0 + jax.lax.broadcasted_iota(jnp.int32, (block_n,), 0)
     out_rows = out_of_bounds_where(row_ok, row0 + r, num_rows)
     plgpu.store(out_ref.at[out_rows[:, None], cols[None, :]], y.astype(dtype), mask=row_ok[:, None])
+
+
+def _grouped_matmul_kernel(
+    gs_ref,  # [G] int32
+    lhs_ref,  # [M, K]
+    rhs_ref,  # [G, K, N]
+    out_ref,  # [M, N_out]
+    *,
+    block_k: int,
+    block_n: int,
+    **dims,
+):
+    def tile_product(a, group, col0, i):
+        k0 = pl.multiple_of(i * block_k, block_k)
+        return _dot(a, rhs_ref[group, pl.ds(k0, block_k), pl.ds(col0, block_n)])  # [block_m, block_n]
+
+    grouped_tile_program(gs_ref, lhs_ref, out_ref, tile_product, block_k=block_k, block_n=block_n, **dims)
 
 
 # ----------------------------------------------------------------------------------------------------------

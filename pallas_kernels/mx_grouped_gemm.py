@@ -47,18 +47,15 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import next_pow2, num_tiles_bound, out_of_bounds_where
+from pallas_kernels._common import num_tiles_bound
 from pallas_kernels.attention_walk import pallas_call
 from pallas_kernels.grouped_gemm import (
     grouped_matmul_reference,
     grouped_matmul_xla,
-    locate_program,
+    grouped_tile_program,
     moe_ffn_reference,
     moe_ffn_xla,
-    segments,
-    swigluoai_halves,
 )
 from pallas_kernels.mx_formats import BLOCK, check_mx_shapes, dequantize
 from pallas_kernels.platform import resolve_auto, resolve_interpret
@@ -183,62 +180,21 @@ def _mx_grouped_matmul_kernel(
     out_ref,  # [M, N_out]
     *,
     fmt: str,
-    num_groups: int,
-    num_rows: int,
-    k_steps: int,
-    n_tiles: int,
-    half: int,
-    block_m: int,
-    block_n: int,
     block_k: int,
-    group_m: int,
-    swiglu,
+    block_n: int,
+    **dims,
 ):
-    lane = jax.lax.broadcasted_iota(jnp.int32, (next_pow2(num_groups + 1),), 0)
-    in_group = lane < num_groups
-    gs = plgpu.load(gs_ref.at[jnp.where(in_group, lane, 0)], mask=in_group, other=0)
-    seg_start, seg_len = segments(gs, num_groups=num_groups, num_rows=num_rows)
-    seg, row0, nrows, n_tile = locate_program(
-        pl.program_id(0), seg_start, seg_len, num_groups=num_groups, block_m=block_m, n_tiles=n_tiles,
-        group_m=group_m,
-    )
-    group = jnp.minimum(seg, num_groups - 1)
-    # Only a group's tiles multiply; the padding tail's accumulators stay zero (and swigluoai(0) == 0). int32
-    # bounds on both ends of the loop (grouped_gemm: Triton refuses 'scf.for' bounds of different types).
-    steps = jnp.where((seg < num_groups) & (nrows > 0), jnp.int32(k_steps), jnp.int32(0))
-    r = jax.lax.broadcasted_iota(jnp.int32, (block_m,), 0)
-    row_ok = r < nrows
-    rows = jnp.where(row_ok, row0 + r, 0)
-    kk = jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-    n0 = pl.multiple_of(n_tile * block_n, block_n)
     dtype = out_ref.dtype
     bq, bs = block_k // (2 * _PACK[fmt]), block_k // BLOCK
 
-    def weight(rows0, i):
+    def tile_product(a, group, col0, i):
         q0 = pl.multiple_of(i * bq, bq)
         s0 = pl.multiple_of(i * bs, bs)
-        q = q_ref[group, pl.ds(rows0, block_n), pl.ds(q0, bq)]  # [block_n, block_k / (2 pack)] uint16
-        s = s_ref[group, pl.ds(rows0, block_n), pl.ds(s0, bs)]  # [block_n, block_k / 32]
-        return _weight_tile(q, s, fmt=fmt, dtype=dtype)  # [block_n, block_k]
+        q = q_ref[group, pl.ds(col0, block_n), pl.ds(q0, bq)]  # [block_n, block_k / (2 pack)] uint16
+        s = s_ref[group, pl.ds(col0, block_n), pl.ds(s0, bs)]  # [block_n, block_k / 32]
+        return _dot_nt(a, _weight_tile(q, s, fmt=fmt, dtype=dtype))  # [block_m, block_n]
 
-    def step(i, accs):
-        k0 = pl.multiple_of(i * block_k, block_k)
-        a = plgpu.load(lhs_ref.at[rows[:, None], (k0 + kk)[None, :]], mask=row_ok[:, None], other=0)
-        out = [accs[0] + _dot_nt(a, weight(n0, i))]
-        if swiglu is not None:
-            out.append(accs[1] + _dot_nt(a, weight(half + n0, i)))
-        return tuple(out)
-
-    zeros = jnp.zeros((block_m, block_n), jnp.float32)
-    accs = jax.lax.fori_loop(jnp.int32(0), steps, step, (zeros,) * (1 if swiglu is None else 2))
-    if swiglu is None:
-        y = accs[0]
-    else:  # the reference rounds the product to lhs's dtype before the activation: so does the kernel
-        g, u = (acc.astype(dtype).astype(jnp.float32) for acc in accs)
-        y = swigluoai_halves(g, u, swiglu)
-    cols = n0 + jax.lax.broadcasted_iota(jnp.int32, (block_n,), 0)
-    out_rows = out_of_bounds_where(row_ok, row0 + r, num_rows)
-    plgpu.store(out_ref.at[out_rows[:, None], cols[None, :]], y.astype(dtype), mask=row_ok[:, None])
+    grouped_tile_program(gs_ref, lhs_ref, out_ref, tile_product, block_k=block_k, block_n=block_n, **dims)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -285,3 +285,40 @@ def test_draft_attention_window_compiled(window, block_s, num_splits):
                   cache_rows, window=window, qpos=qpos)
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_mx_grouped_gemm_compiled(fmt, dtype):
+    """The compiled dequantizing grouped GEMM (MXFP4 / MXFP8 experts in the checkpoint's [N, K] layout) against
+    dequantize + ragged_dot on every routing trap (empty experts, one expert taking every row, padding rows past
+    the last group, all padding): the fused gate/up and the down product, outputs poisoned, padding rows exact
+    zeros; the policy's own launch (``mx_moe_ffn``) too."""
+    from pallas_kernels import mx_grouped_gemm as mg
+    from tests.test_grouped_gemm import SWIGLU, routings
+    from tests.test_mx_grouped_gemm import mx_weights
+
+    rng = np.random.default_rng(11)
+    jdt = {"f32": jnp.float32, "bf16": jnp.bfloat16}[dtype]
+    num_rows, num_groups, d, inter = 80, 6, 256, 128
+    gu_q, gu_s = mx_weights(rng, fmt, (num_groups, 2 * inter, d))
+    dn_q, dn_s = mx_weights(rng, fmt, (num_groups, d, inter))
+    config = tuning.GroupedMatmulLaunchConfig(block_m=16, block_n=32, block_k=64, group_m=2)
+    tol = 1e-4 if dtype == "f32" else 3e-2
+    for name, gs_np in routings(rng, num_rows, num_groups, 16).items():
+        gs = jnp.asarray(gs_np, jnp.int32)
+        xs = jnp.asarray(rng.standard_normal((num_rows, d)), jdt)
+        h = mg.mx_grouped_matmul_pallas(xs, gu_q, gu_s, gs, swiglu=SWIGLU, config=config, interpret=False,
+                                        poison=True)
+        y = mg.mx_grouped_matmul_pallas(h, dn_q, dn_s, gs, swiglu=None, config=config, interpret=False,
+                                        poison=True)
+        h_ref = mg.mx_grouped_matmul_reference(xs, gu_q, gu_s, gs, swiglu=SWIGLU)
+        y_ref = mg.mx_moe_ffn_reference(xs, gu_q, gu_s, dn_q, dn_s, gs, swiglu=SWIGLU)
+        y_auto = mg.mx_moe_ffn(xs, gu_q, gu_s, dn_q, dn_s, gs, swiglu=SWIGLU, implementation="pallas")
+        used = int(np.sum(gs_np))
+        for got, want in ((h, h_ref), (y, y_ref), (y_auto, y_ref)):
+            got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+            assert np.isfinite(got).all(), name
+            assert (got[used:] == 0).all(), name
+            scale = max(float(np.abs(want).max()), 1e-6)
+            assert np.abs(got - want).max() <= tol * scale, (name, np.abs(got - want).max(), scale)
