@@ -189,8 +189,11 @@ def make_loop_fn(target, drafter, config: LoopConfig):
 
             def branch(fn, t):
                 def run(state, plan):
-                    return fn(target_params, drafter_params, state,
-                              dataclasses.replace(plan, prefill_tokens=jnp.zeros((t,), jnp.int32)))
+                    st, out = fn(target_params, drafter_params, state,
+                                 dataclasses.replace(plan, prefill_tokens=jnp.zeros((t,), jnp.int32)))
+                    # the device loop returns no log-probabilities (the engine refuses them there), and their
+                    # prompt rows are shaped by the bucket: dropped, so the branches agree (and XLA skips them)
+                    return st, dataclasses.replace(out, logprobs=None)
                 return run
 
             st, out = jax.lax.switch(bucket, [branch(fn, t) for fn, t in branches], c.state, plan)
