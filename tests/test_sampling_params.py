@@ -7,12 +7,16 @@ prompt's pages; every bad setting is refused before any device work. The distrib
 in tests/test_engine_sampling.py. CPU, f32, reference kernels, one shared engine.
 """
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from spec_decode import Engine, SamplingParams
+from spec_decode.programs import pack_plan, unpack_plan
 from spec_decode.sampling_params import apply_penalties, filter_logits
+from spec_decode.step import StepPlan
 from spec_decode.stop_strings import StopStrings
 from tests.engine_models import (
     EOS,
@@ -229,3 +233,27 @@ def test_stop_strings_match_only_new_text_after_min_tokens():
     assert s.feed(ids[:1]) is None and s.feed(ids[:3]) == 2 and s.text == "A" and s.matched == "aB"
     late = StopStrings(("aB", "vA"), tok, min_tokens=3)
     assert late.feed(ids) == 5 and late.text == "AaBhCoD" and late.matched == "vA"  # "aB" at tokens 1-2: too early
+
+
+def test_the_packed_plan_carries_every_sampling_field():
+    rng = np.random.default_rng(1)
+    r, t, m, b = 3, 8, 2, 4
+    ints = {f: rng.integers(0, 50, r).astype(np.int32) for f in ("rows", "prefill_len", "prefill_start",
+                                                                 "resume_token", "scheduled", "top_k", "seed",
+                                                                 "limit", "prefill_emitted", "min_tokens")}
+    floats = {f: rng.random(r).astype(np.float32) for f in ("temperature", "top_p", "min_p", "repetition_penalty",
+                                                            "presence_penalty", "frequency_penalty")}
+    plan = StepPlan(**ints, **floats, prefill_last=np.asarray([True, False, True]),
+                    prefill_tokens=rng.integers(0, 9, t).astype(np.int32),
+                    block_tables=rng.integers(0, 9, (r, b)).astype(np.int32), budget=np.asarray(5, np.int32),
+                    stop_ids=rng.integers(-1, 9, (r, m)).astype(np.int32), commit=np.asarray(True))
+    back = unpack_plan(jnp.asarray(pack_plan(plan)), num_rows=r, num_tokens=t, num_stop_ids=m)
+    for name in list(ints) + list(floats) + ["prefill_last", "prefill_tokens", "block_tables", "budget", "stop_ids",
+                                             "commit"]:
+        np.testing.assert_array_equal(np.asarray(getattr(back, name)), np.asarray(getattr(plan, name)), name)
+    # a plan without the transform fields packs them as off
+    bare = unpack_plan(jnp.asarray(pack_plan(dataclasses.replace(plan, min_tokens=None, min_p=None,
+                                                                 repetition_penalty=None))),
+                       num_rows=r, num_tokens=t, num_stop_ids=m)
+    assert np.all(np.asarray(bare.min_tokens) == 0) and np.all(np.asarray(bare.min_p) == 0)
+    assert np.all(np.asarray(bare.repetition_penalty) == 1)
