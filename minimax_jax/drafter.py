@@ -368,8 +368,9 @@ class DSparkDrafter(nnx.Module):
         ``logit_filter``: optional ``(f32[R, V], int32[R, K]) -> f32[R, V]`` applied to the temperature-scaled
         logits of every slot before drawing, with the drafts drawn at the slots before it (-1 at this slot and
         after): penalties that depend on the prefix, min-p, top-k / top-p (the draft distribution is then the
-        transformed one, as the sampler needs). ``feature_fn``: optional ``f32[R, V] -> f32[R]`` of those scaled, filtered logits (``T = 1`` for
-        greedy rows), returned as ``features`` (e.g. the acceptance estimator's feature).
+        transformed one, as the sampler needs). ``feature_fn``: optional ``f32[R, V] -> f32[R]`` of those scaled,
+        filtered logits (``T = 1`` for greedy rows), returned as ``features`` (e.g. the acceptance estimator's
+        feature).
         """
         if num_drafts is not None:
             if not 0 < num_drafts <= h.shape[1]:

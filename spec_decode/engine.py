@@ -564,7 +564,8 @@ class Engine:
             if hot:
                 p = hot[0].params
                 what = (f"temperature {p.temperature}" if p.temperature > 0 else
-                        "a penalty (repetition, presence or frequency)" if p.penalized else f"min_tokens={p.min_tokens}")
+                        "a penalty (repetition, presence or frequency)" if p.penalized else
+                        f"min_tokens={p.min_tokens}")
                 raise ValueError(f"prompt {hot[0].prompt_index} has {what}: this engine was built with "
                                  f"sampling=False (greedy programs only, which apply no penalty or min_tokens)")
         for r in requests:
@@ -578,7 +579,8 @@ class Engine:
     def _check_fits(self, req: Request) -> None:
         need = -(-min(len(req.prompt) + req.limit + self.k, self.max_model_len) // self.page_size)
         if need > self.num_pages:
-            raise ValueError(f"prompt {req.prompt_index}: {len(req.prompt)} prompt tokens + {req.params.max_new_tokens} new "
+            raise ValueError(f"prompt {req.prompt_index}: {len(req.prompt)} prompt tokens + "
+                             f"{req.params.max_new_tokens} new "
                              f"tokens need {need} KV pages, more than the pool's {self.num_pages}")
 
     # ------------------------------------------------------------------ running
@@ -618,11 +620,12 @@ class Engine:
         penalty (``repetition_penalty`` 1, ``presence_penalty`` and ``frequency_penalty`` 0), no ``stop`` strings
         (they need the engine's tokenizer), ``min_tokens`` 0, ``n`` 1 (:class:`~spec_decode.SamplingParams`
         defines each, as vLLM does; every one is lossless under speculation, ``docs/ENGINE.md``). With ``n > 1``
-        the results hold ``n`` per prompt, prompt-major: ``results[i * n + j]`` is sample ``j`` of prompt ``i``. ``seed``: request ``i``
-        samples with ``seed + i``; seeds are integers in ``[0, 2**31)``, so ``seed + len(prompts) - 1`` must be
-        below 2**31 (per-request seeds through ``sampling_params``). Bad input raises ``ValueError`` before any
-        device work (:func:`spec_decode.request.build_requests`). ``loop="host"`` is the continuous-batching
-        engine; ``progress`` shows a tqdm bar (default: when there are more prompts than slots).
+        the results hold ``n`` per prompt, prompt-major: ``results[i * n + j]`` is sample ``j`` of prompt ``i``.
+        ``seed``: request ``i`` samples with ``seed + i``; seeds are integers in ``[0, 2**31)``, so
+        ``seed + len(prompts) * n - 1`` must be below 2**31 (per-request seeds through ``sampling_params``). Bad
+        input raises ``ValueError`` before any device work (:func:`spec_decode.request.build_requests`).
+        ``loop="host"`` is the continuous-batching engine; ``progress`` shows a tqdm bar (default: when there are
+        more prompts than slots).
         ``loop="device"`` decodes each wave of up to ``max_num_seqs`` requests in one compiled program
         (:mod:`spec_decode.device_loop`): no Python between decode steps, same greedy tokens.
         """

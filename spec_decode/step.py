@@ -76,8 +76,9 @@ class StepConfig:
     alone (no draft distributions, no transform of the logits: the greedy rows it serves have no penalty and no
     ``min_tokens``, and min-p / top-k / top-p never change an argmax); True serves every row, greedy rows included
     (temperature <= 0 is greedy per row), with min_tokens, the penalties (per-row settings: off is an identity),
-    min-p, top-k and top-p applied to target and draft distributions at each position. A static switch, not a ``lax.cond``: on a GPU a conditional makes the host wait for its
-    predicate, which would stall the dispatch of the step and with it the async scheduling.
+    min-p, top-k and top-p applied to target and draft distributions at each position. A static switch, not a
+    ``lax.cond``: on a GPU a conditional makes the host wait for its predicate, which would stall the dispatch of
+    the step and with it the async scheduling.
     """
 
     num_speculative_tokens: int
@@ -255,13 +256,15 @@ def _transform(plan: StepPlan, state: DecodeState, slot: jax.Array, emitted: jax
 
     min_tokens = field(plan.min_tokens, 0, jnp.int32)
     min_p = field(plan.min_p, 0.0, jnp.float32)
-    penalties = state.token_counts is not None and plan.repetition_penalty is not None
+    repetition = field(plan.repetition_penalty, 1.0, jnp.float32)
+    frequency = field(plan.frequency_penalty, 0.0, jnp.float32)
+    presence = field(plan.presence_penalty, 0.0, jnp.float32)
 
     def transform(scaled, rows, num_before, drafts, temps):
-        if penalties:
+        if state.token_counts is not None:  # the penalties (an identity for rows with them off)
             counts = counts_at(state.token_counts, slot[rows], drafts, num_before)
-            scaled = apply_penalties(scaled, counts, state.prompt_mask[slot[rows]], plan.repetition_penalty[rows],
-                                     plan.frequency_penalty[rows], plan.presence_penalty[rows], temperature=temps)
+            scaled = apply_penalties(scaled, counts, state.prompt_mask[slot[rows]], repetition[rows],
+                                     frequency[rows], presence[rows], temperature=temps)
         scaled = mask_min_tokens(scaled, emitted[rows] + num_before, min_tokens[rows], plan.stop_ids[rows])
         return filter_logits(scaled, plan.top_k[rows], plan.top_p[rows], min_p[rows])
 
