@@ -82,6 +82,10 @@ def test_greedy_with_penalties_equals_target_only_greedy_with_penalties(engine, 
         res = engine.generate(prompts, max_new_tokens=new, ignore_eos=True, loop=loop, progress=False, **PENALTIES)
         assert [r.token_ids for r in res] == want, loop
         assert res.stats["compiles"] == 0
+    # sampled, fixed K: both loops verify the same drafts with the same keys, so they give the same tokens
+    kw = dict(max_new_tokens=new, ignore_eos=True, temperature=1.0, min_p=0.05, seed=4, progress=False, **PENALTIES)
+    host, dev = (engine.generate(prompts, loop=loop, **kw) for loop in ("host", "device"))
+    assert [r.token_ids for r in host] == [r.token_ids for r in dev]
 
 
 def test_min_tokens_holds_eos_back(engine, target):
