@@ -365,10 +365,12 @@ class DSparkDrafter(nnx.Module):
 
         ``temperature``: scalar or ``f32[R]``; rows with ``T <= 0`` are greedy. ``key``: one PRNG key, or one per
         row (``[R]`` typed keys or raw ``uint32[R, 2]``); None means greedy for every row.
-        ``logit_filter``: optional ``f32[R, V] -> f32[R, V]`` applied to the temperature-scaled logits of every
-        slot before drawing (top-k / top-p: the draft distribution is then the filtered one, as the sampler
-        needs). ``feature_fn``: optional ``f32[R, V] -> f32[R]`` of those scaled, filtered logits (``T = 1`` for
-        greedy rows), returned as ``features`` (e.g. the acceptance estimator's feature).
+        ``logit_filter``: optional ``(f32[R, V], int32[R, K]) -> f32[R, V]`` applied to the temperature-scaled
+        logits of every slot before drawing, with the drafts drawn at the slots before it (-1 at this slot and
+        after): penalties that depend on the prefix, min-p, top-k / top-p (the draft distribution is then the
+        transformed one, as the sampler needs). ``feature_fn``: optional ``f32[R, V] -> f32[R]`` of those scaled,
+        filtered logits (``T = 1`` for greedy rows), returned as ``features`` (e.g. the acceptance estimator's
+        feature).
         """
         if num_drafts is not None:
             if not 0 < num_drafts <= h.shape[1]:
@@ -385,7 +387,7 @@ class DSparkDrafter(nnx.Module):
         state0 = markov.init_state(r) if markov is not None else jnp.zeros((r, 1), jnp.float32)
 
         def body(carry, xs):
-            prev, state = carry
+            prev, state, drafted = carry
             u_k, h_k, slot = xs
             if markov is not None:
                 bias, e, state = markov.step(prev, h_k, state)
@@ -394,7 +396,7 @@ class DSparkDrafter(nnx.Module):
                 e, logits = None, u_k
             scaled = logits / safe_t
             if logit_filter is not None:
-                scaled = logit_filter(scaled)
+                scaled = logit_filter(scaled, drafted)
             greedy_tok = jnp.argmax(scaled, axis=-1).astype(jnp.int32)
             if keys is None:
                 tok = greedy_tok
@@ -412,12 +414,15 @@ class DSparkDrafter(nnx.Module):
                 feats = jnp.concatenate([h_k, e.astype(h_k.dtype)], -1) if self.cfg.confidence_head_with_markov \
                     else h_k
                 ys["confidence_logits"] = conf_head(feats)
-            return (tok, state), ys
+            if logit_filter is not None:
+                drafted = jax.lax.dynamic_update_slice(drafted, tok[:, None], (0, slot))
+            return (tok, state, drafted), ys
 
         xs = (u, h_t, jnp.arange(k, dtype=jnp.int32))
+        drafted0 = jnp.full((r, k) if logit_filter is not None else (r, 0), -1, jnp.int32)
         # unrolled: K is small, and a rolled scan is an XLA while loop that a GPU drives from the host (a launch
         # and a predicate read-back per position, in the host loop's dispatch time)
-        _, ys = jax.lax.scan(body, (anchors.astype(jnp.int32), state0), xs, unroll=True)
+        _, ys = jax.lax.scan(body, (anchors.astype(jnp.int32), state0, drafted0), xs, unroll=True)
         ys = {name: jnp.swapaxes(val, 0, 1) for name, val in ys.items()}
         conf_logits = ys.get("confidence_logits")
         sts = self.cfg.sts_temperatures

@@ -132,9 +132,15 @@ def _check_generate_args(args) -> dict:
     if args.max_model_len < 2:
         raise UsageError(f"--max-model-len must be >= 2, got {args.max_model_len}")
     kw = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-          "top_k": args.top_k, "seed": args.seed, "ignore_eos": args.ignore_eos}
+          "top_k": args.top_k, "seed": args.seed, "ignore_eos": args.ignore_eos, "min_p": args.min_p,
+          "repetition_penalty": args.repetition_penalty, "presence_penalty": args.presence_penalty,
+          "frequency_penalty": args.frequency_penalty, "min_tokens": args.min_tokens}
+    if args.stop:
+        kw["stop"] = list(args.stop)
     names = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
-             "top_k": "--top-k", "seed": "--seed"}
+             "top_k": "--top-k", "seed": "--seed", "min_p": "--min-p", "repetition_penalty": "--repetition-penalty",
+             "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
+             "min_tokens": "--min-tokens", "stop": "--stop"}
     try:
         SamplingParams(**kw)
     except ValueError as e:
@@ -154,7 +160,7 @@ def cmd_generate(args) -> int:
     import jax
     import jax.numpy as jnp
 
-    from spec_decode import Engine
+    from spec_decode import Engine, SamplingParams
     from spec_decode.request import build_requests
 
     if args.dtype == "auto":
@@ -177,7 +183,8 @@ def cmd_generate(args) -> int:
     engine = Engine(target, drafter, num_speculative_tokens=args.k, verification=args.verification,
                     max_num_seqs=1, max_model_len=args.max_model_len, tokenizer=tokenizer,
                     max_num_batched_tokens=128, device_loop=args.loop == "device",
-                    sampling=args.temperature > 0)  # one prompt, its temperature known: half the programs
+                    # one prompt, its settings known: greedy without penalties needs half the programs
+                    sampling=SamplingParams(**kw).needs_sampling_program)
     load_s = time.perf_counter() - t0
     # the prompt itself (ids in the vocabulary, its length against --max-model-len) before anything is printed
     build_requests([prompt], tokenizer=tokenizer, vocab_size=target.cfg.vocab_size,
@@ -231,6 +238,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0, help="0: off")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 0, 1: off (vLLM's: divides the logits of tokens already in the prompt or the output)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help=">= 0, 0: off")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help=">= 0, 0: off")
+    g.add_argument("--min-tokens", type=int, default=0, help="no EOS (or stop) before this many tokens")
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop when the text contains TEXT (cut before it); repeat for several")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--stream", action="store_true", help="print tokens as steps complete")
     g.add_argument("--loop", choices=["host", "device"], default="host",

@@ -81,6 +81,11 @@ class LoopInputs:
     stop_ids: jax.Array  # int32[R, M]
     max_steps: jax.Array  # int32[]         bound on the decode iterations
     cost_table: CostTableArrays
+    min_tokens: jax.Array  # int32[R]
+    min_p: jax.Array  # f32[R]
+    repetition_penalty: jax.Array  # f32[R]
+    presence_penalty: jax.Array  # f32[R]
+    frequency_penalty: jax.Array  # f32[R]
 
 
 @jax.tree_util.register_dataclass
@@ -185,7 +190,9 @@ def make_loop_fn(target, drafter, config: LoopConfig):
                             resume_token=jnp.full((r,), -1, jnp.int32), block_tables=inputs.block_tables,
                             scheduled=sched, budget=budget, temperature=inputs.temperature, top_k=inputs.top_k,
                             top_p=inputs.top_p, seed=inputs.seed, limit=inputs.limit, prefill_emitted=zeros_r,
-                            stop_ids=inputs.stop_ids, commit=jnp.asarray(True))
+                            stop_ids=inputs.stop_ids, commit=jnp.asarray(True), min_tokens=inputs.min_tokens,
+                            min_p=inputs.min_p, repetition_penalty=inputs.repetition_penalty,
+                            presence_penalty=inputs.presence_penalty, frequency_penalty=inputs.frequency_penalty)
 
             def branch(fn, t):
                 def run(state, plan):
@@ -245,16 +252,22 @@ def loop_inputs(requests, *, config: LoopConfig, block_tables: np.ndarray, cost_
     seed = np.zeros(r, np.int32)
     stop_ids = np.full((r, config.num_stop_ids), -1, np.int32)
     tables = np.zeros((r, config.max_blocks), np.int32)
+    min_tokens = np.zeros(r, np.int32)
+    min_p, presence, frequency = np.zeros(r, np.float32), np.zeros(r, np.float32), np.zeros(r, np.float32)
+    repetition = np.ones(r, np.float32)
     for req, table in zip(requests, block_tables):
         s = req.slot
         p = req.params
         rows[s], limit[s] = s, req.limit
         temperature[s], top_k[s], top_p[s], seed[s] = p.temperature, p.top_k, p.top_p, p.seed
+        min_tokens[s], min_p[s] = p.min_tokens, p.min_p
+        repetition[s], presence[s], frequency[s] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
         stop_ids[s, : len(req.stop_ids)] = req.stop_ids
         tables[s] = table
     return LoopInputs(rows=rows, block_tables=tables, limit=limit, temperature=temperature, top_k=top_k,
                       top_p=top_p, seed=seed, stop_ids=stop_ids, max_steps=np.asarray(max_steps, np.int32),
-                      cost_table=cost_table)
+                      cost_table=cost_table, min_tokens=min_tokens, min_p=min_p, repetition_penalty=repetition,
+                      presence_penalty=presence, frequency_penalty=frequency)
 
 
 def fill_requests(requests, out: LoopOutputs, k: int) -> None:

@@ -54,6 +54,7 @@ from spec_decode.cost_table import CostTable, CostTableArrays, load_cost_table, 
 from spec_decode.device_loop import LoopConfig, fill_requests, loop_inputs, make_loop_fn
 from spec_decode.logprobs import ScoreResult
 from spec_decode.page_pool import PagePool
+from spec_decode.penalties import write_history
 from spec_decode.planner import Planner
 from spec_decode.programs import (
     CompileReport,
@@ -63,7 +64,7 @@ from spec_decode.programs import (
     on_mesh,
     pack_plan,
 )
-from spec_decode.request import Request, build_requests, encode_prompt
+from spec_decode.request import SAMPLING_KEYWORDS, Request, build_requests, encode_prompt
 from spec_decode.results import GenerationResult, GenerationResults, request_result, run_stats
 from spec_decode.sampling_params import SamplingParams
 from spec_decode.scheduler import ScheduledStep, Scheduler
@@ -235,6 +236,7 @@ class Engine:
         self._programs = StepPrograms(target, self.drafter, self._step_config, self.step_keys,
                                      num_rows=self.max_num_seqs, num_stop_ids=self.num_stop_ids, mesh=self.mesh)
         self._loop_programs: dict[bool, object] = {}  # sampling -> the compiled device loop
+        self._history_program = None  # writes one slot's token history (penalties), compiled at warm-up
         self._warm_device_loop = bool(device_loop)
         self._target_params = nnx.state(target)
         self._drafter_params = nnx.state(self.drafter) if self.drafter is not None else None
@@ -375,7 +377,7 @@ class Engine:
         state = init_state(self.target, self.drafter, num_slots=self.max_num_seqs, num_pages=self.num_pages,
                            max_model_len=self.max_model_len, num_speculative_tokens=self.k,
                            use_estimator=self.confidence == "estimator", cache_dtype=self.cache_dtype,
-                           confidence=self.confidence)
+                           confidence=self.confidence, penalties=self.sampling)
         return self._placed(state)
 
     def _placed(self, state: DecodeState) -> DecodeState:
@@ -396,7 +398,9 @@ class Engine:
                         resume_token=np.full(r, -1, np.int32), block_tables=np.zeros((r, self.max_blocks), np.int32),
                         scheduled=z(), budget=np.asarray(0, np.int32), temperature=np.zeros(r, np.float32),
                         top_k=z(), top_p=np.ones(r, np.float32), seed=z(), limit=z(), prefill_emitted=z(),
-                        stop_ids=np.full((r, self.num_stop_ids), -1, np.int32), commit=np.asarray(True))
+                        stop_ids=np.full((r, self.num_stop_ids), -1, np.int32), commit=np.asarray(True),
+                        min_tokens=z(), min_p=np.zeros(r, np.float32), repetition_penalty=np.ones(r, np.float32),
+                        presence_penalty=np.zeros(r, np.float32), frequency_penalty=np.zeros(r, np.float32))
 
     # ------------------------------------------------------------------ warm-up
     def warmup(self, *, progress: bool | None = None) -> CompileReport:
@@ -417,6 +421,10 @@ class Engine:
                 self._state = self._init_state()
             params = (self._target_params, self._drafter_params)
             lowered = self._programs.lower(*params, self._state, self._example_plan)
+            if self._state.token_counts is not None and self._history_program is None:
+                lowered["history"] = self._history_jit().lower(
+                    self._state.token_counts, self._state.prompt_mask, np.int32(0),
+                    np.full(self.max_model_len, -1, np.int32), np.int32(0))
             for sampling in (False, True)[:1 + self.sampling] if (self._warm_device_loop or device_loop) else ():
                 if sampling not in self._loop_programs:
                     cfg = dataclasses.replace(self.loop_config,
@@ -430,6 +438,7 @@ class Engine:
             for sampling in (False, True):
                 if ("loop", sampling) in done:
                     self._loop_programs[sampling] = done.pop(("loop", sampling))
+            self._history_program = done.pop("history", self._history_program)
             self._programs.install(done)
             if self.planner.profile_pending and self.k and self._programs.ready:
                 self._load_or_profile_costs(show)
@@ -444,6 +453,23 @@ class Engine:
         self.warmup_report = report
         print(f"minimax-jax: warm-up: {report}", file=sys.stderr)
         return report
+
+    def _history_jit(self):
+        """:func:`spec_decode.penalties.write_history` jitted for the engine's state (its two arrays donated)."""
+        out = None
+        if self.mesh is not None:
+            rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+            out = (rep, rep)
+        return jax.jit(write_history, donate_argnums=(0, 1), out_shardings=out)
+
+    def _write_histories(self, histories) -> None:
+        """The token histories of a step's admitted requests with a penalty, into their slots (before the step)."""
+        for slot, tokens, num_prompt in histories:
+            padded = np.full(self.max_model_len, -1, np.int32)
+            padded[:len(tokens)] = tokens
+            counts, mask = self._history_program(self._state.token_counts, self._state.prompt_mask, np.int32(slot),
+                                                 padded, np.int32(num_prompt))
+            self._state = dataclasses.replace(self._state, token_counts=counts, prompt_mask=mask)
 
     def _example_loop_inputs(self):
         return loop_inputs([], config=self.loop_config, block_tables=np.zeros((0, self.max_blocks), np.int32),
@@ -526,11 +552,9 @@ class Engine:
                 self._owner = None
 
     # ------------------------------------------------------------------ validation
-    def _requests(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, ignore_eos,
-                  sampling_params) -> list[Request]:
-        """Validated requests (:func:`spec_decode.request.build_requests`) that fit the page pool."""
-        passed = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                      stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+    def _requests(self, prompts, passed: dict, sampling_params) -> list[Request]:
+        """Validated requests (:func:`spec_decode.request.build_requests`) that fit the page pool; ``passed``: the
+        sampling keywords of the call (None: not given)."""
         cfg = self.target.cfg
         requests = build_requests(prompts, tokenizer=self.tokenizer, vocab_size=cfg.vocab_size,
                                   eos_token_ids=cfg.eos_token_id, max_model_len=self.max_model_len,
@@ -538,14 +562,18 @@ class Engine:
                                   keywords={k: v for k, v in passed.items() if v is not None},
                                   sampling_params=sampling_params)
         if not self.sampling:
-            hot = [i for i, r in enumerate(requests) if r.params.temperature > 0]
+            hot = [r for r in requests if r.params.needs_sampling_program]
             if hot:
-                raise ValueError(f"request {hot[0]} has temperature {requests[hot[0]].params.temperature}: this "
-                                 f"engine was built with sampling=False (greedy programs only)")
-            asks = [i for i, r in enumerate(requests) if r.params.wants_logprobs]
+                p = hot[0].params
+                what = (f"temperature {p.temperature}" if p.temperature > 0 else
+                        "a penalty (repetition, presence or frequency)" if p.penalized else
+                        f"min_tokens={p.min_tokens}")
+                raise ValueError(f"prompt {hot[0].prompt_index} has {what}: this engine was built with "
+                                 f"sampling=False (greedy programs only, which apply no penalty or min_tokens)")
+            asks = [r for r in requests if r.params.wants_logprobs]
             if asks:
-                raise ValueError(f"request {asks[0]} asks for logprobs / prompt_logprobs: the sampling programs "
-                                 f"compute them, and this engine was built with sampling=False")
+                raise ValueError(f"prompt {asks[0].prompt_index} asks for logprobs / prompt_logprobs: the sampling "
+                                 f"programs compute them, and this engine was built with sampling=False")
         for r in requests:
             self._check_fits(r)
         if not self._warned_no_eos and any(not r.stop_ids and not r.params.ignore_eos for r in requests):
@@ -557,19 +585,24 @@ class Engine:
     def _check_fits(self, req: Request) -> None:
         need = -(-min(len(req.prompt) + req.limit + self.k, self.max_model_len) // self.page_size)
         if need > self.num_pages:
-            raise ValueError(f"prompt {req.index}: {len(req.prompt)} prompt tokens + {req.params.max_new_tokens} new "
+            raise ValueError(f"prompt {req.prompt_index}: {len(req.prompt)} prompt tokens + "
+                             f"{req.params.max_new_tokens} new "
                              f"tokens need {need} KV pages, more than the pool's {self.num_pages}")
 
     # ------------------------------------------------------------------ running
     def stream(self, prompts, *, max_new_tokens: int | None = None, temperature: float | None = None,
                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                stop_token_ids: Sequence[int] | None = None, ignore_eos: bool | None = None,
+               min_p: float | None = None, repetition_penalty: float | None = None,
+               presence_penalty: float | None = None, frequency_penalty: float | None = None,
+               stop: str | Sequence[str] | None = None, min_tokens: int | None = None, n: int | None = None,
                sampling_params=None) -> Iterator[tuple[int, list[int]]]:
         """Yield ``(request index, new token ids)`` as steps complete (continuous batching, host loop).
 
-        The sampling keywords are those of :meth:`generate`. The engine is held from the first ``next()`` until the stream is exhausted or closed."""
-        requests = self._requests(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
-                                  ignore_eos, sampling_params)
+        The sampling keywords are those of :meth:`generate`; with ``n > 1`` the index is the request's,
+        ``prompt index * n + sample``. The engine is held from the first ``next()`` until the stream is exhausted or
+        closed."""
+        requests = self._requests(prompts, _keywords(locals()), sampling_params)
         return self._stream(requests)
 
     def _stream(self, requests: list[Request]) -> Iterator[tuple[int, list[int]]]:
@@ -580,29 +613,36 @@ class Engine:
     def generate(self, prompts, *, max_new_tokens: int | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  stop_token_ids: Sequence[int] | None = None, ignore_eos: bool | None = None,
+                 min_p: float | None = None, repetition_penalty: float | None = None,
+                 presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                 stop: str | Sequence[str] | None = None, min_tokens: int | None = None, n: int | None = None,
                  sampling_params=None, loop: str = "host", progress: bool | None = None) -> GenerationResults:
         """Generate for every prompt; returns :class:`GenerationResult` s in prompt order (``.stats``: the run).
 
         ``prompts``: strings (with a tokenizer) or token-id lists. Sampling settings come as keywords or as
         ``sampling_params`` (one :class:`~spec_decode.SamplingParams` or one per prompt), not both; a keyword
-        left ``None`` takes its default: ``max_new_tokens`` 64, ``temperature`` 0 (greedy), ``top_k`` 0 and
-        ``top_p`` 1 (no filter), ``seed`` 0, no ``stop_token_ids``, ``ignore_eos`` False. ``seed``: request ``i``
-        samples with ``seed + i``; seeds are integers in ``[0, 2**31)``, so ``seed + len(prompts) - 1`` must be
-        below 2**31 (per-request seeds through ``sampling_params``). Bad input raises ``ValueError`` before any
-        device work (:func:`spec_decode.request.build_requests`). ``loop="host"`` is the continuous-batching
-        engine; ``progress`` shows a tqdm bar (default: when there are more prompts than slots).
+        left ``None`` takes its default: ``max_new_tokens`` 64, ``temperature`` 0 (greedy), ``top_k`` 0,
+        ``top_p`` 1 and ``min_p`` 0 (no filter), ``seed`` 0, no ``stop_token_ids``, ``ignore_eos`` False, no
+        penalty (``repetition_penalty`` 1, ``presence_penalty`` and ``frequency_penalty`` 0), no ``stop`` strings
+        (they need the engine's tokenizer), ``min_tokens`` 0, ``n`` 1 (:class:`~spec_decode.SamplingParams`
+        defines each, as vLLM does; every one is lossless under speculation, ``docs/ENGINE.md``). With ``n > 1``
+        the results hold ``n`` per prompt, prompt-major: ``results[i * n + j]`` is sample ``j`` of prompt ``i``.
+        ``seed``: request ``i`` samples with ``seed + i``; seeds are integers in ``[0, 2**31)``, so
+        ``seed + len(prompts) * n - 1`` must be below 2**31 (per-request seeds through ``sampling_params``). Bad
+        input raises ``ValueError`` before any device work (:func:`spec_decode.request.build_requests`).
+        ``loop="host"`` is the continuous-batching engine; ``progress`` shows a tqdm bar (default: when there are
+        more prompts than slots).
         ``loop="device"`` decodes each wave of up to ``max_num_seqs`` requests in one compiled program
         (:mod:`spec_decode.device_loop`): no Python between decode steps, same greedy tokens.
         """
         if loop not in ("host", "device"):
             raise ValueError(f"loop must be 'host' or 'device', got {loop!r}")
-        requests = self._requests(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
-                                  ignore_eos, sampling_params)
+        requests = self._requests(prompts, _keywords(locals()), sampling_params)
         if loop == "device":
-            asks = [i for i, r in enumerate(requests) if r.params.wants_logprobs]
+            asks = [r for r in requests if r.params.wants_logprobs]
             if asks:
-                raise ValueError(f"request {asks[0]} asks for logprobs / prompt_logprobs, which the device loop "
-                                 f"does not return: use loop='host'")
+                raise ValueError(f"prompt {asks[0].prompt_index} asks for logprobs / prompt_logprobs, which the "
+                                 f"device loop does not return: use loop='host'")
         with self._exclusive():
             self._warmup(None, device_loop=loop == "device")
             if loop == "device":
@@ -695,7 +735,10 @@ class Engine:
                          max_total_logit_rows=self.max_total_logit_rows, num_stop_ids=self.num_stop_ids)
 
     def _launch(self, step: ScheduledStep, packed: np.ndarray | None = None):
-        """Dispatch one step (its plan in one transfer); the output is copied back asynchronously."""
+        """Dispatch one step (its plan in one transfer); the output is copied back asynchronously. The token
+        histories of the requests it admits are written first (in dispatch order: the device runs them before it)."""
+        if step.histories:
+            self._write_histories(step.histories)
         self._state, out = self._programs.run(step.key, self._target_params, self._drafter_params, self._state,
                                               step.plan if packed is None else packed)
         for leaf in jax.tree.leaves(out):
@@ -835,12 +878,19 @@ class Engine:
                     inputs = loop_inputs(live, config=self.loop_config, block_tables=tables, cost_table=cost,
                                          max_steps=self.loop_config.output_len)
                     d0 = time.perf_counter()
-                    program = self._loop_programs[any(r.params.temperature > 0 for r in live)]
+                    program = self._loop_programs[any(r.params.needs_sampling_program for r in live)]
                     self._state, out = program(self._target_params, self._drafter_params, self._state,
                                                self._programs.put(inputs))
                     out = jax.device_get(out)
                     device_s += time.perf_counter() - d0
                     fill_requests(live, out, self.k)
+                    stopped = set()
+                    for r in live:  # stop strings: the device loop decoded past them; cut the output now
+                        if r.stop_strings is not None:
+                            keep = r.stop_strings.feed(r.output)
+                            if keep is not None:
+                                del r.output[keep:]
+                                stopped.add(r.index)
                     n = int(out.steps)
                     steps += n
                     per_step = np.where(out.verified_per_step[:, :n] >= 0, out.verified_per_step[:, :n], 0).sum(0)
@@ -850,7 +900,7 @@ class Engine:
                     drafted.extend(int(x) for x in out.draft_len_per_step[:n] * out.live_per_step[:n])
                     for r in live:
                         last = r.output[-1] if r.output else None
-                        r.finish_reason = "stop" if last in r.stop_ids else "length"
+                        r.finish_reason = "stop" if r.index in stopped or last in r.stop_ids else "length"
                     sched.finish_wave(live)
             except BaseException:
                 self._recover(sched)
@@ -880,16 +930,18 @@ class Engine:
             yield wave
 
 
-def generate_offline(target, drafter, prompts, *, max_new_tokens: int | None = None,
-                     temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                     seed: int | None = None, stop_token_ids: Sequence[int] | None = None,
-                     ignore_eos: bool | None = None, sampling_params=None, **engine_kwargs) -> GenerationResults:
+def generate_offline(target, drafter, prompts, *, sampling_params=None, **kwargs) -> GenerationResults:
     """Jitted offline batch decoding in one call: ``Engine(target, drafter, **engine_kwargs).generate(prompts,
-    loop="device", ...)``. Keep an :class:`Engine` instead to reuse its compiled programs."""
-    engine = Engine(target, drafter, **engine_kwargs)
-    return engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                           top_p=top_p, seed=seed, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-                           sampling_params=sampling_params, loop="device")
+    loop="device", ...)``; ``kwargs`` are the sampling keywords of :meth:`Engine.generate` and the engine's
+    settings. Keep an :class:`Engine` instead to reuse its compiled programs."""
+    sampling = {k: kwargs.pop(k) for k in SAMPLING_KEYWORDS if k in kwargs}
+    engine = Engine(target, drafter, **kwargs)
+    return engine.generate(prompts, sampling_params=sampling_params, loop="device", **sampling)
+
+
+def _keywords(args: dict) -> dict:
+    """The sampling keywords of a ``generate`` / ``stream`` call (from its ``locals()``)."""
+    return {k: args[k] for k in SAMPLING_KEYWORDS}
 
 
 @jax.jit

@@ -109,19 +109,28 @@ def compile_in_pool(lowered: dict, *, progress: bool, desc: str) -> dict:
 
 
 _INT_FIELDS = ("rows", "prefill_len", "prefill_start", "prefill_last", "resume_token", "scheduled", "top_k", "seed",
-               "limit", "prefill_emitted", "prompt_logprobs", "next_prompt_token")
+               "limit", "prefill_emitted", "min_tokens", "prompt_logprobs", "next_prompt_token")
+# per-row float fields, bit-cast; the value a plan without the field (None) packs
+_FLOAT_FIELDS = (("temperature", 0.0), ("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0),
+                 ("presence_penalty", 0.0), ("frequency_penalty", 0.0))
+_INT_FILL = {"min_tokens": 0, "prompt_logprobs": 0, "next_prompt_token": 0}  # what a field left None packs
+
+
+def _row_field(plan: StepPlan, name: str, fill, dtype) -> np.ndarray:
+    v = getattr(plan, name)
+    return np.full(np.shape(plan.rows), fill, dtype) if v is None else np.asarray(v, dtype)
 
 
 def pack_plan(plan: StepPlan) -> np.ndarray:
     """Numpy side: the whole plan in one flat ``int32`` vector (one transfer per step): the per-row integer fields,
-    the stop ids and the block table (``int32[R, C]``, row-major), the two float fields bit-cast (``[R, 2]``:
-    temperature, top_p), then the prefill tokens, the budget and the commit flag (``T + 2``)."""
-    r = np.shape(plan.rows)[0]
-    cols = [np.asarray(np.zeros(r) if getattr(plan, f) is None else getattr(plan, f), np.int32)[:, None]
-            for f in _INT_FIELDS]
+    the stop ids and the block table (``int32[R, C]``, row-major), the six float fields bit-cast (``[R, 6]``:
+    temperature, top_p, min_p, the repetition, presence and frequency penalties), then the prefill tokens, the
+    budget and the commit flag (``T + 2``). A transform or log-probability field a plan leaves None packs as
+    off."""
+    cols = [_row_field(plan, f, _INT_FILL.get(f), np.int32)[:, None] for f in _INT_FIELDS]
     ints = np.concatenate(cols + [np.asarray(plan.stop_ids, np.int32), np.asarray(plan.block_tables, np.int32)],
                           axis=1)
-    floats = np.stack([np.asarray(plan.temperature, np.float32), np.asarray(plan.top_p, np.float32)], axis=1)
+    floats = np.stack([_row_field(plan, f, fill, np.float32) for f, fill in _FLOAT_FIELDS], axis=1)
     return np.concatenate([ints.ravel(), floats.view(np.int32).ravel(), np.asarray(plan.prefill_tokens, np.int32),
                            np.asarray([plan.budget, plan.commit], np.int32)])
 
@@ -129,20 +138,21 @@ def pack_plan(plan: StepPlan) -> np.ndarray:
 def unpack_plan(packed: jax.Array, *, num_rows: int, num_tokens: int, num_stop_ids: int) -> StepPlan:
     """Device side (traced): the :class:`StepPlan` of ``num_rows`` rows and ``num_tokens`` packed token slots back
     from :func:`pack_plan`'s vector, by static slicing."""
-    n = len(_INT_FIELDS)
-    int_size = packed.shape[0] - 2 * num_rows - num_tokens - 2
+    n, nf = len(_INT_FIELDS), len(_FLOAT_FIELDS)
+    int_size = packed.shape[0] - nf * num_rows - num_tokens - 2
     if int_size <= 0 or int_size % num_rows:
         raise ValueError(f"a packed plan of {packed.shape[0]} values does not hold {num_rows} rows and "
                          f"{num_tokens} tokens")
     ints = packed[:int_size].reshape(num_rows, int_size // num_rows)
-    floats = jax.lax.bitcast_convert_type(packed[int_size:int_size + 2 * num_rows], jnp.float32).reshape(num_rows, 2)
-    tail = packed[int_size + 2 * num_rows:]
+    floats = jax.lax.bitcast_convert_type(packed[int_size:int_size + nf * num_rows],
+                                          jnp.float32).reshape(num_rows, nf)
+    tail = packed[int_size + nf * num_rows:]
     f = {name: ints[:, i] for i, name in enumerate(_INT_FIELDS)}
     f["prefill_last"] = f["prefill_last"] != 0
     f["prompt_logprobs"] = f["prompt_logprobs"] != 0
+    f.update({name: floats[:, i] for i, (name, _) in enumerate(_FLOAT_FIELDS)})
     return StepPlan(**f, stop_ids=ints[:, n:n + num_stop_ids], block_tables=ints[:, n + num_stop_ids:],
-                    temperature=floats[:, 0], top_p=floats[:, 1], prefill_tokens=tail[:-2], budget=tail[-2],
-                    commit=tail[-1] != 0)
+                    prefill_tokens=tail[:-2], budget=tail[-2], commit=tail[-1] != 0)
 
 
 def on_mesh(fn, mesh):

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from minimax_jax import sharding
+from spec_decode.request import SAMPLING_KEYWORDS
 from spec_decode.results import GenerationResults
 from spec_decode.sampling_params import SamplingParams
 
@@ -59,9 +60,9 @@ class ReplicatedEngine:
         prompts = list(prompts)
         n = len(prompts)
         if sampling_params is None:  # request j keeps the seed one engine would give it
-            keys = ("max_new_tokens", "temperature", "top_k", "top_p", "stop_token_ids", "ignore_eos")
-            given = {k: kwargs.pop(k) for k in keys if kwargs.get(k) is not None}
-            sampling_params = [SamplingParams(**given, seed=(seed or 0) + j) for j in range(n)]
+            given = {k: kwargs.pop(k) for k in SAMPLING_KEYWORDS if k != "seed" and kwargs.get(k) is not None}
+            samples = given.get("n", 1)
+            sampling_params = [SamplingParams(**given, seed=(seed or 0) + j * samples) for j in range(n)]
         elif seed is not None:
             raise ValueError("give seed or sampling_params, not both")
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * n

@@ -14,12 +14,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from spec_decode.sampling_params import SamplingParams
+from spec_decode.sampling_params import SamplingParams, sample_seed
+from spec_decode.stop_strings import StopStrings
 
 __all__ = ["SAMPLING_KEYWORDS", "Request", "RequestStatus", "build_requests", "encode_prompt"]
 
 # The sampling keywords of generate/stream, in the order error messages list them.
-SAMPLING_KEYWORDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos")
+SAMPLING_KEYWORDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos",
+                     "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "min_tokens", "n")
 SEED_LIMIT = 2**31
 
 
@@ -32,9 +34,11 @@ class RequestStatus(enum.Enum):
 
 @dataclasses.dataclass(eq=False)
 class Request:
-    """One generation request and its host-side progress (compared by identity)."""
+    """One generation request and its host-side progress (compared by identity).
 
-    index: int  # position in the caller's prompt list
+    With ``n`` samples per prompt each sample is a request of its own: ``index = prompt_index * n + sample``."""
+
+    index: int  # position in the engine's request list (== prompt_index when n == 1)
     prompt: list[int]
     params: SamplingParams
     stop_ids: tuple[int, ...]
@@ -56,6 +60,9 @@ class Request:
     # log-probabilities (spec_decode.logprobs), when the params ask: one per output token; one per prompt position
     logprobs: list | None = None
     prompt_logprobs: list | None = None
+    prompt_index: int = -1  # position in the caller's prompt list (-1: index)
+    sample: int = 0  # which of the prompt's n samples
+    stop_strings: StopStrings | None = None  # the text stop sequences, when it has some
 
     @property
     def is_resumed(self) -> bool:
@@ -124,16 +131,21 @@ def _sampling_params(n: int, *, keywords: dict, sampling_params) -> list[Samplin
     if not _is_int(seed) or not 0 <= seed < SEED_LIMIT:
         raise ValueError(f"seed must be an integer in [0, 2**31), got {seed!r}")
     seed = int(seed)
-    if seed + n - 1 >= SEED_LIMIT:
-        raise ValueError(f"seed={seed} with {n} prompts: request i samples with seed + i, and seed + {n - 1} = "
-                         f"{seed + n - 1} is not below 2**31; pass a seed <= {SEED_LIMIT - n} (or per-request "
-                         f"seeds through sampling_params)")
+    samples = kw.get("n", 1)
+    if not _is_int(samples) or samples < 1:
+        raise ValueError(f"n (samples per prompt) must be an integer >= 1, got {samples!r}")
+    samples = int(samples)
+    total = n * samples
+    if seed + total - 1 >= SEED_LIMIT:
+        raise ValueError(f"seed={seed} with {n} prompts x n={samples}: request i samples with seed + i, and seed + "
+                         f"{total - 1} = {seed + total - 1} is not below 2**31; pass a seed <= {SEED_LIMIT - total} "
+                         f"(or per-request seeds through sampling_params)")
     if "stop_token_ids" in kw and kw["stop_token_ids"] is not None:
         stop = kw["stop_token_ids"]
         if isinstance(stop, (str, bytes)) or not isinstance(stop, (Sequence, np.ndarray)):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {type(stop).__name__}")
     base = SamplingParams(seed=seed, **kw)
-    return [base if i == 0 else base.replace(seed=seed + i) for i in range(n)]
+    return [base if i == 0 else base.replace(seed=seed + i * samples) for i in range(n)]
 
 
 def build_requests(prompts, *, tokenizer, vocab_size: int, eos_token_ids, max_model_len: int, max_stop_ids: int,
@@ -143,7 +155,10 @@ def build_requests(prompts, *, tokenizer, vocab_size: int, eos_token_ids, max_mo
     ``keywords``: only the sampling keywords the caller passed (a subset of :data:`SAMPLING_KEYWORDS`); the rest
     take :class:`SamplingParams`' defaults. They may not be mixed with ``sampling_params`` (one
     ``SamplingParams`` for every prompt, or a list of one per prompt). With keywords, request ``i`` samples with
-    ``seed + i``; every seed must be in ``[0, 2**31)``. A ``top_k`` above ``vocab_size`` keeps everything (it is
+    ``seed + i``; every seed must be in ``[0, 2**31)``. A prompt with ``n > 1`` makes ``n`` requests, prompt-major
+    (request ``i * n + j`` is sample ``j`` of prompt ``i``, seeded ``sample_seed(seed of prompt i, j)``; with
+    keywords prompt ``i``'s seed is ``seed + i * n``, so every request still samples with ``seed + index``).
+    Stop strings need ``tokenizer``. A ``top_k`` above ``vocab_size`` keeps everything (it is
     clamped to ``vocab_size``). Each request may end on at most ``max_stop_ids`` ids (EOS included).
     Prompts are strings (encoded with ``tokenizer``, BOS first when it has one) or lists / 1-D arrays of integer
     token ids in ``[0, vocab_size)``, of 1 to ``max_model_len - 1`` tokens.
@@ -174,6 +189,14 @@ def build_requests(prompts, *, tokenizer, vocab_size: int, eos_token_ids, max_mo
         if len(stop) > max_stop_ids:
             raise ValueError(f"prompt {i} has {len(stop)} stop token ids (EOS included), more than the engine's "
                              f"limit of {max_stop_ids}; raise it with Engine(max_stop_token_ids=...)")
-        requests.append(Request(index=i, prompt=ids, params=p, stop_ids=stop, arrival=i,
-                                limit=min(p.max_new_tokens, max_model_len - len(ids))))
+        if p.stop and tokenizer is None:
+            raise ValueError(f"prompt {i} has stop strings {list(p.stop)!r} but the engine has no tokenizer to "
+                             f"detokenize with; pass Engine(..., tokenizer=...) or use stop_token_ids")
+        for j in range(p.n):
+            q = p if j == 0 else p.replace(seed=sample_seed(p.seed, j))
+            index = len(requests)
+            requests.append(Request(index=index, prompt=ids, params=q, stop_ids=stop, arrival=index,
+                                    limit=min(p.max_new_tokens, max_model_len - len(ids)), prompt_index=i, sample=j,
+                                    stop_strings=StopStrings(p.stop, tokenizer, min_tokens=p.min_tokens)
+                                    if p.stop else None))
     return requests

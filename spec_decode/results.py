@@ -22,7 +22,9 @@ class GenerationResult:
     ``target_steps`` (verify steps, prefill excluded), ``acceptance_length`` (tokens emitted per verify step,
     bonus included), ``accepted_per_position`` (K counts), ``verified_per_position`` (K counts),
     ``verified_drafts_per_step`` (list), ``finish_reason`` (``"stop"`` or ``"length"``), ``prompt_tokens``,
-    ``preemptions``.
+    ``preemptions``, ``prompt_index`` and ``sample`` (which of the prompt's ``n`` samples), ``stop_string`` (the
+    stop string that ended it, else None). A stop string is not part of ``text``; ``token_ids`` end with the token
+    that completed it.
 
     ``logprobs`` (when the request's ``SamplingParams.logprobs`` is set, else None): one
     :class:`~spec_decode.logprobs.TokenLogprobs` per token of ``token_ids`` (its log-probability under the target
@@ -44,7 +46,8 @@ class GenerationResult:
 
 
 class GenerationResults(list):
-    """``list[GenerationResult]`` in prompt order, with the run-level statistics in ``.stats``."""
+    """``list[GenerationResult]`` in prompt order (with ``n`` samples per prompt: prompt-major, ``[i * n + j]`` is
+    sample ``j`` of prompt ``i``), with the run-level statistics in ``.stats``."""
 
     stats: dict
 
@@ -65,8 +68,14 @@ def request_result(req: Request, *, k: int, tokenizer=None) -> GenerationResult:
         "finish_reason": req.finish_reason,
         "prompt_tokens": len(req.prompt),
         "preemptions": req.preemptions,
+        "prompt_index": req.prompt_index,
+        "sample": req.sample,
+        "stop_string": req.stop_strings.matched if req.stop_strings is not None else None,
     }
-    text = tokenizer.decode(req.output) if tokenizer is not None else None
+    if req.stop_strings is not None and req.stop_strings.text is not None:
+        text = req.stop_strings.text  # cut before the stop string
+    else:
+        text = tokenizer.decode(req.output) if tokenizer is not None else None
     return GenerationResult(list(req.output), text, stats, list(req.prompt),
                             logprobs=None if req.logprobs is None else list(req.logprobs),
                             prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs))

@@ -30,7 +30,14 @@ Policy, step by step:
 4. **Shape**: rows are always the engine's slots; the packed tokens go to the smallest bucket of the closed set
    (:mod:`spec_decode.buckets`).
 5. **Prefix caching**: every full page of a prefill chunk is registered in the pool once the step is built, so
-   requests admitted in later steps can share it.
+   requests admitted in later steps can share it. The samples of a prompt with ``n > 1`` are admitted one step
+   after the first of them (not in the same step), so they start from its cached pages instead of computing the
+   prompt again.
+6. **Token histories**: a request with a penalty is written into its slot's history when it is admitted (its
+   prompt, and a recomputed request's output), before the step's program runs (``ScheduledStep.histories``,
+   :mod:`spec_decode.penalties`).
+7. **Stop strings** are matched as tokens are read back (:mod:`spec_decode.stop_strings`): a match finishes the
+   request on the host (its later steps in flight are discarded).
 """
 
 from __future__ import annotations
@@ -68,6 +75,9 @@ class ScheduledStep:
     num_decode: int
     num_prefill_tokens: int
     budget: int
+    # (slot, prompt + output so far, prompt length) of each admitted request with a penalty: its slot's token
+    # history, written before the step runs
+    histories: list[tuple[int, list[int], int]] = dataclasses.field(default_factory=list)
 
 
 class Scheduler:
@@ -219,10 +229,14 @@ class Scheduler:
                 continue
             prefill.append((req, n))
             room -= n
+        histories = []
+        prefilling = {r.prompt_index for r in self.running.values() if r.status is RequestStatus.PREFILL}
         while self.waiting and room > 0 and self.free_slots:
             req = self.waiting[0]
             if self._inflight[req.index]:
                 break  # preempted while a step of it was in flight: its output is not known yet
+            if req.params.n > 1 and req.prompt_index in prefilling and not req.is_resumed:
+                break  # a sibling sample prefills its prompt now: start from its pages next step
             target = req.prompt + req.output[:-1]  # a resumed request recomputes its output but the anchor
             # prompt log-probabilities need every prompt position computed: no prefix reuse
             cached = 0 if self._scores_prompt(req) else self.pool.admit(req.index, target)
@@ -237,6 +251,9 @@ class Scheduler:
             req.num_cached = cached
             self.prefix_tokens_reused += cached
             self.running[req.slot] = req
+            prefilling.add(req.prompt_index)
+            if req.params.penalized:
+                histories.append((req.slot, req.prompt + req.output, len(req.prompt)))
             prefill.append((req, n))
             room -= n
         if not decode and not prefill:
@@ -269,7 +286,7 @@ class Scheduler:
         num_tokens = n_pre + len(decode) + budget
         t = token_bucket(self.token_buckets[draft_len], num_tokens)
         # log-probabilities are computed by the sampling programs (they serve greedy rows too)
-        sampling = any(req.params.temperature > 0 or req.params.wants_logprobs for req, _ in prefill + decode)
+        sampling = any(req.params.needs_sampling_program or req.params.wants_logprobs for req, _ in prefill + decode)
         key = StepKey(t, logit_rows(t, rows=self.num_slots, num_speculative_tokens=draft_len,
                                     max_total_logit_rows=self.max_total_logit_rows), sampling, draft_len)
 
@@ -277,7 +294,7 @@ class Scheduler:
         row_reqs: list[Request | None] = [r for r, _ in prefill] + [r for r, _ in decode]
         row_reqs += [None] * (self.num_slots - len(row_reqs))
         plan = self._plan_arrays(row_reqs, prefill, ends, decode, budget, t, scores)
-        step = ScheduledStep(plan, key, row_reqs, num_tokens, len(decode), n_pre, budget)
+        step = ScheduledStep(plan, key, row_reqs, num_tokens, len(decode), n_pre, budget, histories)
         if self.check_writes:
             self._check_writes(prefill, decode)
 
@@ -355,7 +372,12 @@ class Scheduler:
                         seed=per_row((p.seed for p in params), 0, np.int32),
                         limit=per_row((req.limit for req in live), 0, np.int32),
                         prefill_emitted=np.asarray(n_emitted, np.int32), stop_ids=stop_ids,
-                        commit=np.asarray(True), prompt_logprobs=score_rows, next_prompt_token=next_token)
+                        commit=np.asarray(True), prompt_logprobs=score_rows, next_prompt_token=next_token,
+                        min_tokens=per_row((p.min_tokens for p in params), 0, np.int32),
+                        min_p=per_row((p.min_p for p in params), 0.0, np.float32),
+                        repetition_penalty=per_row((p.repetition_penalty for p in params), 1.0, np.float32),
+                        presence_penalty=per_row((p.presence_penalty for p in params), 0.0, np.float32),
+                        frequency_penalty=per_row((p.frequency_penalty for p in params), 0.0, np.float32))
 
     def _check_writes(self, prefill, decode) -> None:
         for req, n in prefill:
@@ -452,12 +474,20 @@ class Scheduler:
                     if k:
                         conf_rows.append(i)
                         conf_slots.append(req.slot)
+            stopped = False
             if new:
                 req.output.extend(new)
-                events.append((req, new))
-            if finished[i]:
+                if req.stop_strings is not None:
+                    keep = req.stop_strings.feed(req.output)
+                    if keep is not None:  # a stop string completed: the tokens after it are dropped
+                        del new[len(new) - (len(req.output) - keep):]
+                        del req.output[keep:]
+                        stopped = True
+                if new:
+                    events.append((req, new))
+            if finished[i] or stopped:
                 last = req.output[-1] if req.output else None
-                req.finish_reason = "stop" if last in req.stop_ids else "length"
+                req.finish_reason = "stop" if stopped or last in req.stop_ids else "length"
                 if req.status is RequestStatus.WAITING:
                     self.waiting.remove(req)
                 else:

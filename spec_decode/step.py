@@ -17,7 +17,9 @@ bucket:
    host), then per decode row ``[anchor, d_1 .. d_caps[r]]``; zero-length padding rows last;
 4. **verify**: the target's paged forward over the packed tokens (``decode.forward_ragged``), capturing the
    drafter's target layers; logits only for the rows that sample (bounded verify logits);
-5. **rejection sampling** (lossless; greedy or stochastic, top-k / top-p applied to both distributions): accepted
+5. **rejection sampling** (lossless; greedy or stochastic; min_tokens, the penalties, min-p, top-k and top-p
+   applied to both distributions at each position, from that position's prefix: the drafts before it included,
+   :mod:`spec_decode.penalties`): accepted
    drafts plus one corrected or bonus token per decode row, the first token of a row whose prefill finished
    (emulated acceptance, :mod:`spec_decode.synthetic`: drafts accepted by each request's latent profile instead,
    the target's own token after them);
@@ -53,8 +55,9 @@ from spec_decode.estimator import (
     update,
 )
 from spec_decode.logprobs import LogprobsOutput, prompt_logit_rows, step_logprobs
+from spec_decode.penalties import commit_counts, counts_at, init_history
 from spec_decode.rejection import STREAM_DRAFT, rejection_sample_packed, sampling_key
-from spec_decode.sampling_params import filter_logits
+from spec_decode.sampling_params import apply_penalties, filter_logits, mask_min_tokens
 from spec_decode.synthetic import emulated_accept_packed, emulated_confidences, request_profiles
 
 __all__ = ["DecodeState", "StepConfig", "StepOutput", "StepPlan", "init_state", "make_step_fn"]
@@ -71,10 +74,12 @@ class StepConfig:
     come from (``"head"``; ``"calibrated"``: the head's, recalibrated online from the verified positions;
     ``"estimator"``: the online estimator on the draft distributions); ``num_logit_rows`` the verify-logits rows
     materialised (the memory bound), ``implementation`` the kernels. ``sampling``: False compiles the greedy rule
-    alone (no draft distributions, no top-k / top-p: they never change an argmax); True serves every row, greedy
-    rows included (temperature <= 0 is greedy per row), with top-k / top-p applied to target and draft
-    distributions. A static switch, not a ``lax.cond``: on a GPU a conditional makes the host wait for its
-    predicate, which would stall the dispatch of the step and with it the async scheduling.
+    alone (no draft distributions, no transform of the logits: the greedy rows it serves have no penalty and no
+    ``min_tokens``, and min-p / top-k / top-p never change an argmax); True serves every row, greedy rows included
+    (temperature <= 0 is greedy per row), with min_tokens, the penalties (per-row settings: off is an identity),
+    min-p, top-k and top-p applied to target and draft distributions at each position. A static switch, not a
+    ``lax.cond``: on a GPU a conditional makes the host wait for its predicate, which would stall the dispatch of
+    the step and with it the async scheduling.
     """
 
     num_speculative_tokens: int
@@ -106,6 +111,8 @@ class DecodeState:
     ``num_emitted[s]`` counts the tokens the slot's request has emitted (those before a preemption included) and
     ``done[s]`` says it has finished: the device holds the truth, so the host can plan a step before it has read
     the previous one back (async scheduling); a decode row whose slot is done is a padding row.
+    ``token_counts`` / ``prompt_mask`` (engines with sampling programs) are the slots' token histories the
+    penalties read (:mod:`spec_decode.penalties`); the sampling programs update them on commit.
     """
 
     cache: PagedCache
@@ -117,6 +124,8 @@ class DecodeState:
     estimator: EstimatorState | None
     num_emitted: jax.Array  # int32[N]
     done: jax.Array  # bool[N]
+    token_counts: jax.Array | None = None  # int32[N, V] output token counts (penalties; None: not kept)
+    prompt_mask: jax.Array | None = None  # bool[N, V]  prompt tokens (the repetition penalty)
 
 
 @jax.tree_util.register_dataclass
@@ -153,6 +162,12 @@ class StepPlan:
     # log-probabilities (spec_decode.logprobs; None: no prompt rows, as in the device loop)
     prompt_logprobs: jax.Array | None = None  # bool[R]  this prefill chunk scores its prompt positions
     next_prompt_token: jax.Array | None = None  # int32[R] the prompt token after the chunk (its last row's target)
+    # the sampling programs' per-row transforms (None: off for every row)
+    min_tokens: jax.Array | None = None  # int32[R]  stop ids masked until this many tokens were emitted
+    min_p: jax.Array | None = None  # f32[R]    0: off
+    repetition_penalty: jax.Array | None = None  # f32[R]    1.0: off
+    presence_penalty: jax.Array | None = None  # f32[R]    0: off
+    frequency_penalty: jax.Array | None = None  # f32[R]    0: off
 
 
 @jax.tree_util.register_dataclass
@@ -170,11 +185,13 @@ class StepOutput:
 
 
 def init_state(target, drafter, *, num_slots: int, num_pages: int, max_model_len: int, num_speculative_tokens: int,
-               use_estimator: bool, cache_dtype=None, confidence: str = "head") -> DecodeState:
+               use_estimator: bool, cache_dtype=None, confidence: str = "head", penalties: bool = False
+               ) -> DecodeState:
     """A fresh :class:`DecodeState`: empty caches, every slot empty (confidences 1.0).
 
     ``use_estimator`` (or ``confidence="calibrated"``) keeps an online estimator in the state; for
-    ``"calibrated"`` it starts as the identity on the head's confidences (slope 1, intercepts 0).
+    ``"calibrated"`` it starts as the identity on the head's confidences (slope 1, intercepts 0). ``penalties``
+    keeps the per-slot token histories the penalties read (``5 N V`` bytes, :mod:`spec_decode.penalties`).
 
     The drafter's context cache shares the target's page pool: ``num_pages`` pages of the target's page size,
     block tables ``[num_slots, cdiv(max_model_len, page)]`` (the plans' width) that each step fills with the
@@ -197,6 +214,7 @@ def init_state(target, drafter, *, num_slots: int, num_pages: int, max_model_len
                    if (use_estimator or confidence == "calibrated") and k > 0 else None),
         num_emitted=jnp.zeros((num_slots,), jnp.int32),
         done=jnp.zeros((num_slots,), bool),
+        **(dict(zip(("token_counts", "prompt_mask"), init_history(num_slots, cfg.vocab_size))) if penalties else {}),
     )
 
 
@@ -228,6 +246,34 @@ def _stop(tokens, num_emitted, stop_ids, max_emit):
     count = jnp.clip(jnp.minimum(num_emitted, first_stop + 1), 0, jnp.maximum(max_emit, 0))
     finished = (num_emitted > 0) & ((first_stop < count) | (count >= max_emit))
     return count, finished
+
+
+def _transform(plan: StepPlan, state: DecodeState, slot: jax.Array, emitted: jax.Array, r: int):
+    """The sampling programs' logit transform at a set of positions (draft slots or verify rows), in vLLM's order:
+    the penalties, ``min_tokens`` (stop ids masked), then min-p, top-k, top-p.
+
+    ``transform(scaled f32[P, V], rows int32[P], num_before int32[P], drafts int32[P, D], temps f32[P])``: the
+    logits of ``P`` positions already divided by their row's temperature (1 for greedy rows), the plan row of
+    each, how many of its row's ``drafts`` come before it; the row's emitted count plus ``num_before`` is the
+    number of output tokens before the position. A plan without the transform fields has them off."""
+    def field(x, fill, dtype):
+        return jnp.full((r,), fill, dtype) if x is None else x
+
+    min_tokens = field(plan.min_tokens, 0, jnp.int32)
+    min_p = field(plan.min_p, 0.0, jnp.float32)
+    repetition = field(plan.repetition_penalty, 1.0, jnp.float32)
+    frequency = field(plan.frequency_penalty, 0.0, jnp.float32)
+    presence = field(plan.presence_penalty, 0.0, jnp.float32)
+
+    def transform(scaled, rows, num_before, drafts, temps):
+        if state.token_counts is not None:  # the penalties (an identity for rows with them off)
+            counts = counts_at(state.token_counts, slot[rows], drafts, num_before)
+            scaled = apply_penalties(scaled, counts, state.prompt_mask[slot[rows]], repetition[rows],
+                                     frequency[rows], presence[rows], temperature=temps)
+        scaled = mask_min_tokens(scaled, emitted[rows] + num_before, min_tokens[rows], plan.stop_ids[rows])
+        return filter_logits(scaled, plan.top_k[rows], plan.top_p[rows], min_p[rows])
+
+    return transform
 
 
 def _draft_cache_for(state: DecodeState, plan: StepPlan, slots: jax.Array):
@@ -295,6 +341,8 @@ def make_step_fn(target, drafter, config: StepConfig):
         anchor = jnp.where(is_decode, state.last_token[slot], 0)
         sampled = config.sampling
         safe_temp = jnp.where(plan.temperature <= 0.0, 1.0, plan.temperature)
+        if sampled:
+            transform = _transform(plan, state, slot, emitted, r)
 
         # ---- 1. draft (K_d of the K positions; K_d = 0: none)
         if k > 0:
@@ -313,7 +361,8 @@ def make_step_fn(target, drafter, config: StepConfig):
             keys = jax.vmap(lambda s, p: sampling_key(s, p, STREAM_DRAFT))(plan.seed, num_cached)
             d = drafter.sample_block(
                 h, anchor, plan.temperature, keys if sampled else None, return_probs=sampled,
-                logit_filter=(lambda x: filter_logits(x, plan.top_k, plan.top_p)) if sampled else None,
+                logit_filter=(lambda x, drafted: transform(x, jnp.arange(r), jnp.sum(drafted >= 0, axis=1), drafted,
+                                                           safe_temp)) if sampled else None,
                 feature_fn=_estimator_feature if estimator else None, num_drafts=kd)
             drafts = d.tokens
             draft_probs = d.probs if sampled else None
@@ -367,10 +416,12 @@ def make_step_fn(target, drafter, config: StepConfig):
                                                        prompt_logprobs=plan.prompt_logprobs,
                                                        prefill_len=plan.prefill_len, prefill_last=plan.prefill_last)
         logits = tgt.logits(hidden[src])  # [NL, V] float32
-        raw_logits = logits
-        if sampled:  # greedy programs skip the filter: it never changes an argmax
-            row_t = safe_temp[lr][:, None]
-            logits = filter_logits(logits / row_t, plan.top_k[lr], plan.top_p[lr]) * row_t
+        raw_logits = logits  # before the transforms: prompt log-probabilities read these (spec_decode.logprobs)
+        if sampled:  # greedy programs skip the transforms: their rows have none that changes an argmax
+            # verify row li of a decode row follows the anchor and drafts 1..li: its prefix, penalties included
+            row_t = safe_temp[lr]
+            before = jnp.where(is_decode[lr], jnp.maximum(li, 0), 0)
+            logits = transform(logits / row_t[:, None], lr, before, drafts[lr], row_t) * row_t[:, None]
 
         # ---- 4. rejection sampling (prefill-final rows: zero drafts, the bonus is the first token)
         anchor_pos = jnp.where(is_decode, num_cached, num_cached + plan.prefill_len - 1)
@@ -403,6 +454,9 @@ def make_step_fn(target, drafter, config: StepConfig):
             num_emitted=_scatter(state.num_emitted, slot, emitted + count, commit),
             done=_scatter(state.done, slot, finished, commit),
         )
+        if sampled and state.token_counts is not None:  # the emitted tokens join the history penalties read
+            new_state["token_counts"] = commit_counts(state.token_counts, slot, tokens,
+                                                      commit & (is_decode | samples_first))
         if k > 0:
             # positions past K_d were not drafted: they keep their last confidences (the next plan's input)
             conf = jnp.concatenate([conf, state.prev_confidences[slot, kd:k]], axis=1)

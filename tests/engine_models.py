@@ -64,15 +64,20 @@ def bigram_drafter(target, *, block_size: int = 7, confidence: bool = True, seed
     return drafter
 
 
-def greedy_reference(target, prompt, max_new_tokens: int, *, stop=(EOS,), length: int = 128) -> list[int]:
-    """Greedy target-only decoding with the plain causal forward (one compiled program of ``length`` tokens)."""
+def greedy_reference(target, prompt, max_new_tokens: int, *, stop=(EOS,), length: int = 128, transform=None
+                     ) -> list[int]:
+    """Greedy target-only decoding with the plain causal forward (one compiled program of ``length`` tokens).
+
+    ``transform(logits f64[V], output so far) -> logits``: applied before the argmax (penalties, min_tokens)."""
     forward = _padded_forward(length)
     seq = list(prompt)
     out = []
     for _ in range(max_new_tokens):
         ids = np.zeros((1, length), np.int32)
         ids[0, : len(seq)] = seq
-        logits = np.asarray(forward(target, jnp.asarray(ids))[0, len(seq) - 1])
+        logits = np.asarray(forward(target, jnp.asarray(ids))[0, len(seq) - 1], np.float64)
+        if transform is not None:
+            logits = transform(logits, out)
         tok = int(np.argmax(logits))
         out.append(tok)
         seq.append(tok)
@@ -108,3 +113,42 @@ def random_prompts(n: int, lengths, seed: int = 0) -> list[list[int]]:
     return [[1] + [int(x) for x in rng.integers(3, VOCAB - 1, size=int(L) - 1)] for L in
             (lengths if hasattr(lengths, "__len__") else [lengths] * n)]
 
+
+
+def penalized(logits: np.ndarray, prompt, output, *, repetition: float = 1.0, frequency: float = 0.0,
+              presence: float = 0.0) -> np.ndarray:
+    """vLLM's penalties on one row of raw logits (numpy, written independently of the engine's jnp version)."""
+    out = np.array(logits, np.float64)
+    counts = np.bincount(np.asarray(output, np.int64), minlength=out.shape[-1]) if len(output) else \
+        np.zeros(out.shape[-1])
+    for t in set(prompt) | set(output):
+        out[t] = out[t] / repetition if out[t] > 0 else out[t] * repetition
+    return out - frequency * counts - presence * (counts > 0)
+
+
+def filtered_probs(logits: np.ndarray, temperature: float = 1.0, *, min_p: float = 0.0, top_p: float = 1.0
+                   ) -> np.ndarray:
+    """softmax(logits / T), then min-p, then top-p (renormalised), for one row (numpy)."""
+    z = np.asarray(logits, np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if min_p > 0:
+        p = np.where(p >= min_p * p.max(), p, 0.0)
+        p /= p.sum()
+    if top_p < 1.0:
+        srt = np.sort(p)[::-1]
+        before = np.cumsum(srt) - srt
+        thresh = np.min(np.where(before < top_p, srt, np.inf))
+        p = np.where(p >= thresh, p, 0.0)
+        p /= p.sum()
+    return p
+
+
+def target_logits(target, prefixes: list[list[int]], length: int = 64) -> np.ndarray:
+    """The raw next-token logits after each prefix (the plain forward, float64)."""
+    forward = _padded_forward(length)
+    ids = np.zeros((len(prefixes), length), np.int32)
+    for i, p in enumerate(prefixes):
+        ids[i, : len(p)] = p
+    logits = np.asarray(forward(target, jnp.asarray(ids)), np.float64)
+    return logits[np.arange(len(prefixes)), [len(p) - 1 for p in prefixes]]

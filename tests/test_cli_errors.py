@@ -69,6 +69,12 @@ def test_help_still_prints_help(capsys):
     (["generate", ""], "the prompt is empty"),
     (["generate", "--ids", ""], "--ids is empty"),
     (["generate", "--stream", "--loop", "device"], "--stream needs --loop host"),
+    (["generate", "--repetition-penalty", "0"], "--repetition-penalty must be a finite number > 0"),
+    (["generate", "--presence-penalty", "-1"], "--presence-penalty must be a finite number >= 0"),
+    (["generate", "--frequency-penalty", "inf"], "--frequency-penalty must be a finite number >= 0"),
+    (["generate", "--min-p", "2"], "--min-p must be in [0, 1]"),
+    (["generate", "--min-tokens", "200"], "--min-tokens must be an integer in [0, max_new_tokens=96]"),
+    (["generate", "--stop", ""], "--stop holds an empty string at position 0"),
 ])
 def test_settings_are_checked_before_anything_is_printed(capsys, argv, match):
     assert main(argv) == 2

@@ -1,6 +1,8 @@
 """Stochastic speculative decoding is lossless: the engine's samples follow target-only sampling (chi-square over
 many seeds, temperature 1 and top-p), and the budget's staleness is what keeps adaptive verification lossless: a
-variant that plans the budget from the *current* confidences (a negative control built only here) is biased."""
+variant that plans the budget from the *current* confidences (a negative control built only here) is biased.
+Likewise with penalties and min-p at K = 1, 3, 7 and adaptive, against a control that ignores the drafts before a
+position when it penalises it."""
 
 import dataclasses
 
@@ -12,7 +14,15 @@ import pytest
 from spec_decode import Engine
 from spec_decode.buckets import token_bucket
 from spec_decode.cost_table import CostTable
-from tests.engine_models import VOCAB, bigram_drafter, damped_target, target_probs
+from tests.engine_models import (
+    VOCAB,
+    bigram_drafter,
+    damped_target,
+    filtered_probs,
+    penalized,
+    target_logits,
+    target_probs,
+)
 
 PROMPT = [1, 7, 19, 4, 25, 11, 9, 30, 6, 14, 22, 5, 17, 8]  # 14 tokens: MSA selection live (topk x block = 12)
 N = 1200  # requests (seeds) per engine
@@ -131,3 +141,82 @@ def test_budget_from_current_confidences_is_biased(pair):
     even = np.isin(toks[:, 1], list(HIGH)).mean()
     assert even > p2[list(HIGH)].sum() + 0.05
     assert chi2_pvalue(toks[:, 1], p2) < 1e-6
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Penalties and min-p under speculation. A penalty at verify position i depends on the drafts before it; the engine
+# transforms target and draft distributions at each position from that position's prefix. The exact marginals of
+# the 2nd and 3rd tokens (and of "the 3rd token repeats the 2nd", the event a penalty acts on) under penalised
+# target-only sampling are computed here in numpy; a NEGATIVE CONTROL that penalises each position with the
+# committed tokens only (the drafts before it ignored) over-produces repeats and fails the same test.
+
+PENALTIES = dict(temperature=1.0, min_p=0.05, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=1.0)
+SLOTS = 8  # 1,200 requests in 150 waves of 8 rows
+ADAPTIVE_COSTS = {8: 1.0, 16: 1.15, 24: 1.3, 32: 1.45, 48: 1.9, 64: 2.5, 128: 5.0}
+
+
+def penalised_exact(target):
+    """P(token 2), P(token 3), P(token 3 == token 2) of penalised target-only sampling after PROMPT."""
+    kw = dict(repetition=PENALTIES["repetition_penalty"], frequency=PENALTIES["frequency_penalty"],
+              presence=PENALTIES["presence_penalty"])
+
+    def dist(outputs):
+        lg = target_logits(target, [PROMPT + o for o in outputs], length=16)
+        return np.stack([filtered_probs(penalized(x, PROMPT, o, **kw), PENALTIES["temperature"],
+                                        min_p=PENALTIES["min_p"]) for x, o in zip(lg, outputs)])
+
+    p1 = dist([[]])[0]
+    p12 = p1[:, None] * dist([[a] for a in range(VOCAB)])
+    p3 = dist([[a, b] for a in range(VOCAB) for b in range(VOCAB)]).reshape(VOCAB, VOCAB, VOCAB)
+    p123 = p12[:, :, None] * p3
+    repeat = float(sum(p123[:, b, b].sum() for b in range(VOCAB)))
+    return p12.sum(0), p123.sum((0, 1)), repeat
+
+
+@pytest.fixture(scope="module")
+def penalty_pair():
+    target = damped_target(damping=0.3, sharpness=3.0)
+    return target, bigram_drafter(target, block_size=7, confidence=True), penalised_exact(target)
+
+
+def penalty_engine(target, drafter, verification, k):
+    # one packed-token bucket: a greedy and a sampling program, and the token-history writer
+    # adaptive: a table on which verifying more costs more, so budgets bind and the confidences choose the drafts
+    cost = CostTable.from_measurements(ADAPTIVE_COSTS) if verification == "adaptive" else None
+    return Engine(target, drafter, num_speculative_tokens=k, verification=verification, cost_table=cost,
+                  max_num_seqs=SLOTS, max_model_len=32, implementation="reference", device_loop=False,
+                  max_num_batched_tokens=16, min_token_bucket=128)
+
+
+def binom_pvalue(hits, n, p):
+    stat = (hits - n * p) ** 2 / (n * p * (1 - p))
+    return float(jax.scipy.special.gammaincc(0.5, stat / 2.0))
+
+
+def penalised_samples(engine, k):
+    # K + 2 tokens: the first verify step schedules all K drafts (the 2nd and 3rd tokens come from its rows 0, 1)
+    res = engine.generate([PROMPT] * N, max_new_tokens=k + 2, ignore_eos=True, seed=0, progress=False, **PENALTIES)
+    return np.asarray([r.token_ids[:3] for r in res]), res.stats
+
+
+@pytest.mark.parametrize("verification,k", [("fixed", 1), ("fixed", 3), ("fixed", 7), ("adaptive", 3)])
+def test_penalties_and_min_p_match_penalised_target_only_sampling(penalty_pair, verification, k):
+    target, drafter, (p2, p3, repeat) = penalty_pair
+    toks, st = penalised_samples(penalty_engine(target, drafter, verification, k), k)
+    assert st["mean_acceptance_length"] > 1.2  # drafts were accepted (rows 1.. of a verify step sampled)
+    assert st["compiles"] == 0
+    assert chi2_pvalue(toks[:, 1], p2) > 1e-3
+    assert chi2_pvalue(toks[:, 2], p3) > 1e-3
+    assert binom_pvalue(int(np.sum(toks[:, 2] == toks[:, 1])), N, repeat) > 1e-3
+
+
+def test_penalties_from_committed_tokens_only_are_biased(penalty_pair, monkeypatch):
+    """NEGATIVE CONTROL: the counts at every position ignore the drafts before it."""
+    import spec_decode.step as step_module
+
+    target, drafter, (_, _, repeat) = penalty_pair
+    monkeypatch.setattr(step_module, "counts_at", lambda counts, slots, drafts, before: counts[slots])
+    toks, _ = penalised_samples(penalty_engine(target, drafter, "fixed", 3), 3)
+    hits = int(np.sum(toks[:, 2] == toks[:, 1]))
+    assert hits > N * repeat + 12  # an accepted draft 1 is not penalised at row 1: the 3rd token repeats it
+    assert binom_pvalue(hits, N, repeat) < 1e-6

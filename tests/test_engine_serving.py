@@ -30,11 +30,12 @@ def drafter(target):
 
 
 def mixed_params(rng, n):
-    """Random lengths, greedy and sampled rows (temperature, top-k, top-p), stop ids, ignore_eos."""
+    """Random lengths, greedy and sampled rows (temperature, top-k, top-p, min-p), stop ids, ignore_eos,
+    penalties and min_tokens (greedy or sampled)."""
     out = []
     for _ in range(n):
         kw = dict(max_new_tokens=int(rng.integers(1, 14)), seed=int(rng.integers(0, 1000)))
-        kind = rng.integers(0, 4)
+        kind = rng.integers(0, 5)
         if kind == 1:
             kw.update(temperature=float(rng.uniform(0.5, 1.5)))
         elif kind == 2:
@@ -42,6 +43,10 @@ def mixed_params(rng, n):
         elif kind == 3:
             kw.update(stop_token_ids=tuple(int(x) for x in rng.integers(3, VOCAB, size=rng.integers(1, 4))),
                       ignore_eos=bool(rng.integers(0, 2)))
+        elif kind == 4:
+            kw.update(temperature=float(rng.choice([0.0, 1.0])), min_p=0.05, repetition_penalty=1.3,
+                      frequency_penalty=0.5, presence_penalty=0.2,
+                      min_tokens=int(rng.integers(0, min(3, kw["max_new_tokens"] + 1))))
         out.append(SamplingParams(**kw))
     return out
 
@@ -53,7 +58,8 @@ def test_nothing_compiles_after_warm_up(target, drafter, mode, k, async_scheduli
     compilations, counted by JAX's own monitoring events."""
     eng = Engine(target, drafter if k else None, num_speculative_tokens=k, verification=mode,
                  async_scheduling=async_scheduling, precompile=True, **COMMON)
-    assert eng.warmup_report.programs == len(eng.step_keys) + 2  # every step program, the two device loops
+    # every step program, the two device loops, the token-history writer (penalties)
+    assert eng.warmup_report.programs == len(eng.step_keys) + 3
     rng = np.random.default_rng(7)
     with compile_counter() as compiled:
         for call in range(3):
