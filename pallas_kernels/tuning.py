@@ -29,6 +29,7 @@ import dataclasses
 import jax
 
 from pallas_kernels._common import cdiv, next_pow2, num_tiles_bound
+from pallas_kernels.mx_formats import BLOCK as MX_BLOCK  # elements per E8M0 scale
 from pallas_kernels.platform import gpu_platform_name
 
 # ------------------------------------------------------------------------------------------------------------
@@ -690,7 +691,6 @@ def grouped_matmul_launch_config(
 
 # Bytes per weight element of the MX formats in HBM (elements plus one E8M0 byte per 32 of them).
 MX_WEIGHT_BYTES = {"mxfp4": 0.5 + 1 / 32, "mxfp8": 1 + 1 / 32}
-MX_BLOCK = 32  # elements per E8M0 scale (pallas_kernels.mx_formats.BLOCK)
 
 
 def mx_grouped_matmul_launch_config(
