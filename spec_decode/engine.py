@@ -745,7 +745,11 @@ class Engine:
             leaf.copy_to_host_async()
         return out
 
-    def _launch_timed(self, step: ScheduledStep, packed: np.ndarray):
+    def _launch_timed(self, step: ScheduledStep, packed: np.ndarray, after=None):
+        """Launch ``step`` (and time it) unless the launch before it, ``after`` (a future), failed: a step is
+        planned on the one before it, so nothing runs after a failed launch."""
+        if after is not None and after.exception() is not None:
+            raise RuntimeError("not launched: an earlier step of this run failed to launch") from after.exception()
         t = time.perf_counter()
         out = self._launch(step, packed)
         return out, time.perf_counter() - t
@@ -784,7 +788,8 @@ class Engine:
                     if step is not None:
                         packed = pack_plan(step.plan)  # here: the launcher never reads the scheduler's arrays
                         if depth:
-                            launch = self._launcher().submit(self._launch_timed, step, packed)
+                            prev = in_flight[-1][1] if in_flight else None
+                            launch = self._launcher().submit(self._launch_timed, step, packed, prev)
                         else:
                             launch = concurrent.futures.Future()
                             launch.set_result(self._launch_timed(step, packed))
@@ -819,10 +824,12 @@ class Engine:
                         it = max((h2 - h0) + commit_s, launch_s)
                         p = self.planner
                         p.host_floor_s = it if p.host_floor_s == 0.0 else 0.9 * p.host_floor_s + 0.1 * it
-            except BaseException:
+            except BaseException as e:
                 for _, launch in in_flight:  # let launched steps finish before the state is inspected
                     concurrent.futures.wait([launch])
-                self._recover(sched)
+                # a closed stream leaves every planned step launched; anything else may have registered prefix
+                # pages whose writes never ran
+                self._recover(sched, forget_prefixes=not isinstance(e, GeneratorExit))
                 raise
             finally:
                 wall = time.perf_counter() - t0
@@ -839,12 +846,16 @@ class Engine:
                                        async_scheduling=self.async_scheduling, acceptance=self.acceptance,
                                        **per_step))
 
-    def _recover(self, sched: Scheduler) -> None:
+    def _recover(self, sched: Scheduler, *, forget_prefixes: bool = True) -> None:
         """An interrupted run (an exception, or a closed stream): free its pages and slots. If the device state
-        was lost with it (a failed step), start from a fresh state and forget the prefix cache."""
+        was lost with it (a failed step), start from a fresh state. The prefix cache is forgotten then, and
+        whenever ``forget_prefixes``: a step the scheduler planned (registering its prompt pages as cached) may
+        never have run, and a later request must not read those pages."""
         sched.release_all()
-        if self._state is None or any(x.is_deleted() for x in jax.tree.leaves(self._state)):
+        lost = self._state is None or any(x.is_deleted() for x in jax.tree.leaves(self._state))
+        if lost:
             self._state = self._init_state()
+        if lost or forget_prefixes:
             self.pool.clear_cache()
 
     # ------------------------------------------------------------------ the device loop

@@ -242,6 +242,55 @@ def test_two_threads_on_one_engine_are_serialised(engine, target, reference):
     assert results["b"] == [[other_ref, reference, reference]] * 3
 
 
+def test_a_launch_that_fails_surfaces_and_leaves_the_engine_usable(engine, reference):
+    """A step whose launch raises (on the launcher thread, with steps still in flight) reaches the caller as
+    that exception, after the launched steps finish; the engine then serves the next call with the right tokens,
+    in the async and the synchronous loop."""
+    programs = engine._programs
+    run = programs.run
+    for async_scheduling in (True, False):
+        calls = {"n": 0}
+
+        def failing(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 4:
+                raise RuntimeError("launch failed on purpose")
+            return run(*args, **kwargs)
+
+        engine.async_scheduling = async_scheduling
+        programs.run = failing
+        try:
+            with pytest.raises(RuntimeError, match="launch failed on purpose"):
+                tokens(engine, [PROMPT, PROMPT], max_new_tokens=NEW)
+        finally:
+            programs.run = run
+            engine.async_scheduling = True
+        assert calls["n"] == 4
+        assert tokens(engine, [PROMPT, PROMPT], max_new_tokens=NEW) == [reference, reference]
+
+
+def test_a_failed_prefill_leaves_no_unwritten_page_in_the_prefix_cache(engine, target):
+    """The scheduler registers a prompt's pages in the prefix cache when it plans their prefill; if that step
+    never runs, a later request with the same prompt must not reuse them (it would read pages never written)."""
+    long = [1] + [3 + (7 * i) % 19 for i in range(40)]
+    want = greedy_reference(target, long, NEW)
+    programs = engine._programs
+    run = programs.run
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("prefill failed on purpose")
+
+    programs.run = failing
+    try:
+        with pytest.raises(RuntimeError, match="prefill failed on purpose"):
+            tokens(engine, [long], max_new_tokens=NEW)
+    finally:
+        programs.run = run
+    res = engine.generate([long], max_new_tokens=NEW, progress=False)
+    assert res.stats["prefix_cache_tokens"] == 0
+    assert res[0].token_ids == want
+
+
 # ----------------------------------------------------------------------------------------------- property test
 def test_random_mixtures_of_valid_and_invalid_requests_never_corrupt_the_engine(engine, reference):
     """Random mixtures of valid and invalid calls (bad prompts, bad settings, too many stop ids, mixed keywords)
