@@ -153,6 +153,33 @@ def poison_outside(cache, tables, lo_by_cache_row, hi_by_cache_row):
     return np.where(live[:, :, None], cache, np.nan).astype(cache.dtype)
 
 
+def windowed_case(rng, *, window: int, d: int, page: int, nb: int, k: int = 7, h: int = 4, g: int = 2,
+                  rows: int = 8, scale: float = 0.3):
+    """Inputs of a windowed draft-attention case and the float64 oracle's output: K = 7, shuffled block tables, a
+    padding row, lengths 0 / 1 / 12 / around the window / a page boundary / full / random, anchors at or past the
+    visible context; every cache position outside a row's ``[window start, length)`` is NaN. Returns ``(q, k_cache,
+    v_cache, tables, lengths, k_blk, v_blk, cache_rows, query_positions, want, clean)`` (layer 1 of 2 holds the
+    data; ``clean``: the two caches before the poisoning)."""
+    full = nb * page
+    q, kb, vb = inputs(rng, rows=rows, k=k, h=h, g=g, d=d)
+    kc, vc, tables = paged_cache(rng, cache_rows=rows, max_blocks=nb, page=page, g=g, d=d, layers=2)
+    cache_rows = np.arange(rows, dtype=np.int32)
+    cache_rows[2] = -1  # a padding row
+    lengths = np.array([0, 1, 12, min(window, full), page * 2, min(window + 1, full), full,
+                        rng.integers(1, full)], np.int32)
+    qpos = lengths.copy()
+    qpos[4] += 5  # the anchor past the visible context
+    qpos[7] += int(rng.integers(0, 9))
+    want = oracle(q, dense_view(kc[1], tables), dense_view(vc[1], tables), lengths, kb, vb, scale, cache_rows,
+                  window=window, qpos=qpos)
+    lo = np.clip(qpos - window + 1, 0, lengths)
+    lo_rows, hi_rows = np.where(cache_rows >= 0, lo, 0), np.where(cache_rows >= 0, lengths, 0)
+    clean = (kc.copy(), vc.copy())
+    kc = np.stack([poison_outside(kc[li], tables, lo_rows, hi_rows) for li in range(2)])
+    vc = np.stack([poison_outside(vc[li], tables, lo_rows, hi_rows) for li in range(2)])
+    return q, kc, vc, tables, lengths, kb, vb, cache_rows, qpos, want, clean
+
+
 @pytest.mark.parametrize(
     "window, block_s, num_splits, seed",
     [(13, 8, 1, 3), (13, 4, 3, 4), (3, 8, 2, 5), (64, 8, 1, 6)],  # window < K and window past every context
@@ -165,30 +192,15 @@ def test_sliding_window_kernel_against_oracle_and_reference(window, block_s, num
     outputs poisoned; fresh random inputs per case; the kernel, its jnp reference and the drafter's jnp path
     (a per-slot mask) against the float64 oracle."""
     rng = np.random.default_rng(seed)
-    k, h, g, d, page, nb, rows = 7, 4, 2, 16, 8, 5, 8
+    k, page, nb = 7, 8, 5
     full = nb * page
-    q, kb, vb = inputs(rng, rows=rows, k=k, h=h, g=g, d=d)
-    kc, vc, tables = paged_cache(rng, cache_rows=rows, max_blocks=nb, page=page, g=g, d=d, layers=2)
-    cache_rows = np.arange(rows, dtype=np.int32)
-    cache_rows[2] = -1  # a padding row
-    lengths = np.array([0, 1, 12, min(window, full), page * 2, min(window + 1, full), full,
-                        rng.integers(1, full)], np.int32)
-    qpos = lengths.copy()
-    qpos[4] += 5  # the anchor past the visible context
-    qpos[7] += int(rng.integers(0, 9))
-    lo = np.clip(qpos - window + 1, 0, lengths)
-    clean = (kc.copy(), vc.copy())
-    lo_rows = np.where(cache_rows >= 0, lo, 0)
-    hi_rows = np.where(cache_rows >= 0, lengths, 0)
-    kc = np.stack([poison_outside(kc[li], tables, lo_rows, hi_rows) for li in range(2)])
-    vc = np.stack([poison_outside(vc[li], tables, lo_rows, hi_rows) for li in range(2)])
+    q, kc, vc, tables, lengths, kb, vb, cache_rows, qpos, want, clean = windowed_case(rng, window=window, d=16,
+                                                                                       page=page, nb=nb)
     config = DraftAttentionLaunchConfig(block_h=2, block_s=block_s, num_splits=num_splits, num_warps=4,
                                         num_stages=2)
     args = [jnp.asarray(a) for a in (q, kc, vc, tables, lengths, kb, vb, cache_rows, qpos)]
     out = np.asarray(da.draft_attention_pallas(*args, scale=0.3, layer=1, config=config, interpret=True,
                                                poison=True, window=window))
-    want = oracle(q, dense_view(clean[0][1], tables), dense_view(clean[1][1], tables), lengths, kb, vb, 0.3,
-                  cache_rows, window=window, qpos=qpos)
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
     ref = da.draft_attention_reference(*args[:7], scale=0.3, layer=1, cache_rows=args[7], window=window,

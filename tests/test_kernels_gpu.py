@@ -258,31 +258,16 @@ def test_draft_attention_window_compiled(window, block_s, num_splits):
     window / a page boundary / full, anchors past the visible context; every position outside a row's window is
     NaN, outputs poisoned."""
     from pallas_kernels import draft_attention as da
-    from tests.test_draft_attention import dense_view, inputs, oracle, paged_cache, poison_outside
+    from tests.test_draft_attention import windowed_case
 
     rng = np.random.default_rng(window)
-    k, h, g, d, page, nb, rows = 7, 4, 2, 32, 16, 5, 8
-    full = nb * page
-    q, kb, vb = inputs(rng, rows=rows, k=k, h=h, g=g, d=d)
-    kc, vc, tables = paged_cache(rng, cache_rows=rows, max_blocks=nb, page=page, g=g, d=d, layers=2)
-    cache_rows = np.arange(rows, dtype=np.int32)
-    cache_rows[2] = -1
-    lengths = np.array([0, 1, 12, min(window, full), page * 2, min(window + 1, full), full,
-                        rng.integers(1, full)], np.int32)
-    qpos = lengths.copy()
-    qpos[4] += 5
-    lo = np.clip(qpos - window + 1, 0, lengths)
-    clean = (kc.copy(), vc.copy())
-    lo_rows, hi_rows = np.where(cache_rows >= 0, lo, 0), np.where(cache_rows >= 0, lengths, 0)
-    kc = np.stack([poison_outside(kc[li], tables, lo_rows, hi_rows) for li in range(2)])
-    vc = np.stack([poison_outside(vc[li], tables, lo_rows, hi_rows) for li in range(2)])
+    q, kc, vc, tables, lengths, kb, vb, cache_rows, qpos, want, _ = windowed_case(rng, window=window, d=32, page=16,
+                                                                                  nb=5)
     config = tuning.DraftAttentionLaunchConfig(block_h=2, block_s=block_s, num_splits=num_splits, num_warps=4,
                                                num_stages=2)
     args = [jnp.asarray(a) for a in (q, kc, vc, tables, lengths, kb, vb, cache_rows, qpos)]
     out = np.asarray(da.draft_attention_pallas(*args, scale=0.3, layer=1, config=config, interpret=False,
                                                poison=True, window=window))
-    want = oracle(q, dense_view(clean[0][1], tables), dense_view(clean[1][1], tables), lengths, kb, vb, 0.3,
-                  cache_rows, window=window, qpos=qpos)
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, want, atol=1e-4, rtol=1e-4)
 
