@@ -14,9 +14,9 @@ or from Python: ``import spec_decode.lm_eval_adapter`` and then ``lm_eval.simple
   split as the harness splits them (trailing spaces of the context go to the continuation; the pair is encoded
   whole and cut at the context's length);
 * ``loglikelihood_rolling``: the harness's rolling windows of ``max_model_len - 2`` tokens, scored the same way;
-* ``generate_until``: :meth:`spec_decode.Engine.generate`, greedy unless the task samples; ``until`` strings cut the
-  decoded text after generation (the engine stops at EOS and ``max_gen_toks`` only), so every request decodes to
-  ``max_gen_toks`` unless EOS comes first.
+* ``generate_until``: :meth:`spec_decode.Engine.generate`, greedy unless the task samples; ``until`` strings are
+  the requests' ``SamplingParams.stop``, so a request stops at the first of them (or EOS, or ``max_gen_toks``) and
+  its text is cut before the match.
 """
 
 from __future__ import annotations
@@ -174,16 +174,18 @@ class MiniMaxJaxLM(LM):
             n = max(1, min(n, self.max_length - 2))
             ids = ids[-(self.max_length - 1 - n):]  # the context cut from the left to leave room for n tokens
             prompts.append(ids)
+            stops = [until] if isinstance(until, str) else list(until or ())
             params.append(SamplingParams(max_new_tokens=n, temperature=temperature,
                                          top_p=float(kwargs.pop("top_p", 1.0)), top_k=int(kwargs.pop("top_k", 0)),
-                                         seed=int(kwargs.pop("seed", 0))))
+                                         seed=int(kwargs.pop("seed", 0)), stop=tuple(x for x in stops if x)))
             untils.append(until)
         if not prompts:
             return []
         results = self.engine.generate(prompts, sampling_params=params, progress=False)
         out = []
         for req, r, until in zip(requests, results, untils):
-            text = cut_at_stop(self.tokenizer.decode(r.token_ids), until)
+            # the engine stopped at the first stop string and cut its text there; the host cut is a no-op then
+            text = cut_at_stop(r.text if r.text is not None else self.tokenizer.decode(r.token_ids), until)
             self.cache_hook.add_partial("generate_until", req.args, text)
             out.append(text)
         return out
