@@ -86,6 +86,9 @@ class LoopInputs:
     repetition_penalty: jax.Array  # f32[R]
     presence_penalty: jax.Array  # f32[R]
     frequency_penalty: jax.Array  # f32[R]
+    # bool[]: stop before the next iteration once any row of the call has finished (the host loop's multi-step
+    # launches set it while requests wait for a slot, so a freed slot is refilled after this launch)
+    end_on_finish: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -105,6 +108,7 @@ class LoopOutputs:
     live_per_step: jax.Array  # int32[S]        rows that decoded at each step
     finished: jax.Array  # bool[R]
     steps: jax.Array  # int32[]         decode iterations run
+    confidences: jax.Array  # f32[R, K]       the last step's confidences per row (the host loop plans from them)
 
 
 @jax.tree_util.register_dataclass
@@ -157,8 +161,11 @@ def make_loop_fn(target, drafter, config: LoopConfig):
         def live_rows(st: DecodeState):
             return (inputs.rows >= 0) & ~st.done[slot]
 
+        given = inputs.rows >= 0
+
         def cond(c: _Carry):
-            return (c.step < max_steps) & jnp.any(live_rows(c.state))
+            ended = inputs.end_on_finish & jnp.any(given & c.state.done[slot])
+            return (c.step < max_steps) & jnp.any(live_rows(c.state)) & ~ended
 
         def body(c: _Carry):
             live = live_rows(c.state)
@@ -235,13 +242,14 @@ def make_loop_fn(target, drafter, config: LoopConfig):
                                         verified_per_step=carry.verified_per_step,
                                         budget_per_step=carry.budget_per_step,
                                         draft_len_per_step=carry.draft_len_per_step,
-                                        live_per_step=carry.live_per_step, finished=finished, steps=carry.step)
+                                        live_per_step=carry.live_per_step, finished=finished, steps=carry.step,
+                                        confidences=carry.state.prev_confidences[slot, :k])
 
     return program
 
 
 def loop_inputs(requests, *, config: LoopConfig, block_tables: np.ndarray, cost_table: CostTableArrays,
-                max_steps: int) -> LoopInputs:
+                max_steps: int, end_on_finish: bool = False) -> LoopInputs:
     """The wave's per-row settings (numpy): row ``s`` is the request in slot ``s``; other rows are -1."""
     r = config.rows
     rows = np.full(r, -1, np.int32)
@@ -267,7 +275,8 @@ def loop_inputs(requests, *, config: LoopConfig, block_tables: np.ndarray, cost_
     return LoopInputs(rows=rows, block_tables=tables, limit=limit, temperature=temperature, top_k=top_k,
                       top_p=top_p, seed=seed, stop_ids=stop_ids, max_steps=np.asarray(max_steps, np.int32),
                       cost_table=cost_table, min_tokens=min_tokens, min_p=min_p, repetition_penalty=repetition,
-                      presence_penalty=presence, frequency_penalty=frequency)
+                      presence_penalty=presence, frequency_penalty=frequency,
+                      end_on_finish=np.asarray(bool(end_on_finish)))
 
 
 def fill_requests(requests, out: LoopOutputs, k: int) -> None:

@@ -49,7 +49,7 @@ from minimax_jax.cache import cache_bytes_per_page, page_size_for
 from minimax_jax.decode import choose_implementation
 from minimax_jax.draft_cache import draft_cache_bytes_per_page
 from spec_decode import compilation_cache as persistent_cache
-from spec_decode.buckets import StepKey, default_draft_lengths, logit_rows, step_keys
+from spec_decode.buckets import StepKey, default_draft_lengths, logit_rows, step_keys, token_bucket
 from spec_decode.cost_table import CostTable, CostTableArrays, load_cost_table, save_cost_table
 from spec_decode.device_loop import LoopConfig, fill_requests, loop_inputs, make_loop_fn
 from spec_decode.logprobs import ScoreResult
@@ -67,7 +67,7 @@ from spec_decode.programs import (
 from spec_decode.request import SAMPLING_KEYWORDS, Request, build_requests, encode_prompt
 from spec_decode.results import GenerationResult, GenerationResults, request_result, run_stats
 from spec_decode.sampling_params import SamplingParams
-from spec_decode.scheduler import ScheduledStep, Scheduler
+from spec_decode.scheduler import ScheduledBurst, ScheduledStep, Scheduler
 from spec_decode.step import CONFIDENCES, MODES, DecodeState, StepConfig, StepPlan, init_state
 from spec_decode.synthetic import acceptance_rates, conditional_rates
 
@@ -127,6 +127,11 @@ class Engine:
       enable_prefix_caching: requests that share a prompt prefix share its full pages (``docs/ENGINE.md``).
       async_scheduling: plan and launch each step before the previous one is read back (default); ``False``
         reads every step back before planning the next.
+      decode_steps_per_launch: the host loop's **multi-step launches**: while every running request decodes and
+        no waiting request could be admitted, launch up to this many decode steps at once through the device
+        loop's program (one launch and one read-back for all of them; ``docs/ENGINE.md``). Streams then receive
+        a request's tokens a launch at a time. ``1`` launches every step on its own; so does an engine built with
+        ``device_loop=False`` (the launches use the device loop's programs).
       precompile: compile the whole closed set now (else the first ``generate`` / ``stream`` does).
       device_loop: compile the device loop's programs at warm-up too (default); ``False`` leaves them out of the
         warm-up (fewer programs when only the host loop is used: the first ``loop="device"`` call compiles them).
@@ -144,7 +149,8 @@ class Engine:
                  compilation_cache: bool = True, device_loop: bool = True, draft_lengths=None,
                  confidence: str | None = None, sampling: bool = True, synthetic_acceptance_rates=None,
                  synthetic_acceptance_length=None, synthetic_confidence_noise: float = 0.0,
-                 synthetic_concentration: float = 10.0, tensor_parallel_size: int = 1, mesh=None):
+                 synthetic_concentration: float = 10.0, tensor_parallel_size: int = 1, mesh=None,
+                 decode_steps_per_launch: int = 8):
         cfg = target.cfg
         if verification not in MODES:
             raise ValueError(f"verification must be one of {MODES}, got {verification!r}")
@@ -160,7 +166,8 @@ class Engine:
                                  f"block size), got {num_speculative_tokens}")
         for name, v, lo in (("max_num_seqs", max_num_seqs, 1), ("max_num_batched_tokens", max_num_batched_tokens, 1),
                             ("max_stop_token_ids", max_stop_token_ids, 1), ("min_token_bucket", min_token_bucket, 1),
-                            ("device_loop_token_buckets", device_loop_token_buckets, 1)):
+                            ("device_loop_token_buckets", device_loop_token_buckets, 1),
+                            ("decode_steps_per_launch", decode_steps_per_launch, 1)):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
         max_model_len = min(cfg.max_position_embeddings, 4096) if max_model_len is None else int(max_model_len)
@@ -238,6 +245,14 @@ class Engine:
         self._loop_programs: dict[bool, object] = {}  # sampling -> the compiled device loop
         self._history_program = None  # writes one slot's token history (penalties), compiled at warm-up
         self._warm_device_loop = bool(device_loop)
+        self.decode_steps_per_launch = decode_steps_per_launch if device_loop else 1
+        # a multi-step launch runs the device loop's smallest bucket at least: not for rows whose own step
+        # program is under half its size (one step at a time is cheaper then)
+        smallest, d = self.loop_config.token_buckets[-1][0], self.draft_lengths[-1]
+        self._burst_min_rows = next((n for n in range(1, max_num_seqs + 1)
+                                     if 2 * token_bucket(self.buckets_by_length[d], n * (1 + d)) >= smallest),
+                                    max_num_seqs)
+        self._burst_costs = None  # (the planner's table, as the device loop reads it)
         self._target_params = nnx.state(target)
         self._drafter_params = nnx.state(self.drafter) if self.drafter is not None else None
         self._state: DecodeState | None = None
@@ -734,9 +749,18 @@ class Engine:
                          max_num_batched_tokens=self.max_num_batched_tokens, token_buckets=self.buckets_by_length,
                          max_total_logit_rows=self.max_total_logit_rows, num_stop_ids=self.num_stop_ids)
 
-    def _launch(self, step: ScheduledStep, packed: np.ndarray | None = None):
-        """Dispatch one step (its plan in one transfer); the output is copied back asynchronously. The token
-        histories of the requests it admits are written first (in dispatch order: the device runs them before it)."""
+    def _launch(self, step: ScheduledStep | ScheduledBurst, packed=None):
+        """Dispatch one step (its plan in one transfer), or a multi-step launch (``packed``: its
+        :class:`~spec_decode.device_loop.LoopInputs`); the output is copied back asynchronously. The token
+        histories of the requests a step admits are written first (in dispatch order: the device runs them before
+        it)."""
+        if isinstance(step, ScheduledBurst):
+            program = self._loop_programs[any(r.params.needs_sampling_program for r in step.requests)]
+            self._state, out = program(self._target_params, self._drafter_params, self._state,
+                                       self._programs.put(packed))
+            for leaf in jax.tree.leaves(out):
+                leaf.copy_to_host_async()
+            return out
         if step.histories:
             self._write_histories(step.histories)
         self._state, out = self._programs.run(step.key, self._target_params, self._drafter_params, self._state,
@@ -745,7 +769,7 @@ class Engine:
             leaf.copy_to_host_async()
         return out
 
-    def _launch_timed(self, step: ScheduledStep, packed: np.ndarray, after=None):
+    def _launch_timed(self, step: ScheduledStep | ScheduledBurst, packed, after=None):
         """Launch ``step`` (and time it) unless the launch before it, ``after`` (a future), failed: a step is
         planned on the one before it, so nothing runs after a failed launch."""
         if after is not None and after.exception() is not None:
@@ -764,6 +788,21 @@ class Engine:
         return self._launch_pool
 
     # ------------------------------------------------------------------ the host loop
+    def _schedule(self, sched: Scheduler) -> tuple[ScheduledStep | ScheduledBurst | None, object]:
+        """The next launch and what it sends: a multi-step launch and its loop inputs when one fits (see
+        :meth:`Scheduler.schedule_burst`), else one step and its packed plan (None: nothing can run now)."""
+        if self.decode_steps_per_launch > 1 and self._loop_programs:
+            burst = sched.schedule_burst(self.decode_steps_per_launch, min_rows=self._burst_min_rows)
+            if burst is not None:
+                if self._burst_costs is None or self._burst_costs[0] is not self.planner.table:
+                    self._burst_costs = (self.planner.table, self.planner.device_table())
+                tables = self.pool.block_table([r.index for r in burst.requests])
+                return burst, loop_inputs(burst.requests, config=self.loop_config, block_tables=tables,
+                                          cost_table=self._burst_costs[1], max_steps=burst.max_steps,
+                                          end_on_finish=burst.end_on_finish)
+        step = sched.schedule()
+        return step, (None if step is None else pack_plan(step.plan))
+
     def _host_loop(self, requests: list[Request], stats: dict) -> Iterator[tuple[int, list[int]]]:
         sched = self._scheduler()
         for r in requests:
@@ -778,15 +817,16 @@ class Engine:
         # seconds the host spent, by part; "dispatch": launching the step programs (on the launcher thread when
         # async, where it overlaps the main thread's schedule and commit)
         host = {"schedule": 0.0, "dispatch": 0.0, "commit": 0.0}
+        launches = {"multi_step": 0, "steps_in_multi_step": 0}
         t0 = time.perf_counter()
         with compile_counter() as compiled:
             try:
                 while sched.has_work or in_flight:
                     h0 = time.perf_counter()
                     commit_s = 0.0
-                    step = sched.schedule() if sched.has_work else None
+                    # the plan is packed here: the launcher never reads the scheduler's arrays
+                    step, packed = self._schedule(sched) if sched.has_work else (None, None)
                     if step is not None:
-                        packed = pack_plan(step.plan)  # here: the launcher never reads the scheduler's arrays
                         if depth:
                             prev = in_flight[-1][1] if in_flight else None
                             launch = self._launcher().submit(self._launch_timed, step, packed, prev)
@@ -794,7 +834,7 @@ class Engine:
                             launch = concurrent.futures.Future()
                             launch.set_result(self._launch_timed(step, packed))
                         in_flight.append((step, launch))
-                        steps += 1
+                        steps += isinstance(step, ScheduledStep)  # a multi-step launch counts its steps when read
                     elif not in_flight:
                         raise RuntimeError("the scheduler could not place any work (page pool too small?)")
                     h2 = time.perf_counter()
@@ -806,8 +846,21 @@ class Engine:
                         host["dispatch"] += launch_s
                         out = jax.device_get(out)  # waits for that step only
                         h3 = time.perf_counter()
-                        events = sched.commit(done, out)
-                        if done.num_decode:
+                        if isinstance(done, ScheduledBurst):
+                            events = sched.commit_burst(done, out)
+                            n = int(out.steps)
+                            steps += n
+                            verify_steps += n
+                            launches["multi_step"] += 1
+                            launches["steps_in_multi_step"] += n
+                            ver = out.verified_per_step[:, :n]
+                            verified_per_step.extend(int(x) for x in np.where(ver >= 0, ver, 0).sum(0))
+                            budget_per_step.extend(int(x) for x in out.budget_per_step[:n])
+                            draft_len_per_step.extend(int(x) for x in out.draft_len_per_step[:n])
+                            drafted_per_step.extend(int(x) for x in out.draft_len_per_step[:n] * out.live_per_step[:n])
+                        else:
+                            events = sched.commit(done, out)
+                        if isinstance(done, ScheduledStep) and done.num_decode:
                             verify_steps += 1
                             verified_per_step.append(int(np.sum(out.num_verified)))
                             budget_per_step.append(done.budget)
@@ -817,7 +870,7 @@ class Engine:
                         for req, new in events:
                             yield req.index, new
                     host["commit"] += commit_s
-                    if depth and step is not None:
+                    if depth and isinstance(step, ScheduledStep):
                         # with a step in flight while the host plans, a step takes at least the host's time (the
                         # main thread's, or the launcher's if longer): the planner's costs have that floor (an
                         # average over the recent steps)
@@ -844,6 +897,8 @@ class Engine:
                                        prefill_tokens=sched.prefill_tokens_computed,
                                        prefix_tokens_reused=sched.prefix_tokens_reused,
                                        async_scheduling=self.async_scheduling, acceptance=self.acceptance,
+                                       multi_step_launches=launches["multi_step"],
+                                       steps_in_multi_step_launches=launches["steps_in_multi_step"],
                                        **per_step))
 
     def _recover(self, sched: Scheduler, *, forget_prefixes: bool = True) -> None:

@@ -38,6 +38,11 @@ Policy, step by step:
    :mod:`spec_decode.penalties`).
 7. **Stop strings** are matched as tokens are read back (:mod:`spec_decode.stop_strings`): a match finishes the
    request on the host (its later steps in flight are discarded).
+8. **Multi-step launches** (:meth:`Scheduler.schedule_burst`): when every running request decodes and no waiting
+   request could be admitted now, the engine may launch several decode steps at once, through the device loop's
+   program (:mod:`spec_decode.device_loop`). The scheduler reserves pages for what those steps may write (``M``
+   steps of ``1 + K`` tokens per row, capped by the request's limit) and folds their read-back into the requests
+   as it does a step's (:meth:`Scheduler.commit_burst`).
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ from spec_decode.page_pool import OutOfPagesError, PagePool
 from spec_decode.request import Request, RequestStatus
 from spec_decode.step import StepOutput, StepPlan
 
-__all__ = ["Request", "RequestStatus", "ScheduledStep", "Scheduler"]
+__all__ = ["Request", "RequestStatus", "ScheduledBurst", "ScheduledStep", "Scheduler"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +67,15 @@ class _InFlight:
 
     cached_max: int  # cache tokens it may add at most (decode rows: 1 + scheduled; prefill rows: 0, counted)
     emit_min: int  # tokens it emits at least (decode rows and a fresh prefill's last chunk: 1)
+
+
+@dataclasses.dataclass
+class ScheduledBurst:
+    """Up to ``max_steps`` decode steps of ``requests`` (each in its slot), launched as one device-loop call."""
+
+    requests: list[Request]
+    max_steps: int
+    end_on_finish: bool  # requests wait for a slot: end the launch once one of these requests finishes
 
 
 @dataclasses.dataclass
@@ -310,6 +324,40 @@ class Scheduler:
             self._push(req, _InFlight(1 + s, 1))
         return step
 
+    def schedule_burst(self, max_steps: int, *, min_rows: int = 1) -> ScheduledBurst | None:
+        """Plan ``max_steps`` decode steps of every running request as one launch, or None when one step at a
+        time is what fits: a request is being prefilled, a waiting request could be admitted now (a slot and its
+        pages are free), a request wants log-probabilities (the device loop returns none), fewer than
+        ``min_rows`` requests would decode, or the pool lacks the pages the steps may write (nothing is preempted
+        for a multi-step launch; the single steps preempt as they must)."""
+        running = list(self.running.values())
+        if any(r.status is not RequestStatus.RUNNING for r in running):
+            return None
+        if self.waiting and self.free_slots:
+            req = self.waiting[0]
+            if not self._inflight[req.index] and self.pool.can_fit(req.index, 1):
+                return None  # it could be admitted: a single step admits it
+        decode = [r for r in sorted(running, key=lambda r: r.arrival) if r.limit - self._emitted_lower(r) > 0]
+        if len(decode) < max(min_rows, 1) or any(r.params.wants_logprobs for r in decode):
+            return None
+        lengths = [self._burst_length(r, max_steps) for r in decode]
+        pool = self.pool
+        need = sum(max(0, pool.blocks_for(n) - len(pool.pages.get(r.index, []))) for r, n in zip(decode, lengths))
+        if need > pool.num_free or any(pool.blocks_for(n) > pool.max_blocks for n in lengths):
+            return None
+        for r, n in zip(decode, lengths):
+            self.pool.ensure(r.index, n)
+            if self.check_writes:
+                self.pool.check_writable(r.index, r.num_cached, n)
+            self._push(r, _InFlight(n - self._cached_upper(r), 1))
+        return ScheduledBurst(decode, max_steps, end_on_finish=bool(self.waiting))
+
+    def _burst_length(self, req: Request, max_steps: int) -> int:
+        """The cache length ``max_steps`` decode steps of ``req`` may reach: ``1 + K`` positions a step, at most
+        its last position (prompt + limit - 2: the last token emitted is never written)."""
+        cap = min(len(req.prompt) + req.limit - 1, self.max_blocks * self.page_size)
+        return max(self._cached_upper(req), min(self._cached_upper(req) + max_steps * (1 + self.k), cap))
+
     def _fit_prompt_rows(self, prefill, scores, num_decode: int, logit_cap: int):
         """Cut the chunks that score their prompt so that the step's verify-logits rows fit ``logit_cap``: the
         decode rows' anchors and the other prefill rows' first tokens come first; each scoring chunk keeps at
@@ -502,4 +550,45 @@ class Scheduler:
                 p = req.predicted_per_position
                 for j in range(ver):
                     p[j] += surv[j]
+        return events
+
+    def commit_burst(self, burst: ScheduledBurst, out) -> list[tuple[Request, list[int]]]:
+        """Fold a multi-step launch's read-back (a :class:`~spec_decode.device_loop.LoopOutputs`, numpy) into its
+        requests, as :meth:`commit` does a step's: ``(request, new tokens)`` per request that emitted; finished
+        requests are freed."""
+        events = []
+        k = self.k
+        for req in burst.requests:
+            self._pop(req)
+            if req.status is RequestStatus.FINISHED:
+                continue  # finished (a stop string) in an earlier launch: the device decoded it on, discarded
+            s = req.slot
+            n = int(out.num_tokens[s])
+            new = [int(x) for x in out.tokens[s, :n]]
+            req.target_steps += int(out.target_steps[s])
+            per_step = out.verified_per_step[s]
+            req.verified_drafts_per_step.extend(int(x) for x in per_step[per_step >= 0])
+            for j in range(k):
+                req.accepted_per_position[j] += int(out.accepted_per_position[s, j])
+                req.verified_per_position[j] += int(out.verified_per_position[s, j])
+                req.predicted_per_position[j] += float(out.predicted_per_position[s, j])
+            req.num_cached += n  # every decode step caches its anchor and accepted drafts: what it emits
+            if k:
+                self.stale_conf[s] = out.confidences[s, :k]
+            stopped = False
+            if new:
+                req.output.extend(new)
+                if req.stop_strings is not None:
+                    keep = req.stop_strings.feed(req.output)
+                    if keep is not None:
+                        del new[len(new) - (len(req.output) - keep):]
+                        del req.output[keep:]
+                        stopped = True
+                if new:
+                    events.append((req, new))
+            if bool(out.finished[s]) or stopped:
+                last = req.output[-1] if req.output else None
+                req.finish_reason = "stop" if stopped or last in req.stop_ids else "length"
+                self._release(req)
+                req.status = RequestStatus.FINISHED
         return events
