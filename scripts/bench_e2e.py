@@ -185,7 +185,9 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
                  min_token_bucket=args.min_token_bucket, tokenizer=tokenizer,
                  enable_prefix_caching=args.prefix_caching or args.shared_prefix > 0,
                  implementation=args.implementation,
-                 device_loop="device" in loops, precompile=False, sampling=args.sampling, **extra)
+                 device_loop="device" in loops or args.decode_steps_per_launch > 1,
+                 decode_steps_per_launch=args.decode_steps_per_launch, precompile=False, sampling=args.sampling,
+                 **extra)
     construct_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     report = eng.warmup()
@@ -247,7 +249,9 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
             "warmup_programs": report.programs, "warmup_compiled": report.compiled,
             "host_time_per_step_s": st["host_time_per_step_s"],
             **{key: st[key] for key in ("host_schedule_ms_per_step", "host_dispatch_ms_per_step",
-                                        "host_commit_ms_per_step") if key in st},
+                                        "host_commit_ms_per_step", "multi_step_launches",
+                                        "steps_in_multi_step_launches") if key in st},
+            "decode_steps_per_launch": args.decode_steps_per_launch,
             "prefix_cache_tokens": st["prefix_cache_tokens"], "preemptions": st["preemptions"],
             "token_digests": [digest(r.token_ids) for r in res],
             "cost_table": eng.cost_table.to_dict() if eng.cost_table is not None else None,
@@ -621,6 +625,8 @@ def parse_args(argv=None):
                     help="tokens every prompt shares (prefix caching on); the published workload: 200 of 550")
     ap.add_argument("--sampling", action="store_true",
                     help="compile the sampling programs too (the sweep is greedy: Engine(sampling=False) by default)")
+    ap.add_argument("--decode-steps-per-launch", type=int, default=8,
+                    help="the host loop's multi-step launches (Engine(decode_steps_per_launch=...)); 1: off")
     ap.add_argument("--time-budget-s", type=float, default=None)
     ap.add_argument("--resume", default=None, help="rows to resume from (default: OUT/bench_e2e.jsonl if present)")
     ap.add_argument("--fresh", action="store_true", help="start a new OUT/bench_e2e.jsonl (ignore recorded rows)")
