@@ -130,6 +130,14 @@ def config_key(row: dict) -> tuple:
             row.get("tensor_parallel_size"))
 
 
+def loop_and_steps(loop: str, args) -> tuple[str, int]:
+    """``host``, ``device`` or ``host@M`` (the host loop with ``M`` decode steps per launch) -> (loop, M)."""
+    base, _, m = loop.partition("@")
+    if base not in ("host", "device") or (m and (base != "host" or not m.isdigit() or int(m) < 1)):
+        raise SystemExit(f"bench_e2e: --loops takes host, device or host@M (M >= 1), got {loop!r}")
+    return base, (int(m) if m else args.decode_steps_per_launch) if base == "host" else 0
+
+
 def this_row(args, n: int, mode: str, loop: str) -> dict:
     """The key fields of a configuration's row (what ``config_key`` reads)."""
     return {"n": n, "mode": mode, "loop": loop, "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
@@ -185,7 +193,7 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
                  min_token_bucket=args.min_token_bucket, tokenizer=tokenizer,
                  enable_prefix_caching=args.prefix_caching or args.shared_prefix > 0,
                  implementation=args.implementation,
-                 device_loop="device" in loops or args.decode_steps_per_launch > 1,
+                 device_loop=any(loop_and_steps(lp, args) != ("host", 1) for lp in loops),
                  decode_steps_per_launch=args.decode_steps_per_launch, precompile=False, sampling=args.sampling,
                  **extra)
     construct_s = time.perf_counter() - t0
@@ -216,9 +224,12 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
     # rows whose timed prompts are this call's (any mode and loop)
     by_loop = {r["loop"]: r for r in same if r["mode"] == mode}
     for loop in loops:
-        eng.generate(warm_prompts, loop=loop, **kw)
+        base, steps_per_launch = loop_and_steps(loop, args)
+        if base == "host":
+            eng.decode_steps_per_launch = steps_per_launch
+        eng.generate(warm_prompts, loop=base, **kw)
         with compile_counter() as compiled:
-            runs = [eng.generate(prompts, loop=loop, **kw) for prompts in timed_sets]
+            runs = [eng.generate(prompts, loop=base, **kw) for prompts in timed_sets]
         res = runs[0]
         st = res.stats
         wall = sum(r.stats["wall_time_s"] for r in runs)
@@ -251,7 +262,7 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
             **{key: st[key] for key in ("host_schedule_ms_per_step", "host_dispatch_ms_per_step",
                                         "host_commit_ms_per_step", "multi_step_launches",
                                         "steps_in_multi_step_launches") if key in st},
-            "decode_steps_per_launch": args.decode_steps_per_launch,
+            "decode_steps_per_launch": steps_per_launch if base == "host" else None,
             "prefix_cache_tokens": st["prefix_cache_tokens"], "preemptions": st["preemptions"],
             "token_digests": [digest(r.token_ids) for r in res],
             "cost_table": eng.cost_table.to_dict() if eng.cost_table is not None else None,
@@ -446,7 +457,8 @@ def _pyplot():
 
 
 def _loops(rows: list[dict]) -> list[str]:
-    return [lp for lp in ("host", "device") if any(r["loop"] == lp for r in rows)]
+    seen = {r["loop"] for r in rows}
+    return [lp for lp in ("host", "device") if lp in seen] + sorted(lp for lp in seen if lp not in ("host", "device"))
 
 
 def _latest(rows: list[dict]) -> dict:
@@ -592,7 +604,8 @@ def parse_args(argv=None):
     ap.add_argument("--out", help="output directory (required unless --plot-only)")
     ap.add_argument("--requests", type=int, nargs="*", default=[1, 8, 32, 64, 128, 256, 512])
     ap.add_argument("--modes", nargs="+", default=list(ALL_MODES))
-    ap.add_argument("--loops", nargs="+", choices=["host", "device"], default=["host", "device"])
+    ap.add_argument("--loops", nargs="+", default=["host", "device"],
+                    help="host, device, or host@M: the host loop with M decode steps per launch (a row of its own)")
     ap.add_argument("--k", type=int, default=7, help="K of the adaptive modes")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -640,6 +653,8 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.plot_only is None and not args.out:
         ap.error("--out is required (or --plot-only ROWS.jsonl)")
+    for lp in args.loops:
+        loop_and_steps(lp, args)
     for m in args.modes:
         try:
             mode_settings(m, args.k)
