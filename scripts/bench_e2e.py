@@ -638,7 +638,7 @@ def parse_args(argv=None):
                     help="tokens every prompt shares (prefix caching on); the published workload: 200 of 550")
     ap.add_argument("--sampling", action="store_true",
                     help="compile the sampling programs too (the sweep is greedy: Engine(sampling=False) by default)")
-    ap.add_argument("--decode-steps-per-launch", type=int, default=8,
+    ap.add_argument("--decode-steps-per-launch", type=int, default=16,
                     help="the host loop's multi-step launches (Engine(decode_steps_per_launch=...)); 1: off")
     ap.add_argument("--time-budget-s", type=float, default=None)
     ap.add_argument("--resume", default=None, help="rows to resume from (default: OUT/bench_e2e.jsonl if present)")

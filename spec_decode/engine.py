@@ -127,11 +127,12 @@ class Engine:
       enable_prefix_caching: requests that share a prompt prefix share its full pages (``docs/ENGINE.md``).
       async_scheduling: plan and launch each step before the previous one is read back (default); ``False``
         reads every step back before planning the next.
-      decode_steps_per_launch: the host loop's **multi-step launches**: while every running request decodes and
-        no waiting request could be admitted, launch up to this many decode steps at once through the device
-        loop's program (one launch and one read-back for all of them; ``docs/ENGINE.md``). Streams then receive
-        a request's tokens a launch at a time. ``1`` launches every step on its own; so does an engine built with
-        ``device_loop=False`` (the launches use the device loop's programs).
+      decode_steps_per_launch: the host loop's **multi-step launches** (``M``): while every running request
+        decodes and no waiting request could be admitted, launch several decode steps at once through the device
+        loop's program (one launch and one read-back for all of them; ``docs/ENGINE.md``): ``M`` steps in the
+        first such launch after a single step, four times as many in each next one, up to ``16 M``. Streams then
+        receive a request's tokens a launch at a time. ``1`` launches every step on its own; so does an engine
+        built with ``device_loop=False`` (the launches use the device loop's programs).
       precompile: compile the whole closed set now (else the first ``generate`` / ``stream`` does).
       device_loop: compile the device loop's programs at warm-up too (default); ``False`` leaves them out of the
         warm-up (fewer programs when only the host loop is used: the first ``loop="device"`` call compiles them).
@@ -150,7 +151,7 @@ class Engine:
                  confidence: str | None = None, sampling: bool = True, synthetic_acceptance_rates=None,
                  synthetic_acceptance_length=None, synthetic_confidence_noise: float = 0.0,
                  synthetic_concentration: float = 10.0, tensor_parallel_size: int = 1, mesh=None,
-                 decode_steps_per_launch: int = 8):
+                 decode_steps_per_launch: int = 16):
         cfg = target.cfg
         if verification not in MODES:
             raise ValueError(f"verification must be one of {MODES}, got {verification!r}")
@@ -253,6 +254,7 @@ class Engine:
                                      if 2 * token_bucket(self.buckets_by_length[d], n * (1 + d)) >= smallest),
                                     max_num_seqs)
         self._burst_costs = None  # (the planner's table, as the device loop reads it)
+        self._burst_run = 0  # multi-step launches since the last single step
         self._target_params = nnx.state(target)
         self._drafter_params = nnx.state(self.drafter) if self.drafter is not None else None
         self._state: DecodeState | None = None
@@ -791,9 +793,17 @@ class Engine:
     def _schedule(self, sched: Scheduler) -> tuple[ScheduledStep | ScheduledBurst | None, object]:
         """The next launch and what it sends: a multi-step launch and its loop inputs when one fits (see
         :meth:`Scheduler.schedule_burst`), else one step and its packed plan (None: nothing can run now)."""
-        if self.decode_steps_per_launch > 1 and self._loop_programs:
-            burst = sched.schedule_burst(self.decode_steps_per_launch, min_rows=self._burst_min_rows)
+        m0 = self.decode_steps_per_launch
+        if m0 > 1 and self._loop_programs:
+            # the first multi-step launch after a single step runs M0 steps, each next one 4x the one before, up
+            # to 16 M0 (few launches for a long decode, early tokens for streams); fewer when the pool is short
+            m = min(m0 * 4 ** self._burst_run, 16 * m0)
+            burst = None
+            while burst is None and m >= m0:
+                burst = sched.schedule_burst(m, min_rows=self._burst_min_rows)
+                m //= 4
             if burst is not None:
+                self._burst_run += 1
                 if self._burst_costs is None or self._burst_costs[0] is not self.planner.table:
                     self._burst_costs = (self.planner.table, self.planner.device_table())
                 tables = self.pool.block_table([r.index for r in burst.requests])
@@ -801,6 +811,7 @@ class Engine:
                                           cost_table=self._burst_costs[1], max_steps=burst.max_steps,
                                           end_on_finish=burst.end_on_finish)
         step = sched.schedule()
+        self._burst_run = 0
         return step, (None if step is None else pack_plan(step.plan))
 
     def _host_loop(self, requests: list[Request], stats: dict) -> Iterator[tuple[int, list[int]]]:
