@@ -345,12 +345,18 @@ class Scheduler:
         need = sum(max(0, pool.blocks_for(n) - len(pool.pages.get(r.index, []))) for r, n in zip(decode, lengths))
         if need > pool.num_free or any(pool.blocks_for(n) > pool.max_blocks for n in lengths):
             return None
+        end_on_finish = bool(self.waiting)
         for r, n in zip(decode, lengths):
             self.pool.ensure(r.index, n)
             if self.check_writes:
                 self.pool.check_writable(r.index, r.num_cached, n)
-            self._push(r, _InFlight(n - self._cached_upper(r), 1))
-        return ScheduledBurst(decode, max_steps, end_on_finish=bool(self.waiting))
+            # every iteration emits a token for each row not finished, and the launch runs all its iterations
+            # unless every row finishes or (end_on_finish) another row does: a request that has not finished
+            # emits at least one token a step (the host then plans no launch after this one for a request
+            # this one takes to its limit)
+            remaining = r.limit - self._emitted_lower(r)
+            self._push(r, _InFlight(n - self._cached_upper(r), 1 if end_on_finish else min(max_steps, remaining)))
+        return ScheduledBurst(decode, max_steps, end_on_finish=end_on_finish)
 
     def _burst_length(self, req: Request, max_steps: int) -> int:
         """The cache length ``max_steps`` decode steps of ``req`` may reach: ``1 + K`` positions a step, at most
