@@ -13,20 +13,21 @@ from flax import nnx
 
 from minimax_jax import msa
 from minimax_jax.config import MiniMaxM3Config
-from minimax_jax.layers import Linear, apply_rope, norm_for
+from minimax_jax.layers import apply_rope, linear_for, norm_for
 
 # Large finite negative instead of -inf so a fully masked row can never produce NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 class MSAIndexer(nnx.Module):
-    """The lightning indexer of a sparse layer: ``index_n_heads`` query heads and ONE shared key head."""
+    """The lightning indexer of a sparse layer: ``index_n_heads`` query heads and ONE shared key head. ``prefix``:
+    the module's path in the model (``layers.2.self_attn.indexer``), for :func:`~minimax_jax.layers.linear_for`."""
 
-    def __init__(self, cfg: MiniMaxM3Config, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: MiniMaxM3Config, *, dtype, rngs: nnx.Rngs, prefix: str = ""):
         self.cfg = cfg
         d, hi, di = cfg.hidden_size, cfg.index_n_heads, cfg.index_head_dim
-        self.q_proj = Linear(d, hi * di, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(d, di, dtype=dtype, rngs=rngs)
+        self.q_proj = linear_for(cfg, prefix + ".q_proj", d, hi * di, dtype=dtype, rngs=rngs)
+        self.k_proj = linear_for(cfg, prefix + ".k_proj", d, di, dtype=dtype, rngs=rngs)
         self.q_norm = norm_for(cfg, di, dtype=dtype)
         self.k_norm = norm_for(cfg, di, dtype=dtype)
 
@@ -51,13 +52,15 @@ class Attention(nnx.Module):
         self.cfg = cfg
         self.layer_idx = layer_idx
         d, h, hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = Linear(d, h * hd, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(d, hkv * hd, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(d, hkv * hd, dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(h * hd, d, dtype=dtype, rngs=rngs)
+        p = f"layers.{layer_idx}.self_attn"
+        self.q_proj = linear_for(cfg, p + ".q_proj", d, h * hd, dtype=dtype, rngs=rngs)
+        self.k_proj = linear_for(cfg, p + ".k_proj", d, hkv * hd, dtype=dtype, rngs=rngs)
+        self.v_proj = linear_for(cfg, p + ".v_proj", d, hkv * hd, dtype=dtype, rngs=rngs)
+        self.o_proj = linear_for(cfg, p + ".o_proj", h * hd, d, dtype=dtype, rngs=rngs)
         self.q_norm = norm_for(cfg, hd, dtype=dtype)
         self.k_norm = norm_for(cfg, hd, dtype=dtype)
-        self.indexer = MSAIndexer(cfg, dtype=dtype, rngs=rngs) if cfg.is_sparse_layer(layer_idx) else None
+        self.indexer = (MSAIndexer(cfg, dtype=dtype, rngs=rngs, prefix=p + ".indexer")
+                        if cfg.is_sparse_layer(layer_idx) else None)
 
     @property
     def is_sparse(self) -> bool:

@@ -152,13 +152,14 @@ def weight_plan(cfg: MiniMaxM3Config, *, scale_name: str | None = None) -> dict[
 
     The two schemes share a name wherever the checkpoints do. When ``cfg.expert_quantization`` is ``"mxfp4"`` or
     ``"mxfp8"`` (the routed experts kept quantized), the MoE layers' routed experts are the four shipped tensors
-    of :func:`_quantized_experts` (MiniMax names; ``scale_name``: the scale tensor's name, by default the one of
-    the format's release, :data:`minimax_jax.quantization.SCALE_SUFFIX`).
+    of :func:`_quantized_experts` (MiniMax names). Every linear ``cfg.quantized_linears`` names reads its shipped
+    tensors as ``w_q`` and ``w_scale`` (:func:`_quantized_linear`). ``scale_name``: the scale tensor's name, by
+    default the one of the format's release, :data:`minimax_jax.quantization.SCALE_SUFFIX`.
     """
+    from minimax_jax.quantization import SCALE_SUFFIX
+
     expert_fmt = cfg.expert_quantization
     if expert_fmt is not None and scale_name is None:
-        from minimax_jax.quantization import SCALE_SUFFIX
-
         scale_name = SCALE_SUFFIX[expert_fmt]
     d, v = cfg.hidden_size, cfg.vocab_size
     h, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -234,7 +235,33 @@ def weight_plan(cfg: MiniMaxM3Config, *, scale_name: str | None = None) -> dict[
                                   concat_transpose),
             }
             linear(M + ("down_proj", "kernel"), p + "mlp.down_proj.weight", d, di)
+    if cfg.quantized_linears:
+        fmt = cfg.linear_quantization
+        for module in cfg.quantized_linears:
+            path = tuple(int(x) if x.isdigit() else x for x in module.split(".")) + ("kernel",)
+            if path not in plan:
+                raise CheckpointError(f"internal: quantized_linears names {module}, which the weight plan lacks")
+            q, sc = _quantized_linear(plan.pop(path), fmt, scale_name or SCALE_SUFFIX[fmt])
+            plan[path[:-1] + ("w_q",)], plan[path[:-1] + ("w_scale",)] = q, sc
     return plan
+
+
+def _quantized_linear(alternatives: dict[str, Source], fmt: str, scale_name: str):
+    """The ``w_q`` and ``w_scale`` sources of a linear kept quantized, from its dense ``kernel`` sources: the same
+    tensors (``[gate; up]`` parts concatenated along the rows), as shipped in the ``[out, in]`` layout, and the
+    scales beside them (``<module>.<scale_name>``)."""
+    from minimax_jax.safetensors_io import concat_rows
+
+    pack = 2 if fmt == "mxfp4" else 1
+    q, sc = {}, {}
+    for scheme, src in alternatives.items():
+        if src.combine not in (transpose, concat_transpose):
+            raise CheckpointError(f"internal: {src.names} is not a linear's kernel")
+        combine = identity if len(src.names) == 1 else concat_rows
+        scales = tuple(n[: -len("weight")] + scale_name for n in src.names)
+        q[scheme] = Source(src.names, tuple((n, k // pack) for n, k in src.shapes), combine)
+        sc[scheme] = Source(scales, tuple((n, k // 32) for n, k in src.shapes), combine)
+    return q, sc
 
 
 # ----------------------------------------------------------------------------------------------- loading
@@ -261,8 +288,11 @@ def load_model(path: str | os.PathLike, *, dtype=jnp.bfloat16, config: MiniMaxM3
       quantization: for a quantized checkpoint (``quantization_config``: ``mxfp8``, or ``quark`` with MXFP4
         weights; docs/CHECKPOINTS.md). ``"dequantize"``: every quantized weight is decoded to ``dtype`` on load.
         ``"keep"``: the routed experts stay as shipped (packed elements and E8M0 scales, the MoE's
-        ``w_gate_up_q`` / ``w_gate_up_scale`` / ``w_down_q`` / ``w_down_scale``), every other quantized linear
-        is decoded to ``dtype``. Either reads an unquantized checkpoint as it is.
+        ``w_gate_up_q`` / ``w_gate_up_scale`` / ``w_down_q`` / ``w_down_scale``), and so does every other
+        quantized linear (attention and index projections, dense MLPs, shared expert: a
+        :class:`~minimax_jax.layers.QuantizedLinear`'s ``w_q`` / ``w_scale``; ``model.cfg.quantized_linears``
+        lists them). Either reads an unquantized checkpoint as it is. With ``mesh=``, a row-parallel quantized
+        linear whose per-device inputs would cut a 32-input scale block is refused (ValueError naming it).
     Raises:
       FileNotFoundError / NotADirectoryError for a path that does not exist or is a file (without ``config``);
       ConfigError for a ``quantization_config`` that is not supported (naming the key);
@@ -281,14 +311,15 @@ def load_model(path: str | os.PathLike, *, dtype=jnp.bfloat16, config: MiniMaxM3
     scheme = read_quantization_config(raw_config) if raw_config is not None else None
     reader = SafetensorsReader(path, rename=compose_rename(rename, text_model_name))
     dense_plan = weight_plan(cfg)  # what the quantized tensors decode to: dense shapes, the linears
-    keep_experts = scheme is not None and quantization == "keep" and bool(cfg.moe_layer_ids)
-    if keep_experts:
-        cfg = dataclasses.replace(cfg, expert_quantization=scheme.weight_format)
-    plan = weight_plan(cfg, scale_name=scheme.scale_suffix) if keep_experts else dense_plan
+    plan = dense_plan
     if scheme is not None:
-        kept = {n for k, alts in plan.items() if k[-1] in _KEPT_EXPERTS for src in alts.values() for n in src.names}
-        reader = DequantizingReader(reader, scheme, linear_names=_linear_names(dense_plan),
-                                    expected_shapes=_expected_shapes(dense_plan), keep=kept.__contains__, dtype=dtype)
+        checked = dict(linear_names=_linear_names(dense_plan), expected_shapes=_expected_shapes(dense_plan))
+        if quantization == "keep":
+            quantized = set(DequantizingReader(reader, scheme, **checked).dequantized)  # headers only
+            cfg = _keep_config(cfg, scheme, dense_plan, quantized)
+            plan = weight_plan(cfg, scale_name=scheme.scale_suffix)
+        kept = {n for k, alts in plan.items() if k[-1] in _KEPT for src in alts.values() for n in src.names}
+        reader = DequantizingReader(reader, scheme, **checked, keep=kept.__contains__, dtype=dtype)
     _say_skipped(reader)
     placement, model_cfg = None, cfg
     if mesh is not None:  # the checkpoint is cfg's; the model stores its heads for the mesh
@@ -303,7 +334,24 @@ def load_model(path: str | os.PathLike, *, dtype=jnp.bfloat16, config: MiniMaxM3
     return nnx.merge(graphdef, state)
 
 
-_KEPT_EXPERTS = ("w_gate_up_q", "w_gate_up_scale", "w_down_q", "w_down_scale")
+# Parameters read as shipped in keep mode: the routed experts' (layers.MoE) and the quantized linears'.
+_KEPT = ("w_gate_up_q", "w_gate_up_scale", "w_down_q", "w_down_scale", "w_q", "w_scale")
+
+
+def _keep_config(cfg: MiniMaxM3Config, scheme, dense_plan, quantized: set[str]) -> MiniMaxM3Config:
+    """``cfg`` for a keep-mode load: the routed experts in the checkpoint's format (when there are MoE layers),
+    and every linear whose shipped tensors are all quantized (``quantized``: their names) in ``quantized_linears``.
+    The router, the embedding and ``lm_head`` are not :class:`~minimax_jax.layers.Linear` modules: they are
+    decoded when a checkpoint quantizes them."""
+    linears = []
+    for path, alts in dense_plan.items():
+        module = ".".join(map(str, path[:-1]))
+        if path[-1] == "kernel" and cfg.linear_in_features(module) is not None and any(
+                all(n in quantized for n in src.names) for src in alts.values()):
+            linears.append(module)
+    fmt = scheme.weight_format
+    return dataclasses.replace(cfg, expert_quantization=fmt if cfg.moe_layer_ids else None,
+                               linear_quantization=fmt if linears else None, quantized_linears=tuple(linears))
 
 
 def _config_json_beside(path, *, required: bool) -> dict | None:

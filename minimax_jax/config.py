@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -49,6 +50,11 @@ FULL_ATTENTION = "full_attention"
 SPARSE_ATTENTION = "minimax_m3_sparse"
 DENSE_MLP = "dense"
 MOE_MLP = "sparse"
+
+
+# Module paths of the linears a config may hold quantized (MiniMaxM3Config.quantized_linears).
+_LINEAR_PATH = re.compile(r"layers\.(?P<layer>\d+)\.(?P<where>self_attn\.(?:[qkvo]_proj|indexer\.[qk]_proj)|"
+                          r"mlp\.(?:shared_experts\.)?(?:gate_up|down)_proj)")
 
 
 class ConfigError(ValueError):
@@ -98,6 +104,10 @@ class MiniMaxM3Config:
     tie_word_embeddings: bool = False
     # ---- storage: routed experts kept quantized in HBM ("mxfp4" / "mxfp8", E8M0 scales; layers.MoE); None: dense
     expert_quantization: str | None = None
+    # ---- storage: the linears (attention and index projections, dense MLPs, shared expert) held as MX tensors,
+    # by module path ("layers.0.self_attn.q_proj"; layers.QuantizedLinear), in the format linear_quantization
+    linear_quantization: str | None = None
+    quantized_linears: tuple[str, ...] = ()
     # ---- benchmarks only: every routed token goes to experts chosen round-robin, equal weights (layers.Router;
     # random router weights otherwise give a load no trained model has). Never set by a checkpoint.
     balanced_routing: bool = False
@@ -111,6 +121,8 @@ class MiniMaxM3Config:
         elif isinstance(eos, int):
             eos = (eos,)
         object.__setattr__(self, "eos_token_id", tuple(int(e) for e in eos))
+        if isinstance(self.quantized_linears, (list, tuple)):
+            object.__setattr__(self, "quantized_linears", tuple(self.quantized_linears))
         if self.rotary_dim is None and isinstance(self.head_dim, int):
             object.__setattr__(self, "rotary_dim", self.head_dim // 2)
         self.validate()
@@ -205,6 +217,7 @@ class MiniMaxM3Config:
                 if getattr(self, name) % 32:
                     raise ConfigError(f"expert_quantization={self.expert_quantization!r} needs {name} to be a "
                                       f"multiple of 32 (one E8M0 scale per 32 inputs), got {getattr(self, name)}")
+        self._validate_quantized_linears()
         if self.swiglu_limit <= 0:
             raise ConfigError(f"swiglu_limit must be > 0, got {self.swiglu_limit}")
         for name in ("bos_token_id", "pad_token_id"):
@@ -214,6 +227,49 @@ class MiniMaxM3Config:
         for e in self.eos_token_id:
             if not 0 <= e < self.vocab_size:
                 raise ConfigError(f"eos_token_id ({e}) is outside the vocabulary [0, {self.vocab_size})")
+
+    def linear_in_features(self, path: str) -> int | None:
+        """The input width of the linear at module path ``path`` (``layers.3.self_attn.o_proj``), None when the
+        model has no linear there."""
+        m = _LINEAR_PATH.fullmatch(path)
+        if m is None:
+            return None
+        i, where = int(m["layer"]), m["where"]
+        if not i < self.num_hidden_layers:
+            return None
+        if where == "self_attn.o_proj":
+            return self.num_attention_heads * self.head_dim
+        if where.startswith("self_attn.indexer.") and not self.is_sparse_layer(i):
+            return None
+        if where.startswith("mlp.shared_experts."):
+            if not (self.is_moe_layer(i) and self.shared_intermediate_size):
+                return None
+            return self.shared_intermediate_size if where.endswith("down_proj") else self.hidden_size
+        if where.startswith("mlp."):
+            if self.is_moe_layer(i):
+                return None
+            return self.dense_intermediate_size if where.endswith("down_proj") else self.hidden_size
+        return self.hidden_size
+
+    def _validate_quantized_linears(self) -> None:
+        fmt, paths = self.linear_quantization, self.quantized_linears
+        if fmt not in (None, "mxfp4", "mxfp8"):
+            raise ConfigError(f"linear_quantization must be None, 'mxfp4' or 'mxfp8', got {fmt!r}")
+        if not isinstance(paths, tuple) or not all(isinstance(p, str) for p in paths):
+            raise ConfigError(f"quantized_linears must be a list of module paths, got {paths!r}")
+        if bool(paths) != (fmt is not None):
+            raise ConfigError(f"quantized_linears ({len(paths)} paths) and linear_quantization={fmt!r} go together: "
+                              f"both set or neither")
+        for p in paths:
+            k = self.linear_in_features(p)
+            if k is None:
+                raise ConfigError(f"quantized_linears names {p!r}, which is not a linear of this model (expected "
+                                  f"layers.N.self_attn.q_proj | k_proj | v_proj | o_proj, layers.N.self_attn.indexer."
+                                  f"q_proj | k_proj, layers.N.mlp.gate_up_proj | down_proj, layers.N.mlp."
+                                  f"shared_experts.gate_up_proj | down_proj, for layers of that kind)")
+            if k % 32:
+                raise ConfigError(f"quantized_linears: {p} has {k} inputs, not a multiple of 32 (one E8M0 scale per "
+                                  f"32 inputs)")
 
     # ------------------------------------------------------------------ I/O
     @classmethod
@@ -232,6 +288,10 @@ class MiniMaxM3Config:
     def to_dict(self) -> dict[str, Any]:
         """HF-style flat dict; ``from_pretrained(to_dict())`` round-trips. Absent optional sizes are left out."""
         d = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        if self.quantized_linears:
+            d["quantized_linears"] = list(self.quantized_linears)
+        else:
+            d.pop("quantized_linears")
         d["layer_types"] = list(self.layer_types)
         d["mlp_layer_types"] = list(self.mlp_layer_types)
         d["eos_token_id"] = list(self.eos_token_id)

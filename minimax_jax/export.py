@@ -26,8 +26,14 @@ KEEP_FP32 = ("e_score_correction_bias",)
 
 def model_tensors(model: MiniMaxM3ForCausalLM, *, dtype=None) -> dict[str, np.ndarray]:
     """The model's parameters as HF-named numpy arrays (``dtype`` casts all but :data:`KEEP_FP32`)."""
+    cfg = model.cfg
+    if cfg.expert_quantization is not None or cfg.quantized_linears:
+        what = ([f"routed experts ({cfg.expert_quantization})"] if cfg.expert_quantization is not None else []) + (
+            [f"{len(cfg.quantized_linears)} linears ({cfg.linear_quantization})"] if cfg.quantized_linears else [])
+        raise CheckpointError(f"the model holds MX tensors ({', '.join(what)}): save_model writes dense checkpoints; "
+                              f"load the checkpoint with quantization='dequantize' to export it")
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    plan = weight_plan(model.cfg)
+    plan = weight_plan(cfg)
     if set(plan) != set(flat):
         raise CheckpointError(f"internal: weight plan and model differ: {sorted(set(plan) ^ set(flat))}")
     out: dict[str, np.ndarray] = {}

@@ -3,7 +3,8 @@
 Parameters are stored in JAX layout: a linear map's ``kernel`` is ``[in, out]`` (torch stores ``[out, in]``);
 the routed experts are stacked ``gate_up [E, d, 2I]`` and ``down [E, I, d]``, or, with
 ``cfg.expert_quantization`` ("mxfp4" / "mxfp8"), kept as the checkpoint's MX tensors in its ``[out, in]``
-layout (:class:`MoE`).
+layout (:class:`MoE`). The linears ``cfg.quantized_linears`` names are :class:`QuantizedLinear` (MX tensors in the
+checkpoint's ``[out, in]`` layout, ``w_q`` and ``w_scale``), the others :class:`Linear` (:func:`linear_for`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from flax import nnx
 from minimax_jax.config import MiniMaxM3Config
 from pallas_kernels.grouped_gemm import moe_ffn
 from pallas_kernels.mx_formats import BLOCK as MX_BLOCK
-from pallas_kernels.mx_grouped_gemm import mx_moe_ffn
+from pallas_kernels.mx_formats import dequantize
+from pallas_kernels.mx_grouped_gemm import mx_format, mx_moe_ffn
 
 
 def _normal(stddev: float):
@@ -61,6 +63,48 @@ class Linear(nnx.Module):
         k = self.kernel[...]
         y = jnp.dot(x.astype(k.dtype), k, preferred_element_type=jnp.float32)
         return y.astype(k.dtype)
+
+
+class QuantizedLinear(nnx.Module):
+    """A linear kept as the checkpoint's MX tensors (docs/CHECKPOINTS.md), ``y = x @ dequantize(w).T`` (:func:`mx_linear`).
+
+    Parameters, in the checkpoint's ``[out, in]`` layout: ``w_q`` (MXFP4 ``uint8 [out, in / 2]``, two E2M1 codes a
+    byte, low nibble first; MXFP8 ``float8_e4m3fn [out, in]``) and ``w_scale`` (``uint8 [out, in / 32]`` E8M0).
+    The product runs in ``dtype`` (the model's), fp32 accumulation, rounded to ``dtype`` as :class:`Linear`. A
+    random init draws valid MX tensors of about ``stddev`` RMS (:func:`random_mx_weights`)."""
+
+    def __init__(self, in_features: int, out_features: int, fmt: str, *, dtype, rngs: nnx.Rngs,
+                 stddev: float = 0.02):
+        self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
+        self.dtype = jnp.dtype(dtype)
+        q, s = random_mx_weights(rngs.params(), fmt, (out_features, in_features), stddev=stddev)
+        self.w_q, self.w_scale = nnx.Param(q), nnx.Param(s)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return mx_linear(x.astype(self.dtype), self.w_q[...], self.w_scale[...]).astype(self.dtype)
+
+
+def mx_linear(x: jax.Array, w_q: jax.Array, w_scale: jax.Array) -> jax.Array:
+    """``x [..., K] @ dequantize(w_q, w_scale).T`` -> fp32 ``[..., N]``: the MX weight ``[N, K]`` (format from its
+    dtype, ``mx_grouped_gemm.mx_format``) decoded to x's dtype (exact: E2M1 / E4M3 values times a power of two),
+    then one dot with fp32 accumulation.
+
+    The decode is plain jnp ahead of the dot, so XLA can fuse it into the dot's operand, and the product is
+    partitioned by GSPMD like a dense linear's (a ``[N, K]`` weight split along N or K, its ``[N, K / 32]``
+    scales alike: docs/PARALLELISM.md). The Pallas kernel of ``mx_grouped_gemm`` (one group) is not used here:
+    a Pallas call is not partitioned by GSPMD, so under tensor parallelism, which every published MiniMax-M3
+    checkpoint needs, each device would gather the whole weight."""
+    w = dequantize(mx_format(w_q), w_q, w_scale, dtype=x.dtype)
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def linear_for(cfg: MiniMaxM3Config, path: str, in_features: int, out_features: int, *, dtype,
+               rngs: nnx.Rngs) -> Linear | QuantizedLinear:
+    """The linear at module path ``path`` (``layers.3.self_attn.o_proj``): a :class:`QuantizedLinear` in
+    ``cfg.linear_quantization`` when ``cfg.quantized_linears`` names it, else a :class:`Linear`."""
+    if path in cfg.quantized_linears:
+        return QuantizedLinear(in_features, out_features, cfg.linear_quantization, dtype=dtype, rngs=rngs)
+    return Linear(in_features, out_features, dtype=dtype, rngs=rngs)
 
 
 class RMSNorm(nnx.Module):
@@ -124,12 +168,15 @@ def swigluoai(gate_up: jax.Array, *, alpha: float, limit: float, beta: float) ->
 
 
 class DenseMLP(nnx.Module):
-    """swigluoai MLP: ``down(act(gate_up(x)))`` with a fused ``[d, 2I]`` gate/up kernel."""
+    """swigluoai MLP: ``down(act(gate_up(x)))`` with a fused ``[d, 2I]`` gate/up kernel. ``prefix``: the module's
+    path in the model (``layers.0.mlp``), for :func:`linear_for`."""
 
-    def __init__(self, cfg: MiniMaxM3Config, intermediate_size: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: MiniMaxM3Config, intermediate_size: int, *, dtype, rngs: nnx.Rngs, prefix: str = ""):
         self.cfg = cfg
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * intermediate_size, dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(intermediate_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.gate_up_proj = linear_for(cfg, prefix + ".gate_up_proj", cfg.hidden_size, 2 * intermediate_size,
+                                       dtype=dtype, rngs=rngs)
+        self.down_proj = linear_for(cfg, prefix + ".down_proj", intermediate_size, cfg.hidden_size, dtype=dtype,
+                                    rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.cfg
@@ -183,9 +230,10 @@ class MoE(nnx.Module):
     ``float8_e4m3fn [E, 2I, d]``; rows ``[0, I)`` gate ``w1``, ``[I, 2I)`` up ``w3``), ``w_gate_up_scale``
     (``uint8 [E, 2I, d / 32]`` E8M0), ``w_down_q`` (``uint8 [E, d, I / 2]`` | ``float8_e4m3fn [E, d, I]``,
     ``w2``) and ``w_down_scale`` (``uint8 [E, d, I / 32]``). A random init draws valid MX tensors
-    (:func:`random_mx_weights`); the products run in the input's dtype."""
+    (:func:`random_mx_weights`); the products run in the input's dtype. ``prefix``: the module's path in the model
+    (``layers.1.mlp``), for the shared expert's :func:`linear_for`."""
 
-    def __init__(self, cfg: MiniMaxM3Config, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: MiniMaxM3Config, *, dtype, rngs: nnx.Rngs, prefix: str = ""):
         self.cfg = cfg
         e, d, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
         self.gate = Router(cfg, dtype=dtype, rngs=rngs)
@@ -199,7 +247,7 @@ class MoE(nnx.Module):
             q, s = random_mx_weights(rngs.params(), self.quantization, (e, d, i))
             self.w_down_q, self.w_down_scale = nnx.Param(q), nnx.Param(s)
         self.shared_experts = (
-            DenseMLP(cfg, cfg.shared_intermediate_size, dtype=dtype, rngs=rngs)
+            DenseMLP(cfg, cfg.shared_intermediate_size, dtype=dtype, rngs=rngs, prefix=prefix + ".shared_experts")
             if cfg.shared_intermediate_size > 0 else None
         )
 

@@ -27,9 +27,10 @@ class DecoderLayer(nnx.Module):
         self.self_attn = Attention(cfg, layer_idx, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = norm_for(cfg, cfg.hidden_size, dtype=dtype)
         if cfg.is_moe_layer(layer_idx):
-            self.mlp = MoE(cfg, dtype=dtype, rngs=rngs)
+            self.mlp = MoE(cfg, dtype=dtype, rngs=rngs, prefix=f"layers.{layer_idx}.mlp")
         else:
-            self.mlp = DenseMLP(cfg, cfg.dense_intermediate_size, dtype=dtype, rngs=rngs)
+            self.mlp = DenseMLP(cfg, cfg.dense_intermediate_size, dtype=dtype, rngs=rngs,
+                                prefix=f"layers.{layer_idx}.mlp")
 
     def __call__(self, x, positions, cos, sin):
         h = x + self.self_attn(self.input_layernorm(x), positions, cos, sin)

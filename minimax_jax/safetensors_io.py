@@ -68,6 +68,12 @@ def concat_transpose(xs: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(xs, axis=0).T
 
 
+def concat_rows(xs: list[np.ndarray]) -> np.ndarray:
+    """Tensors ``[rows_i, cols]`` concatenated along the rows, no transpose (e.g. MX weights ``[gate; up]`` kept
+    in the checkpoint's ``[out, in]`` layout)."""
+    return np.concatenate(xs, axis=0)
+
+
 def experts_transpose(xs: list[np.ndarray]) -> np.ndarray:
     """Stacked expert weights ``[E, out, in]`` (HF) -> ``[E, in, out]``."""
     return np.swapaxes(xs[0], 1, 2)
@@ -111,6 +117,11 @@ def read_block(src: Source, read_slice, index: tuple[slice, ...], shape: tuple[i
         parts = [read_slice(src.names[i], (slice(a, b), slice(r0, r1)))
                  for i, a, b in rows_of_parts([s[0] for s in src.shapes], c0, c1)]
         return np.concatenate(parts, axis=0).T
+    if src.combine is concat_rows:
+        (r0, r1), (c0, c1) = spans
+        parts = [read_slice(src.names[i], (slice(a, b), slice(c0, c1)))
+                 for i, a, b in rows_of_parts([s[0] for s in src.shapes], r0, r1)]
+        return np.concatenate(parts, axis=0)
     raise CheckpointError(f"internal: no sliced reader for the transform of {src.names}")
 
 
@@ -126,6 +137,8 @@ def to_checkpoint_tensors(src: Source, arr: np.ndarray) -> list[np.ndarray]:
     elif src.combine is concat_transpose:
         cuts = np.cumsum([s[0] for s in src.shapes])[:-1]
         parts = np.split(arr.T, cuts, axis=0)
+    elif src.combine is concat_rows:
+        parts = np.split(arr, np.cumsum([s[0] for s in src.shapes])[:-1], axis=0)
     else:
         raise CheckpointError(f"internal: no inverse for the transform of {src.names}")
     parts = [np.ascontiguousarray(p) for p in parts]
@@ -331,10 +344,10 @@ def load_weights(plan: WeightPlan, reader: SafetensorsReader, state: nnx.State, 
       copies: ``{name: (shape, why)}`` tensors a checkpoint may carry but the model takes from elsewhere (a
         drafter's frozen copy of the target's embeddings): shape-checked, not loaded.
       preset: ``{parameter path: array}`` values that do not come from the checkpoint.
-      placement: for a sharded load, ``placement(path) -> (sharding, checkpoint shape, column map | None)``: the
-        parameter is built on the devices of ``sharding``, each device reading only the checkpoint slices of its
-        own block (a replicated parameter is read once); ``state`` then has the stored shapes, and the column
-        map gives the checkpoint column of every stored column (heads replicated for the mesh).
+      placement: for a sharded load, ``placement(path) -> (sharding, checkpoint shape, head map | None, axis)``:
+        the parameter is built on the devices of ``sharding``, each device reading only the checkpoint slices of
+        its own block (a replicated parameter is read once); ``state`` then has the stored shapes, and the head
+        map gives the checkpoint index, along ``axis``, of every stored index (heads replicated for the mesh).
     Returns:
       the filled state. Parameters are cast to the state's dtypes.
     Raises:
@@ -410,15 +423,16 @@ def load_weights(plan: WeightPlan, reader: SafetensorsReader, state: nnx.State, 
     return nnx.from_flat_state(flat)
 
 
-def _placed(src: Source, reader: SafetensorsReader, want, sharding, shape, cols):
+def _placed(src: Source, reader: SafetensorsReader, want, sharding, shape, cols, axis=-1):
     """One parameter built on the devices of ``sharding`` (see :func:`load_weights`' ``placement``)."""
     import jax
 
     dtype = want.dtype
+    axis %= len(want.shape)
     if sharding.is_fully_replicated:
         arr = np.asarray(src.combine([reader.read(n) for n in src.names]))
         if cols is not None:
-            arr = arr[..., cols]
+            arr = np.take(arr, cols, axis=axis)
         return jax.device_put(jnp.asarray(arr, dtype=dtype), sharding)
     memo: dict = {}
 
@@ -433,14 +447,15 @@ def _placed(src: Source, reader: SafetensorsReader, want, sharding, shape, cols)
         if cols is None:
             out = read_block(src, read_slice, index, shape)
         else:
-            c = cols[index[-1]]
+            c = cols[index[axis]]
             lo, hi = int(c.min()), int(c.max()) + 1
-            out = read_block(src, read_slice, index[:-1] + (slice(lo, hi),), shape)[..., c - lo]
+            spans = index[:axis] + (slice(lo, hi),) + index[axis + 1:]
+            out = np.take(read_block(src, read_slice, spans, shape), c - lo, axis=axis)
         return np.asarray(jnp.asarray(out, dtype=dtype))
 
     return jax.make_array_from_callback(tuple(want.shape), sharding, block)
 
 
 __all__ = ["CheckpointError", "SafetensorsReader", "Source", "checkpoint_directory", "compose_rename",
-           "concat_transpose", "detect_scheme", "identity", "load_weights", "read_block", "rows_of_parts",
+           "concat_rows", "concat_transpose", "detect_scheme", "identity", "load_weights", "read_block", "rows_of_parts",
            "to_checkpoint_tensors", "transpose"]

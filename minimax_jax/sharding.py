@@ -11,6 +11,9 @@ tensor axis:
   index heads) is replicated;
 * **dense MLPs and the shared expert**: column-parallel ``gate_up`` (split as stored, ``[gate; up]``: XLA pairs
   the halves), row-parallel ``down``: one reduction per block;
+* **linears kept as MX tensors** (``w_q [out, in / pack]``, ``w_scale [out, in / 32]``, checkpoint layout): split
+  like the dense kernel along its outputs or inputs; a row-parallel split (``o_proj``, ``down``) takes the scale
+  blocks with their inputs, and is refused where a device's share of the inputs would cut a 32-input block;
 * **routed experts** (dense, or kept as MX tensors with their scales): expert parallelism over the same devices,
   ``num_local_experts / N`` experts each, tokens
   replicated to every shard, a ``psum`` after the grouped GEMM (sglang-jax's design; it runs on XLA:CPU). The
@@ -38,9 +41,9 @@ from jax.sharding import Mesh, PartitionSpec
 from minimax_jax.cache import page_size_for
 from minimax_jax.config import MiniMaxM3Config
 
-__all__ = ["DATA", "TENSOR", "MemoryPlan", "ParamLayout", "column_map", "largest_fit", "make_mesh", "memory_plan",
-           "param_layout", "param_rule", "replicate_heads", "shard_module", "state_shardings", "stored_config",
-           "stored_heads"]
+__all__ = ["DATA", "TENSOR", "MemoryPlan", "ParamLayout", "column_map", "head_axis", "largest_fit", "make_mesh",
+           "memory_plan", "param_layout", "param_rule", "replicate_heads", "shard_module", "state_shardings",
+           "stored_config", "stored_heads"]
 
 TENSOR = "tensor"
 DATA = "data"
@@ -104,37 +107,65 @@ def _path(path) -> str:
 EXPERT_PARAMS = ("experts_gate_up", "experts_down", "w_gate_up_q", "w_gate_up_scale", "w_down_q", "w_down_scale")
 
 
+# A linear's parameters: the dense ``kernel [in, out]``, or the MX tensors ``w_q [out, in / pack]`` and
+# ``w_scale [out, in / 32]`` of a quantized one (layers.QuantizedLinear).
+LINEAR_PARAMS = ("kernel", "w_q", "w_scale")
+
+
+def head_axis(name: str) -> int:
+    """The output axis of the linear parameter at ``name``: the last of a ``kernel``, the first of MX tensors."""
+    return 0 if name.rsplit("/", 1)[-1] in ("w_q", "w_scale") else -1
+
+
+def _linear_rule(name: str, shape: tuple[int, ...], role: str, heads: tuple[int, int] | None, tp: int):
+    """(stored shape, spec) of a linear's parameter split by its outputs (``"column"``) or inputs (``"row"``);
+    ``heads``: ``(stored heads, head_dim)`` of outputs stored for the mesh."""
+    t = TENSOR
+    out_axis = head_axis(name) % 2
+    stored = list(shape)
+    if heads is not None:
+        stored[out_axis] = heads[0] * heads[1]
+    axis = out_axis if role == "column" else 1 - out_axis
+    if role == "row" and name.endswith("/w_scale") and shape[1] % tp:
+        raise ValueError(f"{name}: a row-parallel MX linear with {shape[1] * 32} inputs ({shape[1]} scale blocks of "
+                         f"32) does not split over tensor_parallel_size={tp}: each device's {shape[1] * 32 / tp:g} "
+                         f"inputs would cut a 32-input scale block; use a tensor-parallel size that divides "
+                         f"{shape[1]}, or load with quantization='dequantize'")
+    spec = [None, None]
+    spec[axis] = t
+    return tuple(stored), PartitionSpec(*spec)
+
+
 def param_rule(name: str, shape: tuple[int, ...], cfg: MiniMaxM3Config, tp: int) -> tuple[tuple[int, ...], PartitionSpec]:
     """(stored shape, spec) of the parameter at ``name`` (a ``/``-joined path)."""
     t = TENSOR
-    leaf = name.rsplit("/", 2)
-    last = "/".join(leaf[-2:])
+    parts = name.rsplit("/", 2)
+    module, leaf = (parts[-2] if len(parts) > 1 else ""), parts[-1]
     if name.endswith("embed_tokens") or name == "embed_tokens":
         return shape, PartitionSpec(t, None)
     if name.endswith("lm_head"):
         return shape, PartitionSpec(None, t)
-    if "/indexer/" in name:
-        if last == "q_proj/kernel":
-            heads = stored_heads(cfg.index_n_heads, tp, what="index heads")
-            return (shape[0], heads * cfg.index_head_dim), PartitionSpec(None, t)
-        return shape, PartitionSpec()  # the shared index key, its norms
-    if last == "q_proj/kernel":
-        stored_heads(cfg.num_attention_heads, tp, what="query heads")
-        return shape, PartitionSpec(None, t)
-    if last in ("k_proj/kernel", "v_proj/kernel"):
-        heads = stored_heads(cfg.num_key_value_heads, tp, what="KV heads")
-        return (shape[0], heads * cfg.head_dim), PartitionSpec(None, t)
-    if last == "o_proj/kernel":
-        return shape, PartitionSpec(t, None)
-    if last == "gate_up_proj/kernel":
-        return shape, PartitionSpec(None, t)
-    if last == "down_proj/kernel":
-        return shape, PartitionSpec(t, None)
+    if leaf in LINEAR_PARAMS:
+        if "/indexer/" in name:
+            if module == "q_proj":
+                heads = stored_heads(cfg.index_n_heads, tp, what="index heads")
+                return _linear_rule(name, shape, "column", (heads, cfg.index_head_dim), tp)
+            return shape, PartitionSpec()  # the shared index key
+        if module == "q_proj":
+            stored_heads(cfg.num_attention_heads, tp, what="query heads")
+            return _linear_rule(name, shape, "column", None, tp)
+        if module in ("k_proj", "v_proj"):
+            heads = stored_heads(cfg.num_key_value_heads, tp, what="KV heads")
+            return _linear_rule(name, shape, "column", (heads, cfg.head_dim), tp)
+        if module == "gate_up_proj":
+            return _linear_rule(name, shape, "column", None, tp)
+        if module in ("o_proj", "down_proj"):
+            return _linear_rule(name, shape, "row", None, tp)
     if name.endswith(EXPERT_PARAMS):
         if cfg.num_local_experts % tp:
             raise ValueError(f"{cfg.num_local_experts} experts do not split over tensor_parallel_size={tp}")
         return shape, PartitionSpec(t, None, None)
-    return shape, PartitionSpec()  # norms, the router and its bias
+    return shape, PartitionSpec()  # norms, the router and its bias, the indexer's norms
 
 
 def param_layout(module_fn, cfg: MiniMaxM3Config, tensor_parallel_size: int) -> dict[str, ParamLayout]:
@@ -238,9 +269,10 @@ def replicate_heads(model, tensor_parallel_size: int):
     state = nnx.state(model)
     flat = dict(nnx.to_flat_state(state))
     for key, var in flat.items():
-        cols = column_map("/".join(str(k) for k in key), cfg, tensor_parallel_size)
+        name = "/".join(str(k) for k in key)
+        cols = column_map(name, cfg, tensor_parallel_size)
         if cols is not None:
-            var.value = var.value[:, cols]
+            var.value = jnp.take(var.value, cols, axis=head_axis(name))
     new = nnx.eval_shape(lambda: MiniMaxM3ForCausalLM(new_cfg, dtype=model.dtype, rngs=nnx.Rngs(0)))
     nnx.update(new, nnx.from_flat_state(flat))
     return new
@@ -259,9 +291,10 @@ def replicate_drafter_heads(drafter, tensor_parallel_size: int):
         return drafter
     flat = dict(nnx.to_flat_state(nnx.state(drafter)))
     for key, var in flat.items():
-        cols = column_map("/".join(str(k) for k in key), cfg.layer_config, tensor_parallel_size)
+        name = "/".join(str(k) for k in key)
+        cols = column_map(name, cfg.layer_config, tensor_parallel_size)
         if cols is not None:
-            var.value = var.value[:, cols]
+            var.value = jnp.take(var.value, cols, axis=head_axis(name))
     new_cfg = dataclasses.replace(cfg, layer_config=layer_cfg)
     new = nnx.eval_shape(lambda: DSparkDrafter(new_cfg, dtype=drafter.dtype, rngs=nnx.Rngs(0)))
     nnx.update(new, nnx.from_flat_state(flat))
@@ -277,11 +310,15 @@ def stored_config(cfg: MiniMaxM3Config, tensor_parallel_size: int) -> MiniMaxM3C
 
 
 def column_map(name: str, cfg: MiniMaxM3Config, tensor_parallel_size: int) -> np.ndarray | None:
-    """For a parameter whose heads are replicated on the mesh (``k_proj``, ``v_proj``, the indexer's ``q_proj``):
-    the original column of every stored column (stored head ``j`` is original head ``j // (N / H)``); else None."""
-    if name.endswith(("self_attn/k_proj/kernel", "self_attn/v_proj/kernel")):
+    """For a parameter whose heads are replicated on the mesh (``k_proj``, ``v_proj``, the indexer's ``q_proj``;
+    a ``kernel`` or the MX ``w_q`` / ``w_scale``): the original index of every stored output, along the
+    parameter's :func:`head_axis` (stored head ``j`` is original head ``j // (N / H)``); else None."""
+    module = name.rsplit("/", 1)[0]
+    if name.rsplit("/", 1)[-1] not in LINEAR_PARAMS:
+        return None
+    if module.endswith(("self_attn/k_proj", "self_attn/v_proj")):
         heads, dim = cfg.num_key_value_heads, cfg.head_dim
-    elif name.endswith("indexer/q_proj/kernel"):
+    elif module.endswith("indexer/q_proj"):
         heads, dim = cfg.index_n_heads, cfg.index_head_dim
     else:
         return None
@@ -294,17 +331,20 @@ def column_map(name: str, cfg: MiniMaxM3Config, tensor_parallel_size: int) -> np
 
 def loader_placement(mesh: Mesh, cfg: MiniMaxM3Config, abstract_module):
     """The ``placement`` of :func:`minimax_jax.safetensors_io.load_weights` for a module loaded onto ``mesh``:
-    ``path -> (sharding, checkpoint shape, column map)``, the rules read from ``cfg`` (the checkpoint's heads) and
-    the checkpoint shapes from ``abstract_module`` (built from ``cfg``)."""
+    ``path -> (sharding, checkpoint shape, head map, head axis)``, the rules read from ``cfg`` (the checkpoint's
+    heads) and the checkpoint shapes from ``abstract_module`` (built from ``cfg``). Every rule is evaluated here,
+    so a parameter that does not split over the mesh raises before any tensor is read."""
     from flax import nnx
 
     tp = mesh.shape[TENSOR]
     shapes = {p: var.get_value().shape for p, var in nnx.to_flat_state(nnx.state(abstract_module))}
+    # every rule up front: a parameter that does not split over the mesh is refused before any tensor is read
+    specs = {p: param_rule("/".join(map(str, p)), shape, cfg, tp)[1] for p, shape in shapes.items()}
 
     def placement(path):
         name = "/".join(map(str, path))
-        _, spec = param_rule(name, shapes[path], cfg, tp)
-        return jax.sharding.NamedSharding(mesh, spec), shapes[path], column_map(name, cfg, tp)
+        return (jax.sharding.NamedSharding(mesh, specs[path]), shapes[path], column_map(name, cfg, tp),
+                head_axis(name))
 
     return placement
 

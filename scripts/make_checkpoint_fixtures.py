@@ -59,9 +59,12 @@ CHAT_TEMPLATE = (
 
 
 def fixture_config() -> MiniMaxM3Config:
-    """The tiny MiniMax-M3 of the fixtures: every input dimension a multiple of the MX block (32); the vocabulary
-    holds the byte-level tokenizer's 256 bytes and its special tokens, padded to a multiple of 8."""
-    return MiniMaxM3Config.tiny(vocab_size=264, bos_token_id=256, eos_token_id=(257,))  # padded, as releases are
+    """The tiny MiniMax-M3 of the fixtures: every input dimension a multiple of the MX block (32), and those of the
+    row-parallel linears (``o_proj``, the dense and shared ``down_proj``) of 128, so TP 2 and TP 4 meshes split
+    their scale blocks (2 KV and index heads: replicated at TP 4); the vocabulary holds the byte-level
+    tokenizer's 256 bytes and its special tokens, padded to a multiple of 8."""
+    return MiniMaxM3Config.tiny(vocab_size=264, bos_token_id=256, eos_token_id=(257,),  # padded, as releases are
+                                head_dim=32, dense_intermediate_size=128, shared_intermediate_size=128)
 
 
 def vl_config(cfg: MiniMaxM3Config, quantization: dict | None) -> dict:

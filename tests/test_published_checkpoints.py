@@ -1,6 +1,7 @@
 """The published MiniMax-M3 checkpoint schemas (BF16 VL wrapper, MXFP8, Quark MXFP4), from tiny random fixtures
-made by scripts/make_checkpoint_fixtures.py: names, configs, dequantizing loads against their dense twins, the
-keep-mode expert arrays, sharded (mesh) loads, and every kind of bad input refused before any tensor is read."""
+made by scripts/make_checkpoint_fixtures.py: names, configs, dequantizing loads against their dense twins, keep-mode
+loads (experts and every other quantized linear as shipped) against the dequantizing ones, sharded (mesh) loads of
+both, and every kind of bad input refused before any tensor is read."""
 
 import dataclasses
 import json
@@ -15,11 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec
 from safetensors.numpy import load_file, save_file
 
-from minimax_jax import CheckpointError, ConfigError, MiniMaxM3Config, load_model
+from minimax_jax import CheckpointError, ConfigError, MiniMaxM3Config, load_model, sharding
 from minimax_jax import safetensors_io as sio
 from minimax_jax.checkpoint import _expected_shapes, _linear_names, text_model_name, weight_plan
+from minimax_jax.export import save_model
+from minimax_jax.model import MiniMaxM3ForCausalLM
 from minimax_jax.quantization import DequantizingReader, matches_rule, read_quantization_config
 from pallas_kernels import mx_formats
 from scripts.make_checkpoint_fixtures import make_fixture
@@ -128,9 +132,11 @@ def test_sliced_decode_matches_whole_decode(fixtures):
 
 
 @pytest.mark.slow
-def test_dequantize_onto_a_mesh(fixtures):
-    """4 virtual CPU devices: the MXFP4 and MXFP8 fixtures loaded onto TP 2 and TP 4 meshes, decoded per slice,
-    give the unsharded dequantized load's parameters (heads replicated at TP 4) and logits."""
+def test_loading_onto_a_mesh(fixtures):
+    """4 virtual CPU devices: the MXFP4 and MXFP8 fixtures loaded onto TP 2 and TP 4 meshes give the unsharded
+    load's parameters (heads replicated at TP 4) and logits, dequantized (decoded per slice) and in keep mode (the
+    MX tensors and their scales split with the linear: o_proj's and down_proj's scale blocks with their inputs,
+    the replicated KV and index heads' rows with their scales)."""
     code = textwrap.dedent(f"""
         import os
         os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
@@ -141,21 +147,38 @@ def test_dequantize_onto_a_mesh(fixtures):
         jax.config.update("jax_default_matmul_precision", "highest")
         ids = jnp.asarray({np.asarray(IDS).tolist()}, jnp.int32)
         for path in {[fixtures["mxfp4"], fixtures["mxfp8"]]!r}:
-            ref = load_model(path, dtype=jnp.float32, quantization="dequantize")
-            want = np.asarray(ref(ids))
-            for tp in (2, 4):
-                model = load_model(path, dtype=jnp.float32, quantization="dequantize", mesh=sharding.make_mesh(tp))
-                same = sharding.replicate_heads(ref, tp)
-                for (p, a), (_, b) in zip(nnx.to_flat_state(nnx.state(model)), nnx.to_flat_state(nnx.state(same))):
-                    np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), err_msg=str(p))
-                np.testing.assert_allclose(np.asarray(model(ids)), want, rtol=2e-5, atol=2e-5)
-                print("placed", tp)
+            deq = np.asarray(load_model(path, dtype=jnp.float32, quantization="dequantize")(ids))
+            for mode in ("dequantize", "keep"):
+                ref = load_model(path, dtype=jnp.float32, quantization=mode)
+                want = np.asarray(ref(ids))
+                np.testing.assert_allclose(want, deq, rtol=1e-6, atol=1e-6)
+                for tp in (2, 4):
+                    model = load_model(path, dtype=jnp.float32, quantization=mode, mesh=sharding.make_mesh(tp))
+                    assert model.cfg == sharding.stored_config(ref.cfg, tp)
+                    same = sharding.replicate_heads(ref, tp)
+                    for (p, a), (_, b) in zip(nnx.to_flat_state(nnx.state(model)),
+                                              nnx.to_flat_state(nnx.state(same))):
+                        a, b = np.asarray(a.get_value()), np.asarray(b.get_value())
+                        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), p
+                    if mode == "keep":
+                        shared = model.layers[1].mlp.shared_experts.down_proj  # row-parallel: [d, I/32] by columns
+                        s = shared.w_scale[...]
+                        assert s.addressable_shards[0].data.shape == (s.shape[0], s.shape[1] // tp), s.shape
+                        q = shared.w_q[...]
+                        assert q.addressable_shards[0].data.shape == (q.shape[0], q.shape[1] // tp), q.shape
+                    if mode == "keep" and "mxfp8" in path:
+                        k = model.layers[0].self_attn.k_proj.w_q[...]  # column-parallel: heads by rows
+                        assert k.shape[0] == max(2, tp) * 32 and k.addressable_shards[0].data.shape[0] == 32
+                        o = model.layers[0].self_attn.o_proj.w_scale[...]
+                        assert o.addressable_shards[0].data.shape == (64, 4 // tp)
+                    np.testing.assert_allclose(np.asarray(model(ids)), want, rtol=2e-5, atol=2e-5)
+                    print("placed", mode, tp)
     """)
     env = {**os.environ, "PYTHONPATH": ROOT}
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.count("placed") == 4, proc.stdout
+    assert proc.stdout.count("placed") == 8, proc.stdout
 
 
 # ----------------------------------------------------------------------------------------------- keep
@@ -206,17 +229,77 @@ def test_keep_mode_plan_reads_the_experts_as_shipped(fixtures, kind, fmt, scale,
                                       np.asarray(dense.experts_down[...]))
 
 
-def test_keep_mode_load(fixtures):
-    """Keep-mode loading (the default) holds the shipped experts, and its logits equal the dense twin's."""
-    model = load_model(fixtures["mxfp4"], dtype=jnp.float32)
-    t = stored_tensors(fixtures["mxfp4"])
+def _module_path(name: str) -> str:
+    """A shipped linear's module (``language_model.model.layers.0.self_attn.index_q_proj``) as the model's path
+    (``layers.0.self_attn.indexer.q_proj``); gate and up parts name their fused ``gate_up_proj``."""
+    m = name.removeprefix("language_model.model.")
+    m = re.sub(r"self_attn\.index_([qk])_proj", r"self_attn.indexer.\1_proj", m)
+    m = m.replace("block_sparse_moe.shared_experts.", "mlp.shared_experts.")
+    return re.sub(r"\.(gate|up)_proj$", ".gate_up_proj", m)
+
+
+@pytest.mark.parametrize("kind, scale", [("mxfp8", "weight_scale_inv"), ("mxfp4", "weight_scale")])
+def test_keep_mode_holds_every_quantized_linear_quantized(fixtures, kind, scale):
+    """Keep mode (the default) holds the routed experts and every other quantized linear as shipped (the MXFP8
+    release's attention, index projections, dense MLPs and shared expert; the Quark release's shared expert),
+    cfg.quantized_linears names exactly those, and the logits equal the dequantizing load's (f32) and the dense
+    twin's."""
+    model = load_model(fixtures[kind], dtype=jnp.float32)
+    t = stored_tensors(fixtures[kind])
+    quantized = {n[: -len("." + scale)] for n in t if n.endswith(scale) and ".experts." not in n}
+    want = sorted({_module_path(n) for n in quantized})
+    assert sorted(model.cfg.quantized_linears) == want and model.cfg.linear_quantization == kind
+    assert len(want) == {"mxfp8": 4 * 4 + 2 * 2 + 2 * 2 + 2 * 2, "mxfp4": 2 * 2}[kind]
+    modules = {".".join(map(str, p[:-1])): p[:-1] for p, _ in nnx.to_flat_state(nnx.state(model))
+               if p[-1] == "w_q"}
+    assert sorted(modules) == want  # and every other linear is dense
+    by_module = {}
+    for n in quantized:
+        by_module.setdefault(_module_path(n), []).append(n)
+    for path, names in by_module.items():
+        layer = model
+        for part in modules[path]:
+            layer = layer[part] if isinstance(part, int) else getattr(layer, part)
+        names = sorted(names, key=lambda n: not n.endswith("gate_proj"))  # [gate; up]
+        assert np.asarray(layer.w_q[...]).tobytes() == np.concatenate([t[n + ".weight"] for n in names]).tobytes()
+        assert np.asarray(layer.w_scale[...]).tobytes() == np.concatenate([t[f"{n}.{scale}"] for n in names]).tobytes()
     p = "language_model.model.layers.3.block_sparse_moe.experts.1."
     mlp = model.layers[3].mlp
     assert np.asarray(mlp.w_gate_up_q[...])[1].tobytes() == np.concatenate(
         [t[p + "w1.weight"], t[p + "w3.weight"]], 0).tobytes()
-    assert np.asarray(mlp.w_down_scale[...])[1].tobytes() == t[p + "w2.weight_scale"].tobytes()
-    dense = load_model(fixtures["mxfp4_dense"], dtype=jnp.float32)
-    np.testing.assert_allclose(np.asarray(model(IDS)), np.asarray(dense(IDS)), rtol=1e-5, atol=1e-5)
+    assert np.asarray(mlp.w_down_scale[...])[1].tobytes() == t[p + "w2." + scale].tobytes()
+    got = np.asarray(model(IDS))
+    deq = load_model(fixtures[kind], dtype=jnp.float32, quantization="dequantize")
+    np.testing.assert_allclose(got, np.asarray(deq(IDS)), rtol=1e-6, atol=1e-6)
+    dense = load_model(fixtures[kind + "_dense"], dtype=jnp.float32)
+    np.testing.assert_allclose(got, np.asarray(dense(IDS)), rtol=1e-5, atol=1e-5)
+    assert MiniMaxM3Config.from_pretrained(model.cfg.to_dict()) == model.cfg  # save_checkpoint's round trip
+    with pytest.raises(CheckpointError, match="holds MX tensors"):
+        save_model(model, "unused")
+
+
+def test_mx_linears_that_a_mesh_would_cut_are_refused():
+    """A row-parallel MX linear whose per-device inputs would cut a 32-input scale block is refused, naming the
+    parameter; so are quantized_linears entries that are not linears of the model."""
+    cfg = MiniMaxM3Config.tiny(linear_quantization="mxfp8", quantized_linears=("layers.0.self_attn.o_proj",))
+    model = lambda: MiniMaxM3ForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))  # noqa: E731
+    layout = sharding.param_layout(model, cfg, 2)  # o_proj: 64 inputs, 2 blocks: one per device
+    assert layout["layers/0/self_attn/o_proj/w_scale"].spec == PartitionSpec(None, sharding.TENSOR)
+    assert layout["layers/0/self_attn/o_proj/w_q"].spec == PartitionSpec(None, sharding.TENSOR)
+    with pytest.raises(ValueError, match=re.escape("layers/0/self_attn/o_proj/w_scale: a row-parallel MX linear "
+                                                   "with 64 inputs (2 scale blocks of 32) does not split over "
+                                                   "tensor_parallel_size=4")):
+        sharding.param_layout(model, cfg, 4)
+    for bad, message in [(("layers.0.mlp.shared_experts.down_proj",), "not a linear of this model"),
+                         (("layers.1.self_attn.indexer.q_proj",), "not a linear of this model"),
+                         (("lm_head",), "not a linear of this model")]:
+        with pytest.raises(ConfigError, match=message):
+            MiniMaxM3Config.tiny(linear_quantization="mxfp4", quantized_linears=bad)
+    with pytest.raises(ConfigError, match="both set or neither"):
+        MiniMaxM3Config.tiny(linear_quantization="mxfp4")
+    with pytest.raises(ConfigError, match="has 48 inputs, not a multiple of 32"):
+        MiniMaxM3Config.tiny(dense_intermediate_size=48, linear_quantization="mxfp4",
+                             quantized_linears=("layers.0.mlp.down_proj",))
 
 
 # ----------------------------------------------------------------------------------------------- rules

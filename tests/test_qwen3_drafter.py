@@ -2,11 +2,15 @@
 written by ``scripts/make_drafter_fixture.py`` into temporary directories, loaded with ``load_drafter``; one draft
 step against a float64 numpy restatement of the block and heads written from the published math (not the
 drafter's code); the config's bad inputs; the engine lossless with it (host and device loops, adaptive and fixed
-verification)."""
+verification), on one device and on a TP 2 mesh (8 virtual CPU devices, in a subprocess)."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import jax
@@ -274,3 +278,77 @@ def test_engine_is_lossless_with_the_qwen3_drafter(target, engine_drafter, mode)
         res = eng.generate(prompts, sampling_params=params, loop=loop)
         assert [r.token_ids for r in res] == refs, loop
     assert res.stats["mean_acceptance_length"] > 1.2  # drafts were accepted: the speculative paths ran
+
+
+MESH_SCRIPT = textwrap.dedent("""
+    import os, sys, tempfile, warnings
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["MINIMAX_JAX_COMPILATION_CACHE"] = "0"
+    import jax, jax.numpy as jnp, numpy as np
+    from flax import nnx
+    jax.config.update("jax_default_matmul_precision", "highest")
+    from minimax_jax import load_drafter, sharding
+    from scripts.make_drafter_fixture import write_qwen3_dspark_fixture
+    from spec_decode import Engine, SamplingParams
+    from tests.engine_models import bigram_table, damped_target, greedy_reference, random_prompts
+    from tests.test_qwen3_drafter import COMMON, FIXTURE, MAX_NEW, PROMPT_LENS, VOCAB
+
+    # the published drafter's 32 query heads over 8 KV heads, scaled down: 8 over 2 (split at TP 2, replicated at 4)
+    path = tempfile.mkdtemp()
+    write_qwen3_dspark_fixture(path, seed=1, **{**FIXTURE, "markov_rank": VOCAB, "num_heads": 8, "num_kv_heads": 2})
+    target = damped_target()
+    ref = load_drafter(path, target)
+    for tp in (2, 4):
+        mesh = sharding.make_mesh(tp)
+        placed = load_drafter(path, target, mesh=mesh)  # each device reads its slices
+        assert placed.cfg.layer_config.num_key_value_heads == max(2, tp)
+        same = sharding.replicate_drafter_heads(ref, tp)
+        for (p, a), (_, b) in zip(nnx.to_flat_state(nnx.state(placed)), nnx.to_flat_state(nnx.state(same))):
+            np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), err_msg=str(p))
+        q = placed.layers[0].self_attn.q_proj.kernel[...]
+        assert q.addressable_shards[0].data.shape == (q.shape[0], q.shape[1] // tp)
+        k = placed.layers[0].self_attn.k_proj.kernel[...]
+        assert k.shape[1] == max(2, tp) * 16 and k.addressable_shards[0].data.shape[1] == 16
+        print("loaded", tp)
+
+    # the engine on a TP 2 mesh, the drafter loaded onto it: greedy outputs equal one device's (target-only
+    # greedy decoding, which the one-device engine gives: test_engine_is_lossless_with_the_qwen3_drafter)
+    prompts = random_prompts(len(PROMPT_LENS), PROMPT_LENS, seed=5)
+    refs = [greedy_reference(target, p, n, length=64) for p, n in zip(prompts, MAX_NEW)]
+    mesh = sharding.make_mesh(2)
+    target = sharding.replicate_heads(damped_target(), 2)
+    sharding.shard_module(target, mesh, target.cfg)
+    drafter = load_drafter(path, target, mesh=mesh)
+    drafter.norm.weight[...] = drafter.norm.weight[...] * 0.02
+    drafter.markov_head.markov_w1[...] = jnp.eye(VOCAB, dtype=jnp.float32)
+    drafter.markov_head.markov_w2.kernel[...] = jnp.asarray(bigram_table(target))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eng = Engine(target, drafter, num_speculative_tokens=8, verification="adaptive", mesh=mesh, **COMMON)
+    params = [SamplingParams(max_new_tokens=n) for n in MAX_NEW]
+    for loop in ("host", "device"):
+        res = eng.generate(prompts, sampling_params=params, loop=loop)
+        assert [r.token_ids for r in res] == refs, loop
+        assert res.stats["mean_acceptance_length"] > 1.2, res.stats
+        print("engine", loop)
+    dk = eng._state.draft_cache.k  # [L, H_kv, P, page, D]: the drafter's context K/V split by head
+    assert dk.addressable_shards[0].data.shape[1] == dk.shape[1] // 2, dk.shape
+    dq = eng.drafter.layers[1].self_attn.o_proj.kernel[...]
+    assert dq.addressable_shards[0].data.shape[0] == dq.shape[0] // 2, dq.shape
+""")
+
+
+@pytest.mark.slow
+def test_qwen3_drafter_on_a_mesh():
+    """8 virtual CPU devices: the Qwen3 drafter (8 query over 2 KV heads) loaded onto TP 2 and TP 4 meshes gives
+    the unsharded load's parameters (KV heads replicated at TP 4), each device holding its heads; the engine on a
+    TP 2 mesh with it gives one device's greedy outputs, host and device loops, on a split drafter and draft
+    cache."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=root)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("loaded") == 2 and proc.stdout.count("engine") == 2, proc.stdout
