@@ -23,6 +23,14 @@ most ``max_num_seqs`` requests whose pages fit the pool:
 
    the loop ends when every row has finished. One read-back per wave.
 
+**Log-probabilities** (``SamplingParams.logprobs``): a loop compiled with ``LoopConfig.logprobs = L`` (the
+sampling programs only) carries, beside its output tokens, each token's log-probability ``f32[R, W]`` and its
+position's ``L`` most likely tokens ``int32[R, W, L]`` / ``f32[R, W, L]``: the step's own values
+(:mod:`spec_decode.logprobs`), so they equal the host loop's. ``L`` is static, chosen by the engine from the largest
+``k`` of the call (one of a few widths); ``None`` (every wave without a request that asks) carries nothing and
+its steps skip the computation. The first token of each request and ``prompt_logprobs`` come from the prefill,
+which runs through the host loop's programs and is read back as in the host loop.
+
 One program per engine (its shapes come from the engine's settings: slots, ``max_model_len``, K, the buckets):
 the device loop compiles in ``Engine.warmup()`` with the rest of the closed set and never again. Same sampling
 keys as the host loop (they depend on (seed, position) only), so greedy outputs are token-identical to the host
@@ -39,9 +47,22 @@ import numpy as np
 
 from spec_decode.budget import DEFAULT_MIN_PREDICTED_GAIN, choose_plan_device
 from spec_decode.cost_table import CostTableArrays
+from spec_decode.logprobs import MAX_LOGPROBS, token_logprobs
 from spec_decode.step import DecodeState, StepConfig, StepPlan, make_step_fn
 
-__all__ = ["LoopConfig", "LoopInputs", "LoopOutputs", "make_loop_fn"]
+__all__ = ["LOGPROBS_WIDTHS", "LoopConfig", "LoopInputs", "LoopOutputs", "logprobs_width", "make_loop_fn"]
+
+LOGPROBS_WIDTHS = (0, 1, 2, 4, 8, 16, MAX_LOGPROBS)  # the loop's static top-alternative widths (each one program)
+
+
+def logprobs_width(ks, vocab_size: int) -> int | None:
+    """``LoopConfig.logprobs`` for requests asking for ``ks`` alternatives (``SamplingParams.logprobs``; None:
+    not asked): the smallest of :data:`LOGPROBS_WIDTHS` holding the largest (at most the vocabulary), or None
+    when none asks, so a call without log-probabilities runs the loop that carries none."""
+    asked = [int(k) for k in ks if k is not None]
+    if not asked:
+        return None
+    return min(next(w for w in LOGPROBS_WIDTHS if w >= max(asked)), vocab_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +72,8 @@ class LoopConfig:
     ``rows`` (R) the engine's slots; ``output_len`` (W) the output buffer width, also the bound on decode steps
     (every step emits at least one token per unfinished row); ``draft_lengths`` the ``K_d`` the plan chooses
     from (ascending), and per length ``token_buckets`` the verify sizes (ascending, from the closed set) with
-    their verify-logits rows ``logit_rows``.
+    their verify-logits rows ``logit_rows``; ``logprobs`` the top alternatives carried per emitted token (``None``:
+    no log-probabilities carried).
     """
 
     step: StepConfig
@@ -64,6 +86,7 @@ class LoopConfig:
     num_stop_ids: int
     max_blocks: int
     min_predicted_gain: float = DEFAULT_MIN_PREDICTED_GAIN
+    logprobs: int | None = None  # top alternatives carried per token (None: no log-probabilities; sampling only)
 
 
 @jax.tree_util.register_dataclass
@@ -109,6 +132,10 @@ class LoopOutputs:
     finished: jax.Array  # bool[R]
     steps: jax.Array  # int32[]         decode iterations run
     confidences: jax.Array  # f32[R, K]       the last step's confidences per row (the host loop plans from them)
+    # LoopConfig.logprobs = L only (else None), by the column of ``tokens``
+    token_logprobs: jax.Array | None = None  # f32[R, W]     log p(token) (spec_decode.logprobs)
+    top_ids: jax.Array | None = None  # int32[R, W, L]  most likely tokens at its position, best first
+    top_logprobs: jax.Array | None = None  # f32[R, W, L]
 
 
 @jax.tree_util.register_dataclass
@@ -126,6 +153,7 @@ class _Carry:
     draft_len_per_step: jax.Array
     live_per_step: jax.Array
     step: jax.Array
+    logprobs: tuple | None  # (f32[R, W], int32[R, W, L], f32[R, W, L]) with LoopConfig.logprobs, else None
 
 
 def make_loop_fn(target, drafter, config: LoopConfig):
@@ -147,6 +175,10 @@ def make_loop_fn(target, drafter, config: LoopConfig):
     sizes_arr = np.asarray([t for _, t in branches], np.int32)
     lengths_arr = np.asarray(lengths, np.int32)
     kk = max(k, 1)
+    width = config.logprobs
+    if width is not None and not (step_cfg.sampling and 0 <= width <= MAX_LOGPROBS):
+        raise ValueError(f"LoopConfig.logprobs={width}: log-probabilities need the sampling programs "
+                         f"(step.sampling=True) and a width in [0, {MAX_LOGPROBS}]")
 
     def program(target_params, drafter_params, state: DecodeState, inputs: LoopInputs):
         slot = jnp.maximum(inputs.rows, 0)
@@ -155,7 +187,10 @@ def make_loop_fn(target, drafter, config: LoopConfig):
                        accepted=jnp.zeros((r, kk), jnp.int32), verified=jnp.zeros((r, kk), jnp.int32),
                        predicted=jnp.zeros((r, kk), jnp.float32), verified_per_step=jnp.full((r, w), -1, jnp.int32),
                        budget_per_step=jnp.zeros((w,), jnp.int32), draft_len_per_step=jnp.zeros((w,), jnp.int32),
-                       live_per_step=jnp.zeros((w,), jnp.int32), step=jnp.zeros((), jnp.int32))
+                       live_per_step=jnp.zeros((w,), jnp.int32), step=jnp.zeros((), jnp.int32),
+                       logprobs=None if width is None else (jnp.zeros((r, w), jnp.float32),
+                                                            jnp.full((r, w, width), -1, jnp.int32),
+                                                            jnp.zeros((r, w, width), jnp.float32)))
         max_steps = jnp.clip(inputs.max_steps, 0, w)
 
         def live_rows(st: DecodeState):
@@ -205,16 +240,24 @@ def make_loop_fn(target, drafter, config: LoopConfig):
                 def run(state, plan):
                     st, out = fn(target_params, drafter_params, state,
                                  dataclasses.replace(plan, prefill_tokens=jnp.zeros((t,), jnp.int32)))
-                    # the device loop returns no log-probabilities (the engine refuses them there), and their
-                    # prompt rows are shaped by the bucket: dropped, so the branches agree (and XLA skips them)
-                    return st, dataclasses.replace(out, logprobs=None)
+                    # the prompt rows of the log-probabilities are shaped by the bucket (and a decode step has
+                    # none): dropped, so the branches agree; without LoopConfig.logprobs all of them are dropped
+                    # (and XLA skips computing them)
+                    lp = out.logprobs
+                    kept = None if width is None else (lp.token_logprobs, lp.token_top_ids[:, :, :width],
+                                                       lp.token_top_logprobs[:, :, :width])
+                    return st, dataclasses.replace(out, logprobs=None), kept
                 return run
 
-            st, out = jax.lax.switch(bucket, [branch(fn, t) for fn, t in branches], c.state, plan)
+            st, out, lp = jax.lax.switch(bucket, [branch(fn, t) for fn, t in branches], c.state, plan)
             count = jnp.where(live, out.num_emitted, 0)
             cols = jnp.arange(out.tokens.shape[1], dtype=jnp.int32)[None, :]
             dest = jnp.where(cols < count[:, None], c.emitted[:, None] + cols, w)  # w: dropped
             tokens = c.tokens.at[jnp.arange(r)[:, None], dest].set(out.tokens, mode="drop")
+            logprobs = None
+            if width is not None:  # beside the tokens, column by column
+                logprobs = tuple(buf.at[jnp.arange(r)[:, None], dest].set(new, mode="drop")
+                                 for buf, new in zip(c.logprobs, lp))
             j = jnp.arange(kk, dtype=jnp.int32)[None, :]
             acc = jnp.minimum(out.num_accepted, out.num_emitted)[:, None]
             in_verified = (j < out.num_verified[:, None]) & live[:, None]
@@ -231,6 +274,7 @@ def make_loop_fn(target, drafter, config: LoopConfig):
                 draft_len_per_step=c.draft_len_per_step.at[s].set(draft_len),
                 live_per_step=c.live_per_step.at[s].set(n_live),
                 step=s + 1,
+                logprobs=logprobs,
             )
 
         carry = jax.lax.while_loop(cond, body, carry)
@@ -243,7 +287,9 @@ def make_loop_fn(target, drafter, config: LoopConfig):
                                         budget_per_step=carry.budget_per_step,
                                         draft_len_per_step=carry.draft_len_per_step,
                                         live_per_step=carry.live_per_step, finished=finished, steps=carry.step,
-                                        confidences=carry.state.prev_confidences[slot, :k])
+                                        confidences=carry.state.prev_confidences[slot, :k],
+                                        **({} if width is None else dict(zip(("token_logprobs", "top_ids",
+                                                                              "top_logprobs"), carry.logprobs))))
 
     return program
 
@@ -280,11 +326,18 @@ def loop_inputs(requests, *, config: LoopConfig, block_tables: np.ndarray, cost_
 
 
 def fill_requests(requests, out: LoopOutputs, k: int) -> None:
-    """Fold the program's outputs (numpy) into the wave's requests (their prefill tokens are already there)."""
+    """Fold the program's outputs (numpy) into the wave's requests (their prefill tokens, and those tokens'
+    log-probabilities, are already there)."""
     for req in requests:
         s = req.slot
         n = int(out.num_tokens[s])
         req.output.extend(int(x) for x in out.tokens[s, :n])
+        if req.logprobs is not None:
+            if out.token_logprobs is None:
+                raise RuntimeError(f"request {req.index} asks for logprobs: the loop must carry them "
+                                   f"(LoopConfig.logprobs)")
+            req.logprobs.extend(token_logprobs(out.tokens[s, j], out.token_logprobs[s, j], out.top_ids[s, j],
+                                               out.top_logprobs[s, j], req.params.logprobs) for j in range(n))
         req.target_steps += int(out.target_steps[s])
         for j in range(k):
             req.accepted_per_position[j] += int(out.accepted_per_position[s, j])

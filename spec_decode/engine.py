@@ -51,7 +51,7 @@ from minimax_jax.draft_cache import draft_cache_bytes_per_page
 from spec_decode import compilation_cache as persistent_cache
 from spec_decode.buckets import StepKey, default_draft_lengths, logit_rows, step_keys, token_bucket
 from spec_decode.cost_table import CostTable, CostTableArrays, load_cost_table, save_cost_table
-from spec_decode.device_loop import LoopConfig, fill_requests, loop_inputs, make_loop_fn
+from spec_decode.device_loop import LoopConfig, fill_requests, logprobs_width, loop_inputs, make_loop_fn
 from spec_decode.logprobs import ScoreResult
 from spec_decode.page_pool import PagePool
 from spec_decode.penalties import write_history
@@ -135,7 +135,8 @@ class Engine:
         built with ``device_loop=False`` (the launches use the device loop's programs).
       precompile: compile the whole closed set now (else the first ``generate`` / ``stream`` does).
       device_loop: compile the device loop's programs at warm-up too (default); ``False`` leaves them out of the
-        warm-up (fewer programs when only the host loop is used: the first ``loop="device"`` call compiles them).
+        warm-up (fewer programs when only the host loop is used: the first ``loop="device"`` call compiles those
+        its waves need). A device loop that carries log-probabilities compiles on the first call that asks.
       compilation_cache: keep compiled programs and profiled cost tables on disk
         (:mod:`spec_decode.compilation_cache`).
     """
@@ -243,7 +244,8 @@ class Engine:
         self._state_shardings = None  # the decode state's placement on the mesh (set with the first state)
         self._programs = StepPrograms(target, self.drafter, self._step_config, self.step_keys,
                                      num_rows=self.max_num_seqs, num_stop_ids=self.num_stop_ids, mesh=self.mesh)
-        self._loop_programs: dict[bool, object] = {}  # sampling -> the compiled device loop
+        # (sampling, log-probability width or None) -> the compiled device loop (spec_decode.device_loop)
+        self._loop_programs: dict[tuple[bool, int | None], object] = {}
         self._history_program = None  # writes one slot's token history (penalties), compiled at warm-up
         self._warm_device_loop = bool(device_loop)
         self.decode_steps_per_launch = decode_steps_per_launch if device_loop else 1
@@ -428,8 +430,14 @@ class Engine:
         with self._exclusive():
             return self._warmup(progress)
 
-    def _warmup(self, progress: bool | None, *, device_loop: bool = False) -> CompileReport:
-        if self.warmup_report is not None and (not device_loop or self._loop_programs):
+    def _warmup(self, progress: bool | None, *, loops=()) -> CompileReport:
+        """The closed set (with ``Engine(device_loop=True)`` the greedy and sampling device loops too), and the
+        device loops ``loops`` (``(sampling, log-probability width)`` keys, :meth:`_loop_key`) a call needs:
+        those not compiled yet compile now (a loop that carries log-probabilities, or any loop of an engine built
+        with ``device_loop=False``, on the first call that needs it)."""
+        loops = list(dict.fromkeys(([(s, None) for s in (False, True)[:1 + self.sampling]]
+                                    if self._warm_device_loop else []) + list(loops)))
+        if self.warmup_report is not None and all(key in self._loop_programs for key in loops):
             return self.warmup_report
         show = sys.stderr.isatty() if progress is None else bool(progress)
         t0 = time.perf_counter()
@@ -442,19 +450,19 @@ class Engine:
                 lowered["history"] = self._history_jit().lower(
                     self._state.token_counts, self._state.prompt_mask, np.int32(0),
                     np.full(self.max_model_len, -1, np.int32), np.int32(0))
-            for sampling in (False, True)[:1 + self.sampling] if (self._warm_device_loop or device_loop) else ():
-                if sampling not in self._loop_programs:
-                    cfg = dataclasses.replace(self.loop_config,
+            for sampling, width in loops:
+                if (sampling, width) not in self._loop_programs:
+                    cfg = dataclasses.replace(self.loop_config, logprobs=width,
                                               step=dataclasses.replace(self._step_config, sampling=sampling))
                     fn = jax.jit(on_mesh(make_loop_fn(self.target, self.drafter, cfg), self.mesh),
                                  donate_argnums=(2,))
-                    lowered[("loop", sampling)] = fn.lower(*params, self._state, self._example_loop_inputs())
+                    lowered[("loop", sampling, width)] = fn.lower(*params, self._state, self._example_loop_inputs())
             t_lowered = time.perf_counter()
             done = compile_in_pool(lowered, progress=show, desc="compiling")
             t_compiled = time.perf_counter()
-            for sampling in (False, True):
-                if ("loop", sampling) in done:
-                    self._loop_programs[sampling] = done.pop(("loop", sampling))
+            for key in loops:
+                if ("loop",) + key in done:
+                    self._loop_programs[key] = done.pop(("loop",) + key)
             self._history_program = done.pop("history", self._history_program)
             self._programs.install(done)
             if self.planner.profile_pending and self.k and self._programs.ready:
@@ -650,20 +658,20 @@ class Engine:
         ``loop="host"`` is the continuous-batching engine; ``progress`` shows a tqdm bar (default: when there are
         more prompts than slots).
         ``loop="device"`` decodes each wave of up to ``max_num_seqs`` requests in one compiled program
-        (:mod:`spec_decode.device_loop`): no Python between decode steps, same greedy tokens.
+        (:mod:`spec_decode.device_loop`): no Python between decode steps, same greedy tokens and the same
+        log-probabilities (``SamplingParams.logprobs`` / ``prompt_logprobs``).
         """
         if loop not in ("host", "device"):
             raise ValueError(f"loop must be 'host' or 'device', got {loop!r}")
         requests = self._requests(prompts, _keywords(locals()), sampling_params)
-        if loop == "device":
-            asks = [r for r in requests if r.params.wants_logprobs]
-            if asks:
-                raise ValueError(f"prompt {asks[0].prompt_index} asks for logprobs / prompt_logprobs, which the "
-                                 f"device loop does not return: use loop='host'")
+        width, loops = None, ()
+        if loop == "device":  # the loop's static log-probability width (None: no request asks)
+            width = logprobs_width([r.params.logprobs for r in requests], self.target.cfg.vocab_size)
+            loops = [self._loop_key(wave, width) for wave in self._waves(requests)]
         with self._exclusive():
-            self._warmup(None, device_loop=loop == "device")
+            self._warmup(None, loops=loops)
             if loop == "device":
-                return self._device_loop(requests)
+                return self._device_loop(requests, width)
             show = len(requests) > self.max_num_seqs if progress is None else bool(progress)
             bar = None
             if show:
@@ -757,7 +765,7 @@ class Engine:
         histories of the requests a step admits are written first (in dispatch order: the device runs them before
         it)."""
         if isinstance(step, ScheduledBurst):
-            program = self._loop_programs[any(r.params.needs_sampling_program for r in step.requests)]
+            program = self._loop_programs[(any(r.params.needs_sampling_program for r in step.requests), None)]
             self._state, out = program(self._target_params, self._drafter_params, self._state,
                                        self._programs.put(packed))
             for leaf in jax.tree.leaves(out):
@@ -794,7 +802,7 @@ class Engine:
         """The next launch and what it sends: a multi-step launch and its loop inputs when one fits (see
         :meth:`Scheduler.schedule_burst`), else one step and its packed plan (None: nothing can run now)."""
         m0 = self.decode_steps_per_launch
-        if m0 > 1 and self._loop_programs:
+        if m0 > 1 and (False, None) in self._loop_programs:
             # the first multi-step launch after a single step runs M0 steps, each next one 4x the one before, up
             # to 16 M0 (few launches for a long decode, early tokens for streams); fewer when the pool is short
             m = min(m0 * 4 ** self._burst_run, 16 * m0)
@@ -925,9 +933,10 @@ class Engine:
             self.pool.clear_cache()
 
     # ------------------------------------------------------------------ the device loop
-    def _device_loop(self, requests: list[Request]) -> GenerationResults:
+    def _device_loop(self, requests: list[Request], width: int | None = None) -> GenerationResults:
         """Waves of at most ``max_num_seqs`` requests whose pages fit: prefill with the host steps, then one
-        compiled program decodes the wave to the end (:mod:`spec_decode.device_loop`)."""
+        compiled program decodes the wave to the end (:mod:`spec_decode.device_loop`); a wave with a request that
+        asks for log-probabilities runs the sampling loop that carries ``width`` of them."""
         sched = self._scheduler()
         t0 = time.perf_counter()
         steps = 0
@@ -955,7 +964,7 @@ class Engine:
                     inputs = loop_inputs(live, config=self.loop_config, block_tables=tables, cost_table=cost,
                                          max_steps=self.loop_config.output_len)
                     d0 = time.perf_counter()
-                    program = self._loop_programs[any(r.params.needs_sampling_program for r in live)]
+                    program = self._loop_programs[self._loop_key(wave, width)]
                     self._state, out = program(self._target_params, self._drafter_params, self._state,
                                                self._programs.put(inputs))
                     out = jax.device_get(out)
@@ -992,6 +1001,13 @@ class Engine:
                           token_buckets=[list(b) for b in self.loop_config.token_buckets], device_time_s=device_s,
                           acceptance=self.acceptance)
         return GenerationResults([self._result(r) for r in requests], stats)
+
+    @staticmethod
+    def _loop_key(wave: list[Request], width: int | None) -> tuple[bool, int | None]:
+        """The device loop a wave runs: ``(sampling, log-probability width)``; the width (the call's) only when
+        a request of the wave asks for log-probabilities, which the sampling loop computes."""
+        w = width if any(r.params.logprobs is not None for r in wave) else None
+        return w is not None or any(r.params.needs_sampling_program for r in wave), w
 
     def _waves(self, requests: list[Request]):
         """Consecutive groups of at most ``max_num_seqs`` requests whose every page fits the pool at once."""

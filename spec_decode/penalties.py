@@ -7,7 +7,8 @@ that position too (``docs/ENGINE.md``, "Sampling parameters under speculation").
 * ``prompt_mask bool[N, V]``: the tokens of its prompt (the repetition penalty reads them too).
 
 Fixed shapes, ``5 N V`` bytes (M3, V = 200,064: 16 MB at the default 16 slots, 256 MB at 256 slots). A verify or
-draft position adds the drafts before it to the committed counts (:func:`counts_at`); a step's commit adds the
+draft position is penalised with its slot's committed counts plus the drafts before it (:func:`penalize_at`, which
+applies them to the logits without writing out a ``[positions, V]`` counts array); a step's commit adds the
 tokens it emitted (:func:`commit_counts`), so the next step, planned before this one is read back (async
 scheduling), reads the truth from the device. A request with a penalty is written into its slot when it is
 admitted (:func:`write_history`: its prompt and, for a preempted one being recomputed, the output it had), so a
@@ -19,7 +20,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["commit_counts", "counts_at", "init_history", "write_history"]
+from spec_decode.sampling_params import apply_penalties
+
+__all__ = ["commit_counts", "init_history", "penalize_at", "penalize_at_reference", "write_history"]
 
 
 def init_history(num_slots: int, vocab_size: int) -> tuple[jax.Array, jax.Array]:
@@ -42,20 +45,56 @@ def write_history(token_counts: jax.Array, prompt_mask: jax.Array, slot: jax.Arr
     return token_counts.at[slot].set(counts), prompt_mask.at[slot].set(mask)
 
 
-def counts_at(token_counts: jax.Array, slots: jax.Array, drafts: jax.Array, num_before: jax.Array) -> jax.Array:
-    """The output counts each of ``P`` positions sees: its slot's committed counts plus the first
-    ``num_before[p]`` of ``drafts[p]``.
+def penalize_at(scaled: jax.Array, token_counts: jax.Array, prompt_mask: jax.Array, slots: jax.Array,
+                drafts: jax.Array, num_before: jax.Array, repetition: jax.Array, frequency: jax.Array,
+                presence: jax.Array, temperature: jax.Array) -> jax.Array:
+    """The penalties at ``P`` positions, each seeing its slot's committed counts plus the first ``num_before[p]``
+    of ``drafts[p]`` (the drafts before it), applied to ``scaled f32[P, V]`` (the logits divided by
+    ``temperature f32[P]``; :func:`spec_decode.sampling_params.apply_penalties` is the formula).
 
     ``slots int32[P]`` (in range), ``drafts int32[P, D]`` (the drafts of the position's row, -1 padded),
-    ``num_before int32[P]``. Returns ``int32[P, V]``."""
-    v = token_counts.shape[1]
+    ``num_before int32[P]``, per-position ``repetition / frequency / presence f32[P]`` (1 / 0 / 0: off).
+
+    No ``[P, V]`` counts array is built: the slot's committed counts and prompt mask are gathered inside the
+    elementwise transform of the logits (XLA fuses the gather into it), and the ``<= D`` tokens drawn before the
+    position, whose counts the drafts raise, are recomputed from ``[P, D]`` gathers and scattered over the result.
+    A position with every penalty off is an identity whatever the counts, so it reads slot 0's history instead of
+    its own: such positions all read the same row (one row of ``5 V`` bytes, from cache on a GPU), and a batch
+    without a penalised row reads almost nothing beyond its logits. (No ``lax.cond``: on a GPU the host would wait
+    for the predicate and stall the asynchronous dispatch, ``docs/ENGINE.md``.)"""
+    p, v = scaled.shape
+    on = (repetition != 1.0) | (frequency != 0.0) | (presence != 0.0)
+    src = jnp.where(on, slots, 0)
+    out = apply_penalties(scaled, token_counts[src], prompt_mask[src], repetition, frequency, presence,
+                          temperature=temperature)
     d = drafts.shape[1]
-    base = token_counts[slots]
     if d == 0:
-        return base
-    take = (jnp.arange(d, dtype=jnp.int32)[None, :] < num_before[:, None]) & (drafts >= 0)
-    rows = jnp.arange(slots.shape[0], dtype=jnp.int32)[:, None]
-    return base.at[rows, jnp.where(take, drafts, v)].add(1, mode="drop")
+        return out
+    take = (jnp.arange(d, dtype=jnp.int32)[None, :] < num_before[:, None]) & (drafts >= 0) & on[:, None]  # [P, D]
+    tok = jnp.where(take, drafts, 0)
+    # each such token's count at the position: committed + its occurrences among the drafts before the position
+    extra = jnp.sum((tok[:, :, None] == tok[:, None, :]) & take[:, None, :], axis=-1, dtype=jnp.int32)
+    counts = token_counts[src[:, None], tok] + extra
+    raw = jnp.take_along_axis(scaled, tok, axis=1)
+    fixed = apply_penalties(raw, counts, prompt_mask[src[:, None], tok], repetition, frequency, presence,
+                            temperature=temperature)
+    rows = jnp.arange(p, dtype=jnp.int32)[:, None]
+    return out.at[rows, jnp.where(take, tok, v)].set(fixed, mode="drop")
+
+
+def penalize_at_reference(scaled: jax.Array, token_counts: jax.Array, prompt_mask: jax.Array, slots: jax.Array,
+                          drafts: jax.Array, num_before: jax.Array, repetition: jax.Array, frequency: jax.Array,
+                          presence: jax.Array, temperature: jax.Array) -> jax.Array:
+    """:func:`penalize_at` the direct way (tests): the dense ``int32[P, V]`` counts of every position, then the
+    formula."""
+    v = token_counts.shape[1]
+    counts = token_counts[slots]
+    if drafts.shape[1]:
+        take = (jnp.arange(drafts.shape[1], dtype=jnp.int32)[None, :] < num_before[:, None]) & (drafts >= 0)
+        rows = jnp.arange(slots.shape[0], dtype=jnp.int32)[:, None]
+        counts = counts.at[rows, jnp.where(take, drafts, v)].add(1, mode="drop")
+    return apply_penalties(scaled, counts, prompt_mask[slots], repetition, frequency, presence,
+                           temperature=temperature)
 
 
 def commit_counts(token_counts: jax.Array, slots: jax.Array, tokens: jax.Array, keep: jax.Array) -> jax.Array:

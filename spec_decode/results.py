@@ -77,7 +77,8 @@ def request_result(req: Request, *, k: int, tokenizer=None) -> GenerationResult:
     else:
         text = tokenizer.decode(req.output) if tokenizer is not None else None
     return GenerationResult(list(req.output), text, stats, list(req.prompt),
-                            logprobs=None if req.logprobs is None else list(req.logprobs),
+                            # a stop string cuts the output after the step's log-probabilities were added
+                            logprobs=None if req.logprobs is None else list(req.logprobs[:len(req.output)]),
                             prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs))
 
 

@@ -55,9 +55,9 @@ from spec_decode.estimator import (
     update,
 )
 from spec_decode.logprobs import LogprobsOutput, prompt_logit_rows, step_logprobs
-from spec_decode.penalties import commit_counts, counts_at, init_history
+from spec_decode.penalties import commit_counts, init_history, penalize_at
 from spec_decode.rejection import STREAM_DRAFT, rejection_sample_packed, sampling_key
-from spec_decode.sampling_params import apply_penalties, filter_logits, mask_min_tokens
+from spec_decode.sampling_params import filter_logits, mask_min_tokens
 from spec_decode.synthetic import emulated_accept_packed, emulated_confidences, request_profiles
 
 __all__ = ["DecodeState", "StepConfig", "StepOutput", "StepPlan", "init_state", "make_step_fn"]
@@ -267,9 +267,8 @@ def _transform(plan: StepPlan, state: DecodeState, slot: jax.Array, emitted: jax
 
     def transform(scaled, rows, num_before, drafts, temps):
         if state.token_counts is not None:  # the penalties (an identity for rows with them off)
-            counts = counts_at(state.token_counts, slot[rows], drafts, num_before)
-            scaled = apply_penalties(scaled, counts, state.prompt_mask[slot[rows]], repetition[rows],
-                                     frequency[rows], presence[rows], temperature=temps)
+            scaled = penalize_at(scaled, state.token_counts, state.prompt_mask, slot[rows], drafts, num_before,
+                                 repetition[rows], frequency[rows], presence[rows], temps)
         scaled = mask_min_tokens(scaled, emitted[rows] + num_before, min_tokens[rows], plan.stop_ids[rows])
         return filter_logits(scaled, plan.top_k[rows], plan.top_p[rows], min_p[rows])
 

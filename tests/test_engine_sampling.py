@@ -215,7 +215,12 @@ def test_penalties_from_committed_tokens_only_are_biased(penalty_pair, monkeypat
     import spec_decode.step as step_module
 
     target, drafter, (_, _, repeat) = penalty_pair
-    monkeypatch.setattr(step_module, "counts_at", lambda counts, slots, drafts, before: counts[slots])
+    real = step_module.penalize_at
+
+    def committed_only(scaled, counts, mask, slots, drafts, num_before, *args):
+        return real(scaled, counts, mask, slots, drafts, jnp.zeros_like(num_before), *args)
+
+    monkeypatch.setattr(step_module, "penalize_at", committed_only)
     toks, _ = penalised_samples(penalty_engine(target, drafter, "fixed", 3), 3)
     hits = int(np.sum(toks[:, 2] == toks[:, 1]))
     assert hits > N * repeat + 12  # an accepted draft 1 is not penalised at row 1: the 3rd token repeats it

@@ -1,11 +1,13 @@
 """Log-probabilities (spec_decode/logprobs.py): generated tokens' identical with and without speculation and equal
-to a plain forward's, prompt log-probabilities through chunked prefill, Engine.score, bad input (CPU, f32)."""
+to a plain forward's, the device loop's equal to the host loop's, prompt log-probabilities through chunked prefill,
+Engine.score, bad input (CPU, f32)."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from spec_decode import Engine, SamplingParams
+from spec_decode.device_loop import logprobs_width
 from spec_decode.logprobs import MAX_LOGPROBS, ScoreResult
 from spec_decode.sampling_params import filter_logits
 from tests.engine_models import _padded_forward as padded_forward
@@ -76,6 +78,35 @@ def test_logprobs_identical_with_and_without_speculation(greedy_runs, target, pr
             np.testing.assert_allclose([x[1] for x in t.top], np.sort(row)[::-1][:4], atol=1e-4)
 
 
+def assert_same_logprobs(got, want, k, what):
+    assert [t.token_id for t in got] == [t.token_id for t in want], what
+    np.testing.assert_allclose([t.logprob for t in got], [t.logprob for t in want], atol=2e-5, err_msg=what)
+    for t, u in zip(got, want):
+        assert len(t.top) == k and [x[0] for x in t.top] == [x[0] for x in u.top[:k]], what
+        np.testing.assert_allclose([x[1] for x in t.top], [x[1] for x in u.top[:k]], atol=2e-5, err_msg=what)
+
+
+def test_device_loop_returns_the_host_loops_logprobs(engines, greedy_runs, prompts):
+    """Greedy, none / fixed / adaptive: the same tokens, log-probabilities and alternatives as the host loop, the
+    prompt's too (from the prefill); a request asking for k = 0 alternatives beside one asking for 4."""
+    asks = [SamplingParams(max_new_tokens=12, logprobs=4, prompt_logprobs=3, ignore_eos=True),
+            SamplingParams(max_new_tokens=12, logprobs=0, ignore_eos=True),
+            SamplingParams(max_new_tokens=12, logprobs=4, prompt_logprobs=3, ignore_eos=True)]
+    for mode, eng in engines.items():
+        dev = eng.generate(prompts, sampling_params=asks, loop="device", progress=False)
+        for i, (r, h, p) in enumerate(zip(dev, greedy_runs[mode], asks)):
+            assert r.token_ids == h.token_ids, (mode, i)
+            assert_same_logprobs(r.logprobs, h.logprobs, p.logprobs, (mode, i))
+            if p.prompt_logprobs is None:
+                assert r.prompt_logprobs is None
+            else:
+                assert r.prompt_logprobs[0] is None
+                assert_same_logprobs(r.prompt_logprobs[1:], h.prompt_logprobs[1:], 3, (mode, i, "prompt"))
+    # the loop's width: the smallest of a few that holds the call's largest k; none when no request asks
+    assert [logprobs_width(ks, 32) for ks in ([None], [0, None], [3, 1], [17], [20])] == [None, 0, 4, 20, 20]
+    assert logprobs_width([9], 5) == 5
+
+
 def test_prompt_logprobs_match_a_plain_forward(greedy_runs, target, prompts):
     for mode, res in greedy_runs.items():
         for p, r in zip(prompts, res):
@@ -132,8 +163,6 @@ def test_bad_input(engines, target, prompts):
                 SamplingParams(**{field: bad})
     assert SamplingParams(logprobs=np.int64(3)).logprobs == 3
     eng = engines["fixed"]
-    with pytest.raises(ValueError, match="device loop"):
-        eng.generate(prompts, sampling_params=SamplingParams(logprobs=1), loop="device")
     with pytest.raises(ValueError, match="same length"):
         eng.score(prompts, prompts[:1])
     with pytest.raises(ValueError, match="continuation 0 is empty"):

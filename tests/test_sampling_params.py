@@ -126,6 +126,11 @@ def test_stop_strings_cut_the_text_before_the_match(engine):
                               progress=False)[0]
         assert (res.token_ids, res.text) == (full.token_ids[:keep], text), loop
         assert res.finish_reason == "stop" and res.stats["stop_string"] == stop
+    # the step that completes the match emitted tokens after it: their log-probabilities go with them
+    scored = engine.generate([prompt], sampling_params=SamplingParams(max_new_tokens=14, ignore_eos=True, stop=stop,
+                                                                      logprobs=1), progress=False)[0]
+    assert scored.token_ids == full.token_ids[:keep]
+    assert [t.token_id for t in scored.logprobs] == scored.token_ids
     streamed = []
     for _, new in engine.stream([prompt], max_new_tokens=14, ignore_eos=True, stop=stop):
         streamed += new
