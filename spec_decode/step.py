@@ -356,7 +356,7 @@ def make_step_fn(target, drafter, config: StepConfig):
             h = drafter.block_hidden(dc, anchor, num_cached,
                                      cache_rows=jnp.where(is_decode, slot, -1),
                                      implementation="reference" if config.implementation == "reference" else "auto",
-                                     interpret=config.interpret)
+                                     interpret=config.interpret, mesh=config.mesh)
             estimator = config.confidence == "estimator"
 
             keys = jax.vmap(lambda s, p: sampling_key(s, p, STREAM_DRAFT))(plan.seed, num_cached)
