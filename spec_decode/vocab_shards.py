@@ -2,15 +2,17 @@
 (docs/PARALLELISM.md, "The sampler on the mesh").
 
 On a mesh the LM head is split over the vocabulary, so each device computes the logits of its own ``V / N``
-tokens. The sampler (:mod:`spec_decode.rejection`, the filters of :mod:`spec_decode.sampling_params`) is written
-once against a :class:`Vocab`, which says how a row is laid out: whole (one device, or XLA's partitioning), or
-split over a ``shard_map`` axis, each device holding the contiguous slice ``[offset, offset + V / N)``. Every
-reduction over a row goes through it:
+tokens. The sampler (:mod:`spec_decode.rejection`, the log-probabilities of :mod:`spec_decode.logprobs`, the
+filters' threshold search in :mod:`spec_decode.sampling_params`; one device's filter sorts instead) is written once
+against a :class:`Vocab`, which says how a row is laid out: whole (one device, or XLA's partitioning), or split
+over a ``shard_map`` axis, each device holding the contiguous slice ``[offset, offset + V / N)``. Every reduction
+over a row goes through it:
 
 * ``max`` / ``sum``: the local reduction, then a ``pmax`` / ``psum`` of ``R`` values;
 * ``argmax``: the local max and its (global) index, then an all-gather of ``R x N`` pairs and the first shard
   holding the maximum, so ties go to the lower token id exactly as :func:`jax.numpy.argmax` breaks them;
-* ``take``: the entry of one global token id per row (the device that owns it contributes it, the others 0);
+* ``take`` / ``pick``: the entry of one global token id per row (its owner contributes it, the others 0);
+* ``top_k``: each shard's top ``k``, then a gather of the ``N`` candidate lists and their top ``k``;
 * :func:`gumbel_noise`: the sampler's noise, a function of (the position's key, the global token id) alone, so a
   shard draws exactly the values one device draws for its tokens.
 
