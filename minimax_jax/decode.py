@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from minimax_jax.cache import PagedCache, check_cache, slot_mapping, write_tokens
 from minimax_jax.config import MiniMaxM3Config
 from minimax_jax.model import MiniMaxM3ForCausalLM
+from minimax_jax.sharding import on_local_heads
 from pallas_kernels import indexer, paged_attention, sparse_attention
 from pallas_kernels.indexer import ragged_index_topk
 from pallas_kernels.metadata import token_positions, token_to_request
@@ -256,19 +257,8 @@ def _per_device(mesh):
     """``local(fn, *kinds)(*args)``: ``fn`` on each device's heads inside ``shard_map`` over the mesh's tensor axis
     (no mesh: ``fn`` itself). Argument kinds: ``"h"`` a ``[T, heads, ...]`` array split on its heads (the output is
     one too), ``"k"`` a ``[heads, ...]`` cache split on its heads, ``"r"`` replicated."""
-    if mesh is None:
-        return lambda fn, *kinds: fn
-    from jax.sharding import PartitionSpec
-
-    from minimax_jax.sharding import TENSOR
-
-    specs = {"h": PartitionSpec(None, TENSOR), "k": PartitionSpec(TENSOR), "r": PartitionSpec()}
-
-    def local(fn, *kinds):
-        return jax.shard_map(fn, mesh=mesh, in_specs=tuple(specs[c] for c in kinds), out_specs=specs["h"],
-                             check_vma=False)
-
-    return local
+    axes = {"h": 1, "k": 0, "r": None}
+    return lambda fn, *kinds: on_local_heads(fn, mesh, [axes[c] for c in kinds], axes["h"])
 
 
 def make_step_fn(model: MiniMaxM3ForCausalLM, *, capture_layers: Sequence[int] = (),

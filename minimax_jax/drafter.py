@@ -39,6 +39,7 @@ are conveniences around those entry points.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -61,6 +62,7 @@ from minimax_jax.draft_step import (
 from minimax_jax.drafter_config import MARKOV_HEAD_TYPES, DSparkConfig, validate_target_layer_ids
 from minimax_jax.layers import DenseMLP, Linear, apply_rope, norm_for, rope_cos_sin
 from minimax_jax.model import MiniMaxM3ForCausalLM, check_input_ids
+from minimax_jax.sharding import on_local_heads
 from pallas_kernels import draft_attention as draft_attention_kernel
 from pallas_kernels.metadata import token_to_request
 
@@ -280,7 +282,7 @@ class DSparkDrafter(nnx.Module):
     # ------------------------------------------------------------------ backbone
     def block_hidden(self, cache: DraftCache, anchors: jax.Array, anchor_positions: jax.Array, *,
                      cache_rows: jax.Array | None = None, implementation: str = "auto",
-                     interpret: bool | None = None) -> jax.Array:
+                     interpret: bool | None = None, mesh=None) -> jax.Array:
         """Final-normed block hidden states ``h [R, K, d]`` using the cached context.
 
         ``cache_rows int32[R]`` (optional): row ``r`` drafts from cache row ``cache_rows[r]`` (its block table
@@ -288,6 +290,12 @@ class DSparkDrafter(nnx.Module):
         (the kernel: each row's pages read once per KV head, up to its length), ``"reference"`` (plain jnp: the
         context gathered through the block tables over their whole width) or ``"auto"``
         (:func:`minimax_jax.draft_attention.choose_implementation`: the kernel on a GPU).
+
+        ``mesh`` (a ``jax.sharding.Mesh`` with a ``"tensor"`` axis; the draft layers' heads stored for it,
+        ``sharding.replicate_drafter_heads``, and the cache split by KV head): the block attention runs per device
+        inside ``shard_map``, on the device's ``H / N`` query heads, ``H_kv / N`` KV heads and its slice of the
+        cache (block tables, lengths and rows replicated), as the target's attention does; XLA partitions the
+        projections and MLPs around it (docs/PARALLELISM.md).
         """
         impl = choose_implementation(implementation, self.cfg.layer_config, block_size=self.cfg.block_size,
                                      page_size=cache.page_size, dtype=cache.k.dtype, interpret=interpret)
@@ -302,12 +310,19 @@ class DSparkDrafter(nnx.Module):
             # The kernel reads the [L, H_kv, P, page, D] cache in place (layer, table row and pages chosen
             # inside), up to end (and from the window's start).
             qpos = None if window is None else anchor_positions.astype(jnp.int32)
+            extras = {name: val for name, val in (("cache_rows", cache_rows), ("query_positions", qpos))
+                      if val is not None}  # replicated, like the block tables and the lengths
+            # split on their heads: q [R, K, H, D], the caches [L, H_kv, P, page, D], kb / vb [R, K, H_kv, D]
+            axes = (2, 1, 1, None, None, 2, 2) + (None,) * len(extras)
             for i, layer in enumerate(self.layers):
                 def attention(q, k_cache, v_cache, ctx_end, kb, vb, *, scale, i=i):
-                    return draft_attention_kernel.draft_attention(
-                        q, k_cache, v_cache, cache.block_tables, ctx_end, kb, vb, scale=scale, layer=i,
-                        cache_rows=cache_rows, window=window, query_positions=qpos, implementation="pallas",
-                        interpret=interpret)
+                    def kernel(q, k_cache, v_cache, tables, ctx_end, kb, vb, *extra):
+                        return draft_attention_kernel.draft_attention(
+                            q, k_cache, v_cache, tables, ctx_end, kb, vb, scale=scale, layer=i, window=window,
+                            implementation="pallas", interpret=interpret, **dict(zip(extras, extra)))
+
+                    return on_local_heads(kernel, mesh, axes, 2)(q, k_cache, v_cache, cache.block_tables, ctx_end,
+                                                                 kb, vb, *extras.values())
 
                 x = layer(x, cos, sin, cache.k, cache.v, end, attention=attention)
             return self.norm(x)
@@ -320,7 +335,12 @@ class DSparkDrafter(nnx.Module):
             k_ctx = draft_attention_kernel.paged_context(cache.k[i], tables)  # [R, S, H_kv, D]
             # invisible entries are other rows' (or never written) pages: zero them so they cannot leak as NaN
             v_ctx = jnp.where(seen[:, :, None, None], draft_attention_kernel.paged_context(cache.v[i], tables), 0)
-            x = layer(x, cos, sin, k_ctx, v_ctx, visible)
+            # q [R, K, H, D], context K/V [R, S, H_kv, D], the mask [R, 1|K, S], kb / vb [R, K, H_kv, D]
+            def attention(*args, scale):
+                return on_local_heads(functools.partial(draft_attention, scale=scale), mesh,
+                                      (2, 2, 2, None, 2, 2), 2)(*args)
+
+            x = layer(x, cos, sin, k_ctx, v_ctx, visible, attention=attention)
         return self.norm(x)
 
     def block_hidden_reference(self, features, anchors: jax.Array, anchor_positions: jax.Array) -> jax.Array:

@@ -42,7 +42,8 @@ from minimax_jax.cache import page_size_for
 from minimax_jax.config import MiniMaxM3Config
 
 __all__ = ["DATA", "TENSOR", "MemoryPlan", "ParamLayout", "column_map", "head_axis", "largest_fit", "make_mesh",
-           "memory_plan", "param_layout", "param_rule", "replicate_heads", "shard_module", "state_shardings",
+           "memory_plan", "on_local_heads", "param_layout", "param_rule", "replicate_heads", "shard_module",
+           "state_shardings",
            "stored_config", "stored_heads"]
 
 TENSOR = "tensor"
@@ -58,6 +59,21 @@ def make_mesh(tensor_parallel_size: int, *, data_parallel_size: int = 1, devices
     if tp * dp > len(devs):
         raise ValueError(f"a mesh of {dp} x {tp} devices needs {tp * dp}, {len(devs)} available")
     return Mesh(np.asarray(devs[: tp * dp], dtype=object).reshape(dp, tp), (DATA, TENSOR))
+
+
+def on_local_heads(fn, mesh: Mesh | None, head_axes, out_axis: int):
+    """``fn`` on each device's own heads: inside ``shard_map`` over ``mesh``'s tensor axis, argument ``i`` split on
+    its axis ``head_axes[i]`` (``None``: replicated), the output split on its axis ``out_axis``. With the heads
+    stored for the mesh (:func:`replicate_heads`) every device sees the same GQA ratio, so a kernel written for
+    one device runs unchanged on ``H / N`` query and ``H_kv / N`` KV heads. ``mesh=None``: ``fn`` itself."""
+    if mesh is None:
+        return fn
+
+    def spec(axis):
+        return PartitionSpec() if axis is None else PartitionSpec(*([None] * axis), TENSOR)
+
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(a) for a in head_axes), out_specs=spec(out_axis),
+                         check_vma=False)
 
 
 def stored_heads(num_heads: int, tensor_parallel_size: int, *, what: str = "heads") -> int:

@@ -24,12 +24,14 @@ position it scores, placed after the rows the sampler reads (which ignores rows 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.metadata import token_to_request
+from spec_decode.vocab_shards import Vocab, split_vocab, vocab_shards
 
 __all__ = ["MAX_LOGPROBS", "LogprobsOutput", "ScoreResult", "TokenLogprobs", "check_logprobs_setting",
            "prompt_logit_rows", "step_logprobs"]
@@ -88,12 +90,12 @@ def prompt_logit_rows(src, lqsl, qsl, *, is_prefill, prompt_logprobs, prefill_le
     return src, owner, offset
 
 
-def _row_stats(scaled, target_tokens, num_top):
-    """Per row of ``scaled f32[N, V]`` (log-probabilities up to a constant): log p of ``target_tokens int32[N]``
-    and the ``num_top`` best (ids, log p)."""
-    lse = jax.nn.logsumexp(scaled, axis=-1)
-    picked = jnp.take_along_axis(scaled, jnp.clip(target_tokens, 0, scaled.shape[-1] - 1)[:, None], axis=-1)[:, 0]
-    top_vals, top_ids = jax.lax.top_k(scaled, num_top)
+def _row_stats(scaled, target_tokens, *, num_top, vocab):
+    """Per row of ``scaled f32[N, V]`` (log-probabilities up to a constant; on a mesh this device's slice of the
+    vocabulary ``vocab``): log p of ``target_tokens int32[N]`` and the ``num_top`` best (ids, log p)."""
+    lse = vocab.logsumexp(scaled)
+    picked = vocab.take(scaled, jnp.clip(target_tokens, 0, vocab.size - 1))
+    top_vals, top_ids = vocab.top_k(scaled, num_top)
 
     def clean(x):
         return jnp.where(x < _NEG, -jnp.inf, x)
@@ -102,7 +104,7 @@ def _row_stats(scaled, target_tokens, num_top):
 
 
 def step_logprobs(raw_logits, logits, *, temperature, lr, lqsl, out_tokens, prompt_owner, prompt_offset,
-                  prefill_tokens, qsl, prefill_len, next_prompt_token) -> LogprobsOutput:
+                  prefill_tokens, qsl, prefill_len, next_prompt_token, mesh=None) -> LogprobsOutput:
     """The step's :class:`LogprobsOutput` from its verify logits.
 
     ``raw_logits f32[NL, V]`` the target's logits, ``logits`` the same after the sampling transform (what the
@@ -110,7 +112,9 @@ def step_logprobs(raw_logits, logits, *, temperature, lr, lqsl, out_tokens, prom
     scored at 1), ``lr int32[NL]`` the request of each sampler row, ``lqsl int32[R+1]`` their layout,
     ``out_tokens int32[R, K+1]`` the sampler's tokens (column ``j`` read row ``lqsl[r] + j``); the prompt rows
     from :func:`prompt_logit_rows`, the packed ``prefill_tokens`` with their layout ``qsl``, ``prefill_len`` and
-    the token after each chunk, ``next_prompt_token int32[R]``."""
+    the token after each chunk, ``next_prompt_token int32[R]``. ``mesh`` (its tensor axis splitting the
+    vocabulary evenly): the log-sum-exp, the picked entries and the top tokens are computed on the vocabulary
+    shards (each shard's top tokens, then a gather of ``NL x N x MAX_LOGPROBS`` candidates), not a gathered row."""
     nl, vocab = raw_logits.shape
     r, k1 = out_tokens.shape
     num_top = min(MAX_LOGPROBS, vocab)
@@ -125,7 +129,13 @@ def step_logprobs(raw_logits, logits, *, temperature, lr, lqsl, out_tokens, prom
     t = prefill_tokens.shape[0]
     nxt = jnp.where(nxt_in_chunk, prefill_tokens[jnp.clip(qsl[po] + prompt_offset + 1, 0, t - 1)],
                     next_prompt_token[po])
-    lp, top_ids, top_lp = _row_stats(scaled, jnp.where(is_prompt, nxt, emitted), num_top)
+    targets = jnp.where(is_prompt, nxt, emitted)
+    split = split_vocab(mesh, vocab)
+    if split is None:
+        lp, top_ids, top_lp = _row_stats(scaled, targets, num_top=num_top, vocab=Vocab(vocab))
+    else:
+        stats = functools.partial(_row_stats, num_top=num_top, vocab=split)
+        lp, top_ids, top_lp = vocab_shards(stats, mesh, [(None, "V"), ()], ())(scaled, targets)
     rows = jnp.clip(lqsl[:-1, None] + jnp.arange(k1, dtype=jnp.int32)[None, :], 0, nl - 1)  # [R, K+1]
     prows = jnp.clip(lqsl[-1] + jnp.arange(nl, dtype=jnp.int32), 0, nl - 1)
     return LogprobsOutput(token_logprobs=lp[rows], token_top_ids=top_ids[rows], token_top_logprobs=top_lp[rows],

@@ -16,13 +16,18 @@ Each step emits ``num_accepted + 1`` tokens, and the emitted sequence has exactl
 any ``v`` as long as the choice of verifying draft ``k`` depends only on drafts before ``k`` and earlier steps.
 
 Randomness is a deterministic function of (request seed, absolute position, stream):
-``fold_in(fold_in(key(seed), position), stream)``. The acceptance test of the draft at position ``p`` uses
+``fold_in(fold_in(key(seed), position), stream)``. Tokens are drawn by Gumbel-max, ``argmax_v(log p_v + g_v)``,
+with noise ``g_v`` that depends on the position's key and the token id ``v`` alone
+(:func:`spec_decode.vocab_shards.gumbel_noise`), so the sampler gives the same tokens on one device and on the
+vocabulary shards of a mesh (``mesh=``: the logits split over the tensor axis, as the LM head computes them;
+docs/PARALLELISM.md, "The sampler on the mesh"). The acceptance test of the draft at position ``p`` uses
 stream :data:`STREAM_ACCEPT`; the residual/bonus token sampled at position ``p`` uses :data:`STREAM_RESAMPLE`
 (also :func:`sample_tokens`, e.g. at prefill). A drafter that samples with the same derivation must use another
 stream (:data:`STREAM_DRAFT`): the acceptance uniform has to be independent of the draft it judges.
 
 Memory: only one full vocabulary row per request is materialised (the row of the emitted token); the accept
-tests gather scalars, so the packed layout is consumed in place without an ``[R, K + 1, V]`` copy.
+tests gather scalars, so the packed layout is consumed in place without an ``[R, K + 1, V]`` copy. On a mesh
+each device reads its own slice of the vocabulary, and only ``R x N``-sized values cross devices.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.metadata import query_lens, token_to_request
+from spec_decode.vocab_shards import Vocab, gumbel_argmax, split_vocab, vocab_shards
 
 __all__ = [
     "STREAM_ACCEPT",
@@ -70,11 +76,6 @@ def _keys(seeds: jax.Array, positions: jax.Array, streams: jax.Array | int) -> j
     return jax.vmap(per_row, in_axes=(0, 0, 0))(seeds, positions, streams)
 
 
-def _categorical(keys: jax.Array, logits: jax.Array) -> jax.Array:
-    """One sample per row of ``logits [R, V]`` (unnormalised log-probabilities, -inf allowed) with ``keys [R]``."""
-    return jax.vmap(lambda k, lg: jax.random.categorical(k, lg))(keys, logits).astype(jnp.int32)
-
-
 def _greedy(top: jax.Array, drafts: jax.Array, in_verified: jax.Array):
     """Greedy rule on ``top [R, K+1]`` (argmax of each verify row): (num_accepted [R], final token [R])."""
     k = drafts.shape[1]
@@ -84,21 +85,21 @@ def _greedy(top: jax.Array, drafts: jax.Array, in_verified: jax.Array):
 
 
 def _stochastic(
-    flat, rows, nv, in_verified, drafts, draft_probs, seeds, positions, req_t, flat_t, inputs_are_probs
+    flat, rows, nv, in_verified, drafts, draft_probs, seeds, positions, req_t, flat_t, inputs_are_probs, vocab
 ):
-    """Rejection sampling proper: (num_accepted [R], final token [R]). ``req_t [R]``, ``flat_t [N]`` > 0."""
-    vocab = flat.shape[1]
+    """Rejection sampling proper: (num_accepted [R], final token [R]). ``req_t [R]``, ``flat_t [N]`` > 0.
+    ``flat`` and ``draft_probs`` hold this device's slice of the vocabulary (``vocab``)."""
     r, k = drafts.shape
     steps = jnp.arange(k + 1, dtype=jnp.int32)
     draft_rows = rows[:, :k]  # [R, K]
-    safe_x = jnp.clip(drafts, 0, vocab - 1)
-    picked = flat[draft_rows, safe_x].astype(jnp.float32)  # [R, K]
+    safe_x = jnp.clip(drafts, 0, vocab.size - 1)
+    picked = vocab.pick(flat, draft_rows, safe_x).astype(jnp.float32)  # [R, K]
     if inputs_are_probs:
         p_t = picked
     else:
-        lse = jax.nn.logsumexp(flat.astype(jnp.float32) / flat_t[:, None], axis=-1)  # [N]
+        lse = vocab.logsumexp(flat.astype(jnp.float32) / flat_t[:, None])  # [N]
         p_t = jnp.exp(picked / req_t[:, None] - lse[draft_rows])
-    p_d = jnp.take_along_axis(draft_probs, safe_x[:, :, None], axis=2)[:, :, 0].astype(jnp.float32)
+    p_d = vocab.take(draft_probs, safe_x).astype(jnp.float32)
     # Keys of both streams at every position s+1..s+K+1, derived in one batch (fewer inlined hashes): the accept
     # test of draft k uses (s+1+k, ACCEPT); the emitted token, known only afterwards, (s+1+a, RESAMPLE).
     pos_all = positions[:, None] + 1 + steps[None, :]  # [R, K+1]
@@ -115,38 +116,38 @@ def _stochastic(
     # The emitted token's row: the residual after a rejection, the bonus row when everything was accepted.
     final_row = flat[jnp.take_along_axis(rows, num_acc[:, None], axis=1)[:, 0]].astype(jnp.float32)  # [R, V]
     if inputs_are_probs:
-        target = final_row / jnp.maximum(jnp.sum(final_row, axis=-1, keepdims=True), 1e-30)
+        target = final_row / jnp.maximum(vocab.sum(final_row), 1e-30)[:, None]
     else:
-        target = jax.nn.softmax(final_row / req_t[:, None], axis=-1)
+        target = vocab.softmax(final_row / req_t[:, None])
     if k > 0:
         d_row = jnp.take_along_axis(draft_probs, jnp.minimum(num_acc, k - 1)[:, None, None], axis=1)[:, 0]
         d_row = d_row.astype(jnp.float32)  # [R, V]
     else:
         d_row = jnp.zeros_like(target)
     rejected = num_acc < nv
-    residual = jnp.maximum(target - d_row, 0.0)
-    usable = jnp.sum(residual, axis=-1) > 0.0  # p_t == p_d exactly: a rejection has probability 0
+    residual = jnp.maximum(target - d_row, 0.0)  # elementwise: on a mesh each device its own tokens
+    usable = vocab.sum(residual) > 0.0  # p_t == p_d exactly: a rejection has probability 0
     dist = jnp.where((rejected & usable)[:, None], residual, target)
     logp = jnp.where(dist > 0.0, jnp.log(jnp.where(dist > 0.0, dist, 1.0)), -jnp.inf)
-    final = _categorical(resample_keys[jnp.arange(r), num_acc], logp)  # at position s + 1 + num_accepted
+    final = gumbel_argmax(resample_keys[jnp.arange(r), num_acc], logp, vocab)  # at position s + 1 + num_accepted
     return num_acc, final
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "inputs_are_probs"))
-def _core(
-    flat: jax.Array,  # [N, V]      target logits (or probabilities) rows
+def _rule(
+    flat: jax.Array,  # [N, V]      target logits (or probabilities) rows (on a mesh: this device's slice of V)
     row_start: jax.Array,  # [R]         row of request r's verify row 0 in `flat`
     num_verified: jax.Array,  # [R]         verified drafts per request
     valid: jax.Array,  # [R]         False for padding rows
     draft_tokens: jax.Array,  # [R, K]
-    draft_probs: jax.Array | None,  # [R, K, V]   (not read when greedy)
     seeds: jax.Array,  # [R]
     positions: jax.Array,  # [R]         absolute position of the anchor
     req_t: jax.Array,  # [R]         temperature per request (<= 0: greedy)
     flat_t: jax.Array,  # [N]         temperature of each row of `flat`
+    draft_probs: jax.Array | None,  # [R, K, V]   (not read when greedy)
     *,
     mode: str,  # "greedy" | "sample" | "mixed" (per-request choice)
     inputs_are_probs: bool,
+    vocab: Vocab,
 ) -> RejectionOutput:
     n_rows = flat.shape[0]
     r, k = draft_tokens.shape
@@ -156,7 +157,7 @@ def _core(
     in_verified = steps[None, :k] < nv[:, None]  # [R, K]
 
     if mode in ("greedy", "mixed"):
-        top = jnp.argmax(flat, axis=-1).astype(jnp.int32)[rows]  # [R, K+1]
+        top = vocab.argmax(flat)[rows]  # [R, K+1]
         num_acc, final = _greedy(top, draft_tokens, in_verified)
     if mode in ("sample", "mixed"):
         greedy_row = req_t <= 0.0
@@ -174,6 +175,7 @@ def _core(
             safe_req,
             safe_flat,
             inputs_are_probs,
+            vocab,
         )
         if mode == "mixed":
             num_acc, final = jnp.where(greedy_row, num_acc, s_acc), jnp.where(greedy_row, final, s_final)
@@ -185,6 +187,22 @@ def _core(
     out = jnp.concatenate([out, jnp.full((r, 1), -1, jnp.int32)], axis=1)  # [R, K+1]
     out = jnp.where((steps[None, :] == num_acc[:, None]) & valid[:, None], final[:, None], out)
     return RejectionOutput(num_acc, out, jnp.where(valid, num_acc + 1, 0).astype(jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("mode", "inputs_are_probs", "mesh"))
+def _core(flat, row_start, num_verified, valid, draft_tokens, draft_probs, seeds, positions, req_t, flat_t, *,
+          mode: str, inputs_are_probs: bool, mesh=None) -> RejectionOutput:
+    """:func:`_rule` on the whole row, or on the vocabulary shards of ``mesh`` (``shard_map``: ``flat`` and
+    ``draft_probs`` split over the vocabulary, everything else replicated, the outputs replicated)."""
+    args = (flat, row_start, num_verified, valid, draft_tokens, seeds, positions, req_t, flat_t)
+    vocab = split_vocab(mesh, flat.shape[1])
+    if vocab is None:
+        return _rule(*args, draft_probs, mode=mode, inputs_are_probs=inputs_are_probs, vocab=Vocab(flat.shape[1]))
+    specs = [(None, "V")] + [()] * (len(args) - 1)
+    rule = functools.partial(_rule, mode=mode, inputs_are_probs=inputs_are_probs, vocab=vocab)
+    if draft_probs is None:
+        return vocab_shards(lambda *a: rule(*a, None), mesh, specs, ())(*args)
+    return vocab_shards(rule, mesh, specs + [(None, None, "V")], ())(*args, draft_probs)
 
 
 def _temperatures(temperature, r: int):
@@ -235,6 +253,7 @@ def rejection_sample(
     temperature: float | jax.Array,
     row_mask: jax.Array | None = None,
     inputs_are_probs: bool = False,
+    mesh=None,
 ) -> RejectionOutput:
     """Accept a prefix of each request's verified drafts and emit one corrected/bonus token.
 
@@ -250,6 +269,10 @@ def rejection_sample(
         ``f32[R]`` (per request; ``<= 0`` is greedy for that request). Applied to logits, not probabilities.
       row_mask: ``bool[R]``, False for padding rows (they emit nothing: counts 0, tokens -1).
       inputs_are_probs: static; ``target_logits`` already holds (temperature-scaled) probabilities.
+      mesh: a ``jax.sharding.Mesh`` whose tensor axis splits the vocabulary evenly: the sampler runs on the
+        vocabulary shards (``shard_map``; the logits and draft distributions split over the vocabulary, as the
+        LM head computes them): a local max or Gumbel-max per shard, then a gather of ``R x N`` values, never a
+        whole row (docs/PARALLELISM.md, "The sampler on the mesh"). The tokens are the same as without it.
 
     Returns:
       :class:`RejectionOutput` ``(num_accepted int32[R], output_tokens int32[R, K+1], num_emitted int32[R])``.
@@ -281,6 +304,7 @@ def rejection_sample(
         jnp.repeat(req_t, k1),
         mode=mode,
         inputs_are_probs=bool(inputs_are_probs),
+        mesh=mesh,
     )
 
 
@@ -295,6 +319,7 @@ def rejection_sample_packed(
     temperature: float | jax.Array,
     row_mask: jax.Array | None = None,
     inputs_are_probs: bool = False,
+    mesh=None,
 ) -> RejectionOutput:
     """:func:`rejection_sample` reading the verify step's packed logits in place.
 
@@ -302,7 +327,7 @@ def rejection_sample_packed(
       packed_logits: ``f32[T, V]``; request ``r`` owns rows ``[qsl[r], qsl[r+1])`` = its anchor followed by its
         verified drafts, so ``num_verified[r] = qsl[r+1] - qsl[r] - 1``. Rows at or beyond ``qsl[R]`` are padding.
       query_start_loc: ``int32[R+1]`` non-decreasing (docs/ARCHITECTURE.md); zero-length rows are padding.
-      draft_tokens, draft_probs, seeds, positions, temperature, row_mask, inputs_are_probs: as in
+      draft_tokens, draft_probs, seeds, positions, temperature, row_mask, inputs_are_probs, mesh: as in
         :func:`rejection_sample` (``positions`` = the anchor's absolute position, ``seq_lens - q_len``).
 
     Returns:
@@ -342,28 +367,38 @@ def rejection_sample_packed(
         flat_t,
         mode=mode,
         inputs_are_probs=bool(inputs_are_probs),
+        mesh=mesh,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("mode",))
-def _sample_rows(logits, seeds, positions, temps, *, mode):
-    top = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+def _sample_rule(logits, seeds, positions, temps, *, mode, vocab):
+    top = vocab.argmax(logits)
     if mode == "greedy":
         return top
     keys = _keys(seeds, positions[:, None], STREAM_RESAMPLE)[:, 0]
     safe = jnp.where(temps <= 0.0, 1.0, temps)
-    sampled = _categorical(keys, logits.astype(jnp.float32) / safe[:, None])
+    sampled = gumbel_argmax(keys, logits.astype(jnp.float32) / safe[:, None], vocab)
     return jnp.where(temps <= 0.0, top, sampled)
 
 
+@functools.partial(jax.jit, static_argnames=("mode", "mesh"))
+def _sample_rows(logits, seeds, positions, temps, *, mode, mesh=None):
+    vocab = split_vocab(mesh, logits.shape[1])
+    if vocab is None:
+        return _sample_rule(logits, seeds, positions, temps, mode=mode, vocab=Vocab(logits.shape[1]))
+    rule = functools.partial(_sample_rule, mode=mode, vocab=vocab)
+    return vocab_shards(rule, mesh, [(None, "V"), (), (), ()], ())(logits, seeds, positions, temps)
+
+
 def sample_tokens(
-    logits: jax.Array, seeds: jax.Array, positions: jax.Array, *, temperature: float | jax.Array
+    logits: jax.Array, seeds: jax.Array, positions: jax.Array, *, temperature: float | jax.Array, mesh=None
 ) -> jax.Array:
-    """One token per row of ``logits f32[R, V]``: argmax when greedy, else a sample of ``softmax(logits / T)``.
+    """One token per row of ``logits f32[R, V]``: argmax when greedy, else a sample of ``softmax(logits / T)``
+    (Gumbel-max, as the rejection sampler draws).
 
     ``positions int32[R]`` is the absolute position of the token being sampled; the key is
     ``(seed, position, STREAM_RESAMPLE)``, the same one a bonus token at that position would use.
-    ``temperature`` as in :func:`rejection_sample`. Returns ``int32[R]``.
+    ``temperature`` and ``mesh`` as in :func:`rejection_sample`. Returns ``int32[R]``.
     """
     logits = jnp.asarray(logits)
     if logits.ndim != 2:
@@ -374,5 +409,5 @@ def sample_tokens(
             raise ValueError(f"{arg} must be int32[R={r}], got shape {jnp.shape(val)}")
     mode, temps = _temperatures(temperature, r)
     return _sample_rows(
-        logits, jnp.asarray(seeds, jnp.int32), jnp.asarray(positions, jnp.int32), temps, mode=mode
+        logits, jnp.asarray(seeds, jnp.int32), jnp.asarray(positions, jnp.int32), temps, mode=mode, mesh=mesh
     )

@@ -15,6 +15,7 @@ to be the ones the drafts were drawn from, which holds either way.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -23,8 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_decode.logprobs import check_logprobs_setting
+from spec_decode.vocab_shards import Vocab, midpoint, ordered_key, split_vocab, vocab_shards
 
-__all__ = ["SamplingParams", "apply_penalties", "filter_logits", "mask_min_tokens", "sample_seed"]
+__all__ = ["SamplingParams", "apply_penalties", "filter_logits", "filter_logits_by_search", "mask_min_tokens",
+           "sample_seed"]
 
 # Large finite negative instead of -inf: a filtered row never becomes all -inf (NaN after softmax).
 _FILTERED = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -223,8 +226,8 @@ def apply_penalties(logits: jax.Array, counts: jax.Array, prompt_mask: jax.Array
     return out - sub
 
 
-def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array | None = None
-                  ) -> jax.Array:
+def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array | None = None, *,
+                  mesh=None) -> jax.Array:
     """Keep each row's ``top_k`` largest logits and its smallest nucleus of mass ``top_p``; mask the rest.
 
     ``logits f32[N, V]`` (already divided by the temperature), ``top_k int32[N]`` (0: off), ``top_p f32[N]``
@@ -232,7 +235,17 @@ def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: 
     the row's most likely one is masked, and top-k / top-p see what is left). Ties at the top-k boundary are all
     kept (the filter is a value threshold), as is the token that crosses ``top_p``. The row's argmax always
     survives, so greedy rows are unaffected.
+
+    One device sorts the row. ``mesh`` (with a tensor axis over which the vocabulary splits evenly): the same
+    thresholds found on the vocabulary shards without gathering a row (:func:`filter_logits_by_search`).
     """
+    vocab = split_vocab(mesh, logits.shape[-1])
+    if vocab is not None:
+        if min_p is None:
+            min_p = jnp.zeros(top_p.shape, jnp.float32)
+        run = vocab_shards(functools.partial(filter_logits_by_search, vocab=vocab), mesh,
+                           [(None, "V"), (), (), ()], (None, "V"))
+        return run(logits.astype(jnp.float32), top_k, top_p, min_p)
     logits = logits.astype(jnp.float32)
     v = logits.shape[-1]
     if min_p is not None:  # p >= min_p * p_max  <=>  logit >= max logit + log(min_p)
@@ -249,3 +262,50 @@ def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: 
     nucleus_min = jnp.min(jnp.where(in_nucleus, srt, jnp.inf), axis=-1, keepdims=True)
     threshold = jnp.maximum(kth, jnp.where(top_p[:, None] < 1.0, nucleus_min, -jnp.inf))
     return jnp.where(logits >= threshold, logits, _FILTERED)
+
+
+def filter_logits_by_search(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array, *,
+                            vocab: Vocab | None = None) -> jax.Array:
+    """:func:`filter_logits` without a sort: the top-k and top-p thresholds found by bisection over the float
+    order, on a row that may be split over devices (``vocab``: a :class:`spec_decode.vocab_shards.Vocab`, then
+    ``logits`` is this device's ``[N, V / N]`` slice inside its ``shard_map``; None: the whole row).
+
+    Over the 2^32 ``int32`` keys ordered as the float values (:func:`spec_decode.vocab_shards.ordered_key`), 32
+    halvings find, per row,
+
+    * the top-k threshold: the largest key ``t`` with ``count(key >= t) >= k``, i.e. the ``k``-th largest logit
+      exactly (the counts are integers, summed over the shards);
+    * the top-p threshold: the smallest key ``t`` whose mass strictly above it, ``S(t) = sum(p_v : key_v > t)``,
+      is below ``top_p``; ``{v : key_v >= t}`` is exactly the nucleus of the sort (every token whose strictly
+      larger entries hold less than ``top_p``, ties kept). ``S`` is a float sum (over each shard, then a
+      ``psum``): it can round differently from the sort's cumulative sum, so a row whose nucleus boundary mass
+      lies within that rounding of ``top_p`` may keep one tie group more or less.
+
+    Both searches run in one loop of 32 steps, each reducing ``2 N`` numbers over the shards; min-p needs one
+    ``pmax``."""
+    x = logits.astype(jnp.float32)
+    vocab = Vocab(x.shape[-1]) if vocab is None else vocab
+    v = vocab.size
+    floor = vocab.max(x) + jnp.log(jnp.where(min_p > 0, min_p, 1.0))
+    floor = jnp.where(min_p > 0, floor, -jnp.inf)
+    x = jnp.where(x >= floor[:, None], x, _FILTERED)
+    keys = ordered_key(x)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v).astype(jnp.float32)
+    probs = vocab.softmax(x)
+    lowest, highest = vocab.min(keys), vocab.max(keys)
+    # invariants: count(key >= k_lo) >= k > count(key >= k_hi); S(p_lo) >= top_p > S(p_hi)
+    init = (lowest, highest + 1, lowest - 1, highest)
+
+    def halve(_, carry):
+        k_lo, k_hi, p_lo, p_hi = carry
+        k_mid, p_mid = midpoint(k_lo, k_hi), midpoint(p_lo, p_hi)
+        count = jnp.sum((keys >= k_mid[:, None]).astype(jnp.float32), axis=-1)
+        mass = jnp.sum(jnp.where(keys > p_mid[:, None], probs, 0.0), axis=-1)
+        count, mass = vocab.total(jnp.stack([count, mass]))  # one reduction of 2 N numbers
+        k_ok, p_ok = count >= k, mass < top_p
+        return (jnp.where(k_ok, k_mid, k_lo), jnp.where(k_ok, k_hi, k_mid),
+                jnp.where(p_ok, p_lo, p_mid), jnp.where(p_ok, p_mid, p_hi))
+
+    kth, _, _, nucleus = jax.lax.fori_loop(0, 32, halve, init)
+    threshold = jnp.maximum(kth, jnp.where(top_p < 1.0, nucleus, lowest))
+    return jnp.where(keys >= threshold[:, None], x, _FILTERED)

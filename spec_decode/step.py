@@ -248,14 +248,15 @@ def _stop(tokens, num_emitted, stop_ids, max_emit):
     return count, finished
 
 
-def _transform(plan: StepPlan, state: DecodeState, slot: jax.Array, emitted: jax.Array, r: int):
+def _transform(plan: StepPlan, state: DecodeState, slot: jax.Array, emitted: jax.Array, r: int, *, mesh=None):
     """The sampling programs' logit transform at a set of positions (draft slots or verify rows), in vLLM's order:
     the penalties, ``min_tokens`` (stop ids masked), then min-p, top-k, top-p.
 
     ``transform(scaled f32[P, V], rows int32[P], num_before int32[P], drafts int32[P, D], temps f32[P])``: the
     logits of ``P`` positions already divided by their row's temperature (1 for greedy rows), the plan row of
     each, how many of its row's ``drafts`` come before it; the row's emitted count plus ``num_before`` is the
-    number of output tokens before the position. A plan without the transform fields has them off."""
+    number of output tokens before the position. A plan without the transform fields has them off. ``mesh``:
+    min-p, top-k and top-p run on the vocabulary shards (``filter_logits``)."""
     def field(x, fill, dtype):
         return jnp.full((r,), fill, dtype) if x is None else x
 
@@ -270,7 +271,7 @@ def _transform(plan: StepPlan, state: DecodeState, slot: jax.Array, emitted: jax
             scaled = penalize_at(scaled, state.token_counts, state.prompt_mask, slot[rows], drafts, num_before,
                                  repetition[rows], frequency[rows], presence[rows], temps)
         scaled = mask_min_tokens(scaled, emitted[rows] + num_before, min_tokens[rows], plan.stop_ids[rows])
-        return filter_logits(scaled, plan.top_k[rows], plan.top_p[rows], min_p[rows])
+        return filter_logits(scaled, plan.top_k[rows], plan.top_p[rows], min_p[rows], mesh=mesh)
 
     return transform
 
@@ -341,7 +342,7 @@ def make_step_fn(target, drafter, config: StepConfig):
         sampled = config.sampling
         safe_temp = jnp.where(plan.temperature <= 0.0, 1.0, plan.temperature)
         if sampled:
-            transform = _transform(plan, state, slot, emitted, r)
+            transform = _transform(plan, state, slot, emitted, r, mesh=config.mesh)
 
         # ---- 1. draft (K_d of the K positions; K_d = 0: none)
         if k > 0:
@@ -354,7 +355,7 @@ def make_step_fn(target, drafter, config: StepConfig):
             h = drafter.block_hidden(dc, anchor, num_cached,
                                      cache_rows=jnp.where(is_decode, slot, -1),
                                      implementation="reference" if config.implementation == "reference" else "auto",
-                                     interpret=config.interpret)
+                                     interpret=config.interpret, mesh=config.mesh)
             estimator = config.confidence == "estimator"
 
             keys = jax.vmap(lambda s, p: sampling_key(s, p, STREAM_DRAFT))(plan.seed, num_cached)
@@ -427,10 +428,12 @@ def make_step_fn(target, drafter, config: StepConfig):
 
         if synthetic and kd > 0:
             rej = emulated_accept_packed(logits, lqsl, drafts, profiles[:, :kd], plan.seed, anchor_pos,
-                                         temperature=plan.temperature if sampled else 0.0, row_mask=n_logit > 0)
-        else:
+                                         temperature=plan.temperature if sampled else 0.0, row_mask=n_logit > 0,
+                                         mesh=config.mesh)
+        else:  # on a mesh: on the vocabulary shards the LM head left the logits on (docs/PARALLELISM.md)
             rej = rejection_sample_packed(logits, lqsl, drafts, draft_probs, plan.seed, anchor_pos,
-                                          temperature=plan.temperature if sampled else 0.0, row_mask=n_logit > 0)
+                                          temperature=plan.temperature if sampled else 0.0, row_mask=n_logit > 0,
+                                          mesh=config.mesh)
         num_acc = jnp.where(is_decode, rej.num_accepted, 0)
 
         # ---- 5. stop (outputs padded to the engine's K + 1 columns whatever K_d)
@@ -494,7 +497,7 @@ def make_step_fn(target, drafter, config: StepConfig):
                                      out_tokens=out_tokens, prompt_owner=p_owner, prompt_offset=p_offset,
                                      prefill_tokens=input_ids, qsl=qsl, prefill_len=plan.prefill_len,
                                      next_prompt_token=(plan.next_prompt_token if scores_prompt
-                                                        else jnp.zeros((r,), jnp.int32)))
+                                                        else jnp.zeros((r,), jnp.int32)), mesh=config.mesh)
         out = StepOutput(tokens=tokens, num_emitted=count, num_accepted=num_acc, num_verified=caps,
                          confidences=conf, finished=finished, logprobs=logprobs)
         return state, out

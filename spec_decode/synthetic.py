@@ -114,11 +114,12 @@ def emulated_confidences(profiles: jax.Array, seeds: jax.Array, *, noise: float)
 
 def emulated_accept_packed(packed_logits: jax.Array, query_start_loc: jax.Array, draft_tokens: jax.Array,
                            profiles: jax.Array, seeds: jax.Array, positions: jax.Array, *, temperature,
-                           row_mask: jax.Array | None = None) -> RejectionOutput:
+                           row_mask: jax.Array | None = None, mesh=None) -> RejectionOutput:
     """The rejection step of an emulated run (the module docstring), on the verify step's packed logits.
 
     Same arguments and output as :func:`spec_decode.rejection.rejection_sample_packed` except ``profiles f32[R, K]``
-    (each request's acceptance probabilities) in place of the draft distributions."""
+    (each request's acceptance probabilities) in place of the draft distributions; ``mesh``: the emitted token is
+    sampled on the vocabulary shards (:func:`spec_decode.rejection.sample_tokens`)."""
     qsl = jnp.asarray(query_start_loc, jnp.int32)
     r, k = draft_tokens.shape
     q_len = qsl[1:] - qsl[:-1]
@@ -134,7 +135,7 @@ def emulated_accept_packed(packed_logits: jax.Array, query_start_loc: jax.Array,
     num_acc = jnp.where(valid, jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1), 0).astype(jnp.int32)
     row = jnp.clip(qsl[:-1] + num_acc, 0, packed_logits.shape[0] - 1)
     final = sample_tokens(packed_logits[row], jnp.asarray(seeds, jnp.int32), pos + 1 + num_acc,
-                          temperature=temperature)
+                          temperature=temperature, mesh=mesh)
     steps = jnp.arange(k + 1, dtype=jnp.int32)
     out = jnp.where(j[None, :] < num_acc[:, None], draft_tokens.astype(jnp.int32), -1)
     out = jnp.concatenate([out, jnp.full((r, 1), -1, jnp.int32)], axis=1)

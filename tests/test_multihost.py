@@ -1,7 +1,9 @@
 """Several hosts, proven on one machine: two processes joined by ``jax.distributed`` (gloo CPU collectives), two
-CPU devices each, run one engine at TP 4 over the four devices. Each rank is a subprocess with a timeout (a
-missing coordinator aborts its peers). Both ranks compute the same plans and give the same greedy outputs, in the
-host loop and the device loop, as a one-device engine in this process."""
+CPU devices each, run one engine at TP 4 over the four devices, then a data axis across the processes (2 replicas
+of a TP 2 engine, one per process: each runs its share of the prompts, the results are gathered in prompt order on
+both). Each rank is a subprocess with a timeout (a missing coordinator aborts its peers). Both ranks compute the
+same plans and give the same greedy outputs, in the host loop and the device loop and from the replicas, as a
+one-device engine in this process."""
 
 import json
 import os
@@ -42,6 +44,17 @@ RANK = textwrap.dedent("""
     params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in NEW]
     out = {loop: [r.token_ids for r in eng.generate(prompts, sampling_params=params, loop=loop, progress=False)]
            for loop in ("host", "device")}
+    # a data axis across the processes: replica i on process i's two devices, its slice of the prompts
+    from minimax_jax import sharding
+    from spec_decode.replicas import ReplicatedEngine
+    target = damped_target(damping=0.3, **SHAPE)
+    rep = ReplicatedEngine(target, bigram_drafter(target, block_size=4), mesh=sharding.make_mesh(2, data_parallel_size=2),
+                           num_speculative_tokens=3, verification="fixed", **{**COMMON, "device_loop": False})
+    assert rep.replica_ids == [rank] and rep.owners == [0, 1] and len(rep.engines) == 1
+    assert {d.process_index for d in rep.engines[0].mesh.devices.flat} == {rank}
+    got = rep.generate(prompts, sampling_params=params, progress=False)
+    assert len(got.stats["replicas"]) == 2
+    out["replicas"] = [r.token_ids for r in got]
     print("RESULT " + json.dumps(out), flush=True)
 """)
 
@@ -77,4 +90,4 @@ def test_two_processes_give_one_device_outputs():
             if p.poll() is None:
                 p.kill()
     for out in outs:
-        assert out["host"] == want and out["device"] == want
+        assert out["host"] == want and out["device"] == want and out["replicas"] == want

@@ -15,7 +15,7 @@ import pytest
 
 from spec_decode import Engine, SamplingParams
 from spec_decode.programs import pack_plan, unpack_plan
-from spec_decode.sampling_params import apply_penalties, filter_logits
+from spec_decode.sampling_params import apply_penalties, filter_logits, filter_logits_by_search
 from spec_decode.step import StepPlan
 from spec_decode.stop_strings import StopStrings
 from tests.engine_models import (
@@ -233,6 +233,31 @@ def test_transforms_match_numpy():
     for i in range(4):
         np.testing.assert_allclose(probs[i], filtered_probs(logits[i], min_p=min_p[i], top_p=top_p[i]), atol=1e-6)
     assert (probs[3] > 0).sum() == 1  # min_p 1: the argmax alone
+
+
+def test_threshold_search_filter_equals_the_sort():
+    """filter_logits_by_search (the vocabulary shards' filter, docs/PARALLELISM.md) keeps exactly what the sort keeps:
+    ties at the top-k and nucleus boundaries, -0.0 beside +0.0, a constant row, k past the vocabulary, min-p."""
+    rng = np.random.default_rng(11)
+    n, v = 24, 96
+    x = (rng.normal(size=(n, v)) * 3).astype(np.float32)
+    x[:, 10] = x[:, 40]  # ties
+    x[:, 70] = x[:, 40]
+    x[1] = 0.5  # a constant row
+    x[2, :30] = -0.0
+    x[2, 30:60] = 0.0
+    x[3] = np.round(x[3])  # many ties everywhere
+    top_k = rng.integers(0, v + 10, n).astype(np.int32)
+    top_k[::3] = 0
+    top_p = rng.uniform(0.05, 1.0, n).astype(np.float32)
+    top_p[::4] = 1.0
+    min_p = rng.uniform(0.0, 0.3, n).astype(np.float32)
+    min_p[::2] = 0.0
+    args = [jnp.asarray(a) for a in (x, top_k, top_p, min_p)]
+    want = np.asarray(filter_logits(*args))
+    got = np.asarray(filter_logits_by_search(*args))
+    np.testing.assert_array_equal(got, want)
+    assert (want[~np.isin(np.arange(n), [1])] < -1e30).any()  # the filters did remove tokens
 
 
 def test_stop_strings_match_only_new_text_after_min_tokens():

@@ -132,3 +132,70 @@ def test_tensor_parallel_logits_and_greedy_outputs_match_one_device():
     assert proc.stdout.count("logits") == 4 and proc.stdout.count("engine") == 4, proc.stdout
     assert proc.stdout.count("packed") == 4, proc.stdout
     assert proc.stdout.count("replicas") == 1, proc.stdout
+
+
+DRAFTER_SCRIPT = textwrap.dedent("""
+    import dataclasses, os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax, jax.numpy as jnp, numpy as np
+    jax.config.update("jax_default_matmul_precision", "highest")
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from minimax_jax import DSparkConfig, init_drafter, sharding
+    from tests.engine_models import MASK, damped_target
+
+    target = damped_target(damping=0.3, num_attention_heads=16, num_key_value_heads=2, index_n_heads=2, head_dim=16,
+                           num_local_experts=8, num_experts_per_tok=2)
+    # a drafter whose backbone matters (random weights): 16 query heads over 2 KV heads, like the target's layers
+    cfg = DSparkConfig.for_target(target.cfg, mask_token_id=MASK, block_size=4, num_draft_layers=1,
+                                  target_layer_ids=(1, 3))
+    r, cap = 3, 32
+    rng = np.random.default_rng(0)
+    feats = jnp.asarray(rng.normal(size=(r, 20, 2 * target.cfg.hidden_size)), jnp.float32)
+    lengths = jnp.asarray([20, 7, 0], jnp.int32)
+    anchors, rows = jnp.asarray([5, 9, 11], jnp.int32), jnp.asarray([1, 0, -1], jnp.int32)  # row 2: no context
+
+    def drafts(drafter, cache, impl, mesh):
+        g, st = nnx.split(drafter)
+        def f(st, c):
+            m = nnx.merge(g, st)
+            h = m.block_hidden(c, anchors, lengths[jnp.maximum(rows, 0)], cache_rows=rows, implementation=impl,
+                               interpret=True if impl == "pallas" else None, mesh=mesh)
+            return h, m.sample_block(h, anchors, 0.0).tokens
+        if mesh is not None:
+            assert "shard_map" in str(jax.make_jaxpr(f)(st, cache))
+        return jax.jit(f)(st, cache)
+
+    def cache_for(drafter):
+        return drafter.append_context(drafter.init_cache(r, cap, dtype=jnp.float32), feats, jnp.zeros(r, jnp.int32),
+                                      lengths)
+
+    one = init_drafter(cfg, target, seed=3)
+    want = {impl: drafts(one, cache_for(one), impl, None) for impl in ("reference", "pallas")}
+    for tp in (2, 4):  # 4: the draft layer's KV heads replicated to 4
+        mesh = sharding.make_mesh(tp)
+        drafter = sharding.replicate_drafter_heads(init_drafter(cfg, target, seed=3), tp)
+        sharding.shard_module(drafter, mesh, drafter.cfg.layer_config)
+        cache = cache_for(drafter)
+        heads = NamedSharding(mesh, P(None, sharding.TENSOR))
+        cache = dataclasses.replace(cache, k=jax.device_put(cache.k, heads), v=jax.device_put(cache.v, heads))
+        assert cache.k.addressable_shards[0].data.shape[1] == max(2, tp) // tp
+        for impl in ("reference", "pallas"):
+            h, toks = drafts(drafter, cache, impl, mesh)
+            np.testing.assert_allclose(np.asarray(h), np.asarray(want[impl][0]), rtol=2e-5, atol=2e-5)
+            np.testing.assert_array_equal(np.asarray(toks), np.asarray(want[impl][1]))
+            print("drafter", impl, tp, float(np.abs(np.asarray(h) - np.asarray(want[impl][0])).max()))
+""")
+
+
+@pytest.mark.slow
+def test_drafter_block_attention_per_device_matches_one_device():
+    """The drafter's block attention inside shard_map on local heads (reference and Pallas interpret kernels) at
+    TP 2 and 4: the block hidden states and greedy drafts of one device, from a cache split by KV head."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-c", DRAFTER_SCRIPT], capture_output=True, text=True, timeout=900,
+                          env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("drafter") == 4, proc.stdout
