@@ -351,11 +351,11 @@ class Scheduler:
             if self.check_writes:
                 self.pool.check_writable(r.index, r.num_cached, n)
             # every iteration emits a token for each row not finished, and the launch runs all its iterations
-            # unless every row finishes or (end_on_finish) another row does: a request that has not finished
-            # emits at least one token a step (the host then plans no launch after this one for a request
-            # this one takes to its limit)
+            # unless every row finishes, so a request that does not finish emits at least one token a step (the
+            # host then plans no launch after this one for a request this one takes to its limit); with
+            # end_on_finish it may run no iteration at all (a row finished before it started): at least nothing
             remaining = r.limit - self._emitted_lower(r)
-            self._push(r, _InFlight(n - self._cached_upper(r), 1 if end_on_finish else min(max_steps, remaining)))
+            self._push(r, _InFlight(n - self._cached_upper(r), 0 if end_on_finish else min(max_steps, remaining)))
         return ScheduledBurst(decode, max_steps, end_on_finish=end_on_finish)
 
     def _burst_length(self, req: Request, max_steps: int) -> int:

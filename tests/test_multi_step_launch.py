@@ -65,11 +65,12 @@ def test_multi_step_launches_give_target_only_greedy_tokens(target, drafter, pro
     assert compiled == []
 
 
-def test_sampled_tokens_equal_one_step_at_a_time(target, prompts):
-    """The sampling keys depend on (seed, position) only: without drafts (whose near-ties may flip between the
-    loop's and the step's token buckets, changing which drafts are verified: lossless, not path-identical),
-    sampled rows with penalties, min-p and min_tokens, and stop ids, give the same tokens in multi-step launches
-    as one step at a time."""
+def test_sampled_tokens_equal_one_step_at_a_time(target, drafter, prompts):
+    """Fixed verification verifies the same drafts either way (each row every draft it may still use: a launch
+    that may end before its first iteration promises no token, so the next step's drafts are not cut short), and
+    the sampling keys depend on (seed, position) only: sampled rows with penalties, min-p and min_tokens, and stop
+    ids, give the same tokens, and every request the same verified drafts per step, in multi-step launches as one
+    step at a time."""
     rng = np.random.default_rng(5)
     params = []
     for i, m in enumerate(MAX_NEW):
@@ -81,11 +82,14 @@ def test_sampled_tokens_equal_one_step_at_a_time(target, prompts):
         params.append(SamplingParams(**kw))
     runs = []
     for m in (1, 5):
-        eng = Engine(target, None, verification="none", decode_steps_per_launch=m, **COMMON)
+        eng = Engine(target, drafter, num_speculative_tokens=3, verification="fixed", cost_table=None,
+                     decode_steps_per_launch=m, **COMMON)
         runs.append(eng.generate(prompts, sampling_params=params, progress=False))
     assert runs[1].stats["multi_step_launches"] > 0
     assert [r.token_ids for r in runs[1]] == [r.token_ids for r in runs[0]]
     assert [r.finish_reason for r in runs[1]] == [r.finish_reason for r in runs[0]]
+    assert ([r.stats["verified_drafts_per_step"] for r in runs[1]]
+            == [r.stats["verified_drafts_per_step"] for r in runs[0]])
 
 
 def test_bad_steps_per_launch_is_refused(target, drafter):
