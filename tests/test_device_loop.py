@@ -138,12 +138,14 @@ def test_draft_lengths_device_loop_is_the_engine_step_for_step(target, drafter, 
 def test_waves_that_fit_the_pool_and_the_logits_cap(target, drafter, prompts, references):
     """20 pages hold 2-3 of the requests at once: the device loop decodes in waves and gives the reference tokens;
     with a verify-logits cap of 6 rows, no step verifies more than 6 - (live rows) drafts."""
-    eng = Engine(target, drafter, num_speculative_tokens=3, verification="fixed", num_pages=20, **COMMON)
+    # greedy: the greedy programs alone (sampling=False), half of the closed set to compile
+    eng = Engine(target, drafter, num_speculative_tokens=3, verification="fixed", num_pages=20, sampling=False,
+                 **COMMON)
     res = eng.generate(prompts, sampling_params=[SamplingParams(max_new_tokens=m) for m in MAX_NEW], loop="device")
     assert [r.token_ids for r in res] == references
     with pytest.warns(UserWarning, match="verifies fewer than K=3"):
         small_cap = Engine(target, drafter, num_speculative_tokens=3, verification="fixed", max_total_logit_rows=6,
-                           **{**COMMON, "max_num_seqs": 4})
+                           sampling=False, **{**COMMON, "max_num_seqs": 4})
     res = small_cap.generate(prompts, sampling_params=[SamplingParams(max_new_tokens=m) for m in MAX_NEW],
                              loop="device")
     assert [r.token_ids for r in res] == references

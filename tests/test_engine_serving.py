@@ -107,11 +107,13 @@ def test_prefix_caching_shares_pages_and_changes_no_output(target, drafter, monk
     refs = [greedy_reference(target, p, s.max_new_tokens) for p, s in zip(prompts, params)]
     runs = {}
     for name, kw in (("off", dict(enable_prefix_caching=False)), ("on", {})):
-        eng = Engine(target, drafter, num_speculative_tokens=3, verification="fixed", **{**COMMON, **kw})
+        eng = Engine(target, drafter, num_speculative_tokens=3, verification="fixed", sampling=False,
+                     **{**COMMON, **kw})
         runs[name] = eng.generate(prompts, sampling_params=params, progress=False)
         assert [r.token_ids for r in runs[name]] == refs, name
     # a pool of 20 pages: the cached pages of earlier calls are evicted (LRU) to make room; outputs stay exact
-    tiny = Engine(target, drafter, num_speculative_tokens=3, verification="fixed", num_pages=20, **COMMON)
+    tiny = Engine(target, drafter, num_speculative_tokens=3, verification="fixed", num_pages=20, sampling=False,
+                  **COMMON)
     other = random_prompts(1, [70], seed=9)[0]
     for prompt_set in ([prompts[0], prompts[1]], [other], [prompts[2], prompts[0]], [other]):
         res = tiny.generate(prompt_set, max_new_tokens=6, progress=False)
@@ -122,7 +124,7 @@ def test_prefix_caching_shares_pages_and_changes_no_output(target, drafter, monk
     assert on["prefill_tokens"] + on["prefix_cache_tokens"] == off["prefill_tokens"]
     assert on["prefill_tokens"] <= off["prefill_tokens"] - 3 * 40  # 3+ reused the 40-token prefix
     # a second call on the same engine hits the pages the first one left cached (they outlive the run)
-    eng = Engine(target, drafter, num_speculative_tokens=3, verification="fixed", **COMMON)
+    eng = Engine(target, drafter, num_speculative_tokens=3, verification="fixed", sampling=False, **COMMON)
     eng.generate(prompts[:1], sampling_params=params[:1], progress=False)
     again = eng.generate(prompts[1:2], sampling_params=params[1:2], progress=False)
     assert again.stats["prefix_cache_tokens"] == 40 and again[0].token_ids == refs[1]
