@@ -48,8 +48,10 @@ def test_adaptive_device_loop_is_the_engine_step_for_step(target, drafter, promp
                              **({} if i % 2 == 0 else dict(temperature=1.0, top_p=0.9)))
               for i, m in enumerate(MAX_NEW)]
     # one token bucket (64) for both loops: fewer programs to compile; the budgets are still trimmed by STEEP
+    # one step per launch: the host loop plans every step on the host (the comparison is host planner vs device)
     eng = Engine(target, drafter, num_speculative_tokens=7, verification="adaptive", cost_table=STEEP,
-                 async_scheduling=False, **{**COMMON, "min_token_bucket": 64, "device_loop_token_buckets": 1})
+                 async_scheduling=False, decode_steps_per_launch=1,
+                 **{**COMMON, "min_token_bucket": 64, "device_loop_token_buckets": 1})
     dev = eng.generate(prompts, sampling_params=params, loop="device")
     host = eng.generate(prompts, sampling_params=params, loop="host")
     for i, (d, h) in enumerate(zip(dev, host)):
@@ -73,7 +75,7 @@ def test_adaptive_device_loop_is_the_engine_step_for_step(target, drafter, promp
 
 @pytest.mark.parametrize("mode, k", [("fixed", 3), ("none", 0)])
 def test_greedy_equals_target_only_decoding(target, drafter, prompts, references, mode, k):
-    eng = Engine(target, drafter, num_speculative_tokens=k, verification=mode, **COMMON)
+    eng = Engine(target, drafter, num_speculative_tokens=k, verification=mode, sampling=False, **COMMON)
     res = eng.generate(prompts, sampling_params=[SamplingParams(max_new_tokens=m) for m in MAX_NEW], loop="device")
     assert [r.token_ids for r in res] == references
     for r, ref in zip(res, references):
@@ -107,7 +109,8 @@ def test_profiled_cost_table_and_the_estimator(target, prompts, references):
     with pytest.warns(UserWarning, match="online acceptance estimator"):
         res = generate_offline(target, drafter, prompts[:3], sampling_params=[SamplingParams(max_new_tokens=m)
                                                                                for m in MAX_NEW[:3]],
-                               num_speculative_tokens=3, verification="adaptive", draft_lengths=(0, 3), **COMMON)
+                               num_speculative_tokens=3, verification="adaptive", draft_lengths=(0, 3),
+                               sampling=False, **COMMON)
     assert [r.token_ids for r in res] == references[:3]
     # per draft length, the largest 2 decode buckets of the closed set (0 drafts: the 8 rows fit the smallest)
     assert res.stats["token_buckets"] == [[8], [16, 32]]
@@ -121,7 +124,8 @@ def test_draft_lengths_device_loop_is_the_engine_step_for_step(target, drafter, 
     both lengths, and greedy tokens are the target's."""
     table = CostTable.from_measurements({128: 1.0, 256: 2.0}, draft_lengths={0: 0.0, 3: 0.35})
     eng = Engine(target, drafter, num_speculative_tokens=3, verification="adaptive", cost_table=table,
-                 async_scheduling=False, **{**COMMON, "min_token_bucket": 128, "device_loop_token_buckets": 1})
+                 async_scheduling=False, decode_steps_per_launch=1, sampling=False,
+                 **{**COMMON, "min_token_bucket": 128, "device_loop_token_buckets": 1})
     assert eng.draft_lengths == (0, 3)
     params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in MAX_NEW]
     dev = eng.generate(prompts, sampling_params=params, loop="device")
