@@ -15,6 +15,7 @@ MAX_NEW = [12, 9, 16, 5, 14]  # requests finish at different steps
 # steps as the device loop, which is what lets the adaptive comparisons below be exact.
 COMMON = dict(max_num_seqs=8, max_model_len=96, max_num_batched_tokens=128, implementation="reference",
               device_loop_token_buckets=2)
+GREEDY = dict(COMMON, sampling=False)  # greedy tests: the greedy step programs and device loop alone
 # A verify cost steep enough that the planner trims (0.25 s a step at 8 tokens up to 4 s at 64).
 STEEP = CostTable.from_measurements({8: 0.25, 16: 1.0, 32: 2.0, 64: 4.0})
 
@@ -73,7 +74,7 @@ def test_adaptive_device_loop_is_the_engine_step_for_step(target, drafter, promp
 
 @pytest.mark.parametrize("mode, k", [("fixed", 3), ("none", 0)])
 def test_greedy_equals_target_only_decoding(target, drafter, prompts, references, mode, k):
-    eng = Engine(target, drafter, num_speculative_tokens=k, verification=mode, **COMMON)
+    eng = Engine(target, drafter, num_speculative_tokens=k, verification=mode, **GREEDY)
     res = eng.generate(prompts, sampling_params=[SamplingParams(max_new_tokens=m) for m in MAX_NEW], loop="device")
     assert [r.token_ids for r in res] == references
     for r, ref in zip(res, references):
@@ -107,7 +108,7 @@ def test_profiled_cost_table_and_the_estimator(target, prompts, references):
     with pytest.warns(UserWarning, match="online acceptance estimator"):
         res = generate_offline(target, drafter, prompts[:3], sampling_params=[SamplingParams(max_new_tokens=m)
                                                                                for m in MAX_NEW[:3]],
-                               num_speculative_tokens=3, verification="adaptive", draft_lengths=(0, 3), **COMMON)
+                               num_speculative_tokens=3, verification="adaptive", draft_lengths=(0, 3), **GREEDY)
     assert [r.token_ids for r in res] == references[:3]
     # per draft length, the largest 2 decode buckets of the closed set (0 drafts: the 8 rows fit the smallest)
     assert res.stats["token_buckets"] == [[8], [16, 32]]
@@ -121,7 +122,7 @@ def test_draft_lengths_device_loop_is_the_engine_step_for_step(target, drafter, 
     both lengths, and greedy tokens are the target's."""
     table = CostTable.from_measurements({128: 1.0, 256: 2.0}, draft_lengths={0: 0.0, 3: 0.35})
     eng = Engine(target, drafter, num_speculative_tokens=3, verification="adaptive", cost_table=table,
-                 async_scheduling=False, **{**COMMON, "min_token_bucket": 128, "device_loop_token_buckets": 1})
+                 async_scheduling=False, **{**GREEDY, "min_token_bucket": 128, "device_loop_token_buckets": 1})
     assert eng.draft_lengths == (0, 3)
     params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in MAX_NEW]
     dev = eng.generate(prompts, sampling_params=params, loop="device")
@@ -138,12 +139,12 @@ def test_draft_lengths_device_loop_is_the_engine_step_for_step(target, drafter, 
 def test_waves_that_fit_the_pool_and_the_logits_cap(target, drafter, prompts, references):
     """20 pages hold 2-3 of the requests at once: the device loop decodes in waves and gives the reference tokens;
     with a verify-logits cap of 6 rows, no step verifies more than 6 - (live rows) drafts."""
-    eng = Engine(target, drafter, num_speculative_tokens=3, verification="fixed", num_pages=20, **COMMON)
+    eng = Engine(target, drafter, num_speculative_tokens=3, verification="fixed", num_pages=20, **GREEDY)
     res = eng.generate(prompts, sampling_params=[SamplingParams(max_new_tokens=m) for m in MAX_NEW], loop="device")
     assert [r.token_ids for r in res] == references
     with pytest.warns(UserWarning, match="verifies fewer than K=3"):
         small_cap = Engine(target, drafter, num_speculative_tokens=3, verification="fixed", max_total_logit_rows=6,
-                           **{**COMMON, "max_num_seqs": 4})
+                           **{**GREEDY, "max_num_seqs": 4})
     res = small_cap.generate(prompts, sampling_params=[SamplingParams(max_new_tokens=m) for m in MAX_NEW],
                              loop="device")
     assert [r.token_ids for r in res] == references
