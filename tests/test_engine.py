@@ -28,9 +28,10 @@ from tests.engine_models import (
 # more prompts than slots (max_num_seqs = 2).
 PROMPT_LENS = [20, 15, 30, 13, 26]
 MAX_NEW = [12, 9, 16, 5, 14]
-# min_token_bucket 32 and no device loop: a small closed set to compile (test_engine_serving covers the rest)
+# min_token_bucket 32, no device loop and greedy programs only (every test here is greedy): a small closed set to
+# compile (test_engine_serving covers the rest)
 COMMON = dict(max_num_seqs=2, max_model_len=96, max_num_batched_tokens=16, implementation="reference",
-              min_token_bucket=32, device_loop=False)
+              min_token_bucket=32, device_loop=False, sampling=False)
 
 
 @pytest.fixture(scope="module")

@@ -116,13 +116,19 @@ def chi2_pvalue(samples, probs):
     return float(jax.scipy.special.gammaincc((len(obs) - 1) / 2.0, stat / 2.0))
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.8])
-def test_adaptive_sampling_matches_target_only_sampling(pair, top_p):
+@pytest.fixture(scope="module")
+def adaptive_engine(pair):
+    # one engine (one compile) for both top-p cases: top_p is a per-request setting
     target, drafter = pair
-    eng = Engine(target, drafter, num_speculative_tokens=2, verification="adaptive", cost_table=COSTS,
-                 max_num_seqs=1, max_model_len=32, implementation="reference", device_loop=False,
-                 max_num_batched_tokens=16)
-    toks, st = sample_tokens(eng, temperature=1.0, top_p=top_p)
+    return Engine(target, drafter, num_speculative_tokens=2, verification="adaptive", cost_table=COSTS,
+                  max_num_seqs=1, max_model_len=32, implementation="reference", device_loop=False,
+                  max_num_batched_tokens=16)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_adaptive_sampling_matches_target_only_sampling(pair, adaptive_engine, top_p):
+    target, _ = pair
+    toks, st = sample_tokens(adaptive_engine, temperature=1.0, top_p=top_p)
     p2, p3 = exact_marginals(target, top_p=top_p)
     assert st["mean_verified_drafts_per_step"] > 0.5  # drafts were verified (and some rejected)
     assert st["mean_acceptance_length"] > 1.1

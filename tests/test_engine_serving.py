@@ -17,6 +17,7 @@ from spec_decode.scheduler import Scheduler
 from tests.engine_models import EOS, VOCAB, bigram_drafter, damped_target, greedy_reference, random_prompts
 
 COMMON = dict(max_num_seqs=3, max_model_len=96, max_num_batched_tokens=16, implementation="reference")
+GREEDY = dict(COMMON, sampling=False)  # greedy tests: the greedy programs alone (the device loop too: multi-step launches)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +88,7 @@ def test_async_and_sync_scheduling_give_the_same_greedy_tokens(target, drafter):
     params = [SamplingParams(max_new_tokens=m) for m in max_new]
     for async_scheduling in (True, False):
         eng = Engine(target, drafter, num_speculative_tokens=3, verification="adaptive", cost_table=None,
-                     async_scheduling=async_scheduling, num_pages=16, **COMMON)
+                     async_scheduling=async_scheduling, num_pages=16, **GREEDY)
         res = eng.generate(prompts, sampling_params=params, progress=False)
         assert [r.token_ids for r in res] == refs, f"async_scheduling={async_scheduling}"
         assert res.stats["preemptions"] > 0 and res.stats["async_scheduling"] == async_scheduling
@@ -105,15 +106,14 @@ def test_prefix_caching_shares_pages_and_changes_no_output(target, drafter, monk
     prompts = [prefix + [int(x) for x in rng.integers(3, VOCAB - 1, size=n)] for n in (5, 11, 2, 17, 8)]
     params = [SamplingParams(max_new_tokens=m) for m in (10, 6, 12, 4, 9)]
     refs = [greedy_reference(target, p, s.max_new_tokens) for p, s in zip(prompts, params)]
-    runs = {}
+    runs, engines = {}, {}
     for name, kw in (("off", dict(enable_prefix_caching=False)), ("on", {})):
-        eng = Engine(target, drafter, num_speculative_tokens=3, verification="fixed", sampling=False,
-                     **{**COMMON, **kw})
+        engines[name] = eng = Engine(target, drafter, num_speculative_tokens=3, verification="fixed",
+                                     **{**GREEDY, **kw})
         runs[name] = eng.generate(prompts, sampling_params=params, progress=False)
         assert [r.token_ids for r in runs[name]] == refs, name
     # a pool of 20 pages: the cached pages of earlier calls are evicted (LRU) to make room; outputs stay exact
-    tiny = Engine(target, drafter, num_speculative_tokens=3, verification="fixed", num_pages=20, sampling=False,
-                  **COMMON)
+    tiny = Engine(target, drafter, num_speculative_tokens=3, verification="fixed", num_pages=20, **GREEDY)
     other = random_prompts(1, [70], seed=9)[0]
     for prompt_set in ([prompts[0], prompts[1]], [other], [prompts[2], prompts[0]], [other]):
         res = tiny.generate(prompt_set, max_new_tokens=6, progress=False)
@@ -123,8 +123,10 @@ def test_prefix_caching_shares_pages_and_changes_no_output(target, drafter, monk
     assert off["prefix_cache_hit_rate"] == 0 and on["prefix_cache_hit_rate"] > 0.3
     assert on["prefill_tokens"] + on["prefix_cache_tokens"] == off["prefill_tokens"]
     assert on["prefill_tokens"] <= off["prefill_tokens"] - 3 * 40  # 3+ reused the 40-token prefix
-    # a second call on the same engine hits the pages the first one left cached (they outlive the run)
-    eng = Engine(target, drafter, num_speculative_tokens=3, verification="fixed", sampling=False, **COMMON)
+    # a second call on the same engine hits the pages the first one left cached (they outlive the run); the
+    # cache-on engine serves, its cache emptied first (as a fresh engine's)
+    eng = engines["on"]
+    eng.pool.clear_cache()
     eng.generate(prompts[:1], sampling_params=params[:1], progress=False)
     again = eng.generate(prompts[1:2], sampling_params=params[1:2], progress=False)
     assert again.stats["prefix_cache_tokens"] == 40 and again[0].token_ids == refs[1]

@@ -50,8 +50,10 @@ def test_task_same_under_every_verification(default):
     manager = TaskManager(include_path=TASKS)
     runs = {}
     for mode in ("none", "fixed", "adaptive"):
+        # one packed-token bucket (64: a 48-token prefill chunk with 4 slots x (1 + K)): a greedy and a sampling
+        # program per engine (generate_until is greedy, the log-likelihoods' prompt_logprobs sample)
         engine = Engine(target, drafter if mode != "none" else None, verification=mode, num_speculative_tokens=3,
-                        max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64, min_token_bucket=32,
+                        max_num_seqs=4, max_model_len=128, max_num_batched_tokens=48, min_token_bucket=64,
                         implementation="reference", device_loop=False, cost_table=None, tokenizer=tok)
         out = lm_eval.simple_evaluate(model=MiniMaxJaxLM(engine=engine), task_manager=manager, log_samples=True,
                                       bootstrap_iters=0, limit=8, tasks=["minimax_heldout_next_line", "minimax_heldout_next_line_ll"])
