@@ -50,7 +50,7 @@ from spec_decode.cost_table import CostTableArrays
 from spec_decode.logprobs import MAX_LOGPROBS, token_logprobs
 from spec_decode.step import DecodeState, StepConfig, StepPlan, make_step_fn
 
-__all__ = ["LOGPROBS_WIDTHS", "LoopConfig", "LoopInputs", "LoopOutputs", "logprobs_width", "make_loop_fn"]
+__all__ = ["LOGPROBS_WIDTHS", "LoopConfig", "LoopInputs", "LoopOutputs", "add_row_stats", "logprobs_width", "make_loop_fn"]
 
 LOGPROBS_WIDTHS = (0, 1, 2, 4, 8, 16, MAX_LOGPROBS)  # the loop's static top-alternative widths (each one program)
 
@@ -338,10 +338,17 @@ def fill_requests(requests, out: LoopOutputs, k: int) -> None:
                                    f"(LoopConfig.logprobs)")
             req.logprobs.extend(token_logprobs(out.tokens[s, j], out.token_logprobs[s, j], out.top_ids[s, j],
                                                out.top_logprobs[s, j], req.params.logprobs) for j in range(n))
-        req.target_steps += int(out.target_steps[s])
-        for j in range(k):
-            req.accepted_per_position[j] += int(out.accepted_per_position[s, j])
-            req.verified_per_position[j] += int(out.verified_per_position[s, j])
-            req.predicted_per_position[j] += float(out.predicted_per_position[s, j])
-        per_step = out.verified_per_step[s]
-        req.verified_drafts_per_step.extend(int(x) for x in per_step[per_step >= 0])
+        add_row_stats(req, out, k)
+
+
+def add_row_stats(req, out: LoopOutputs, k: int) -> None:
+    """Add the verification statistics of ``req``'s row (its slot) in the program's outputs (numpy) to the
+    request's: verify steps, accepted / verified / predicted counts per position, verified drafts per step."""
+    s = req.slot
+    req.target_steps += int(out.target_steps[s])
+    for j in range(k):
+        req.accepted_per_position[j] += int(out.accepted_per_position[s, j])
+        req.verified_per_position[j] += int(out.verified_per_position[s, j])
+        req.predicted_per_position[j] += float(out.predicted_per_position[s, j])
+    per_step = out.verified_per_step[s]
+    req.verified_drafts_per_step.extend(int(x) for x in per_step[per_step >= 0])

@@ -53,6 +53,7 @@ import dataclasses
 import numpy as np
 
 from spec_decode.buckets import StepKey, logit_rows, token_bucket
+from spec_decode.device_loop import add_row_stats
 from spec_decode.logprobs import token_logprobs
 from spec_decode.page_pool import OutOfPagesError, PagePool
 from spec_decode.request import Request, RequestStatus
@@ -571,13 +572,7 @@ class Scheduler:
             s = req.slot
             n = int(out.num_tokens[s])
             new = [int(x) for x in out.tokens[s, :n]]
-            req.target_steps += int(out.target_steps[s])
-            per_step = out.verified_per_step[s]
-            req.verified_drafts_per_step.extend(int(x) for x in per_step[per_step >= 0])
-            for j in range(k):
-                req.accepted_per_position[j] += int(out.accepted_per_position[s, j])
-                req.verified_per_position[j] += int(out.verified_per_position[s, j])
-                req.predicted_per_position[j] += float(out.predicted_per_position[s, j])
+            add_row_stats(req, out, k)
             req.num_cached += n  # every decode step caches its anchor and accepted drafts: what it emits
             if k:
                 self.stale_conf[s] = out.confidences[s, :k]
