@@ -261,7 +261,7 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
             "host_time_per_step_s": st["host_time_per_step_s"],
             **{key: st[key] for key in ("host_schedule_ms_per_step", "host_dispatch_ms_per_step",
                                         "host_commit_ms_per_step", "multi_step_launches",
-                                        "steps_in_multi_step_launches") if key in st},
+                                        "steps_in_multi_step_launches", "empty_launches") if key in st},
             "decode_steps_per_launch": steps_per_launch if base == "host" else None,
             "prefix_cache_tokens": st["prefix_cache_tokens"], "preemptions": st["preemptions"],
             "token_digests": [digest(r.token_ids) for r in res],

@@ -12,6 +12,8 @@ loops run on the same engine; ``match`` is the fraction of requests whose tokens
 
 **Start-up** (``--startup N ...``): construction plus ``warmup()`` of the adaptive engine at ``N`` slots, in a
 fresh process with an empty compilation cache (cold), then again in another fresh process on that cache (warm).
+Each row splits the warm-up into tracing + lowering (``lower_s``), compilation or cache loads (``compile_s``)
+and the rest (``warmup_other_s``: the cost table); ``--startup-profile`` adds a cProfile listing of the warm start-up.
 
 **Prefix caching** (``--prefix``): 550-token prompts whose first 200 tokens are shared, one new token each (so
 the call is prefill), with the cache on and off: prefill seconds per request.
@@ -49,19 +51,38 @@ def meta(args) -> dict:
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"), "args": vars(args)}
 
 
-def startup_once(n: int, dtype_name: str, k: int, max_model_len: int) -> dict:
-    """Construction + warm-up of one engine (run inside a fresh process)."""
+def startup_once(n: int, dtype_name: str, k: int, max_model_len: int, profile_to: str | None = None) -> dict:
+    """Construction + warm-up of one engine (run inside a fresh process); with ``profile_to``, under cProfile,
+    the 40 functions of largest cumulative time written to that file."""
     from spec_decode import Engine
 
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[dtype_name]
     target, drafter, tokenizer = load_pair(dtype)
+    prof = None
+    if profile_to:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     t0 = time.perf_counter()
     eng = Engine(target, drafter, num_speculative_tokens=k, verification="adaptive", max_num_seqs=n,
                  max_model_len=max_model_len, tokenizer=tokenizer, precompile=True)
     total = time.perf_counter() - t0
+    if prof is not None:
+        import io
+        import pstats
+
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(40)
+        with open(profile_to, "w") as f:
+            f.write(buf.getvalue())
     rep = eng.warmup_report
+    # warm-up's parts: tracing + lowering (one thread), XLA compilation or cache loads (a thread pool), and the
+    # rest (the cost table, profiled or loaded); construction is the remainder of startup_s
     return {"slots": n, "startup_s": total, "programs": rep.programs, "compiled": rep.compiled,
-            "warmup_s": rep.seconds}
+            "warmup_s": rep.seconds, "lower_s": rep.lower_seconds, "compile_s": rep.compile_seconds,
+            "warmup_other_s": rep.seconds - rep.lower_seconds - rep.compile_seconds}
 
 
 def run_startup(args, out_rows: list) -> None:
@@ -71,6 +92,8 @@ def run_startup(args, out_rows: list) -> None:
             for phase in ("cold", "warm"):
                 cmd = [sys.executable, os.path.abspath(__file__), "--out", args.out, "--startup-child", str(n),
                        "--dtype", args.dtype, "--k", str(args.k), "--max-model-len", str(args.max_model_len)]
+                if args.startup_profile and phase == "warm":  # (cProfile would slow the cold tracing too)
+                    cmd += ["--startup-profile-to", os.path.join(args.out, f"startup_profile_{n}_{phase}.txt")]
                 proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
                 if proc.returncode != 0:
                     print(proc.stderr[-2000:], file=sys.stderr)
@@ -160,10 +183,14 @@ def main():
     ap.add_argument("--startup", type=int, nargs="*", default=[])
     ap.add_argument("--prefix", action="store_true")
     ap.add_argument("--prefix-requests", type=int, default=64)
+    ap.add_argument("--startup-profile", action="store_true",
+                    help="run the warm start-up under cProfile: startup_profile_{slots}_warm.txt in --out")
     ap.add_argument("--startup-child", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--startup-profile-to", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.startup_child is not None:
-        print(json.dumps(startup_once(args.startup_child, args.dtype, args.k, args.max_model_len)))
+        print(json.dumps(startup_once(args.startup_child, args.dtype, args.k, args.max_model_len,
+                                      args.startup_profile_to)))
         return
     os.makedirs(args.out, exist_ok=True)
     rows: list = []

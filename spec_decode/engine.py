@@ -65,7 +65,7 @@ from spec_decode.programs import (
     pack_plan,
 )
 from spec_decode.request import SAMPLING_KEYWORDS, Request, build_requests, encode_prompt
-from spec_decode.results import GenerationResult, GenerationResults, request_result, run_stats
+from spec_decode.results import GenerationResult, GenerationResults, VerifySteps, request_result, run_stats
 from spec_decode.sampling_params import SamplingParams
 from spec_decode.scheduler import ScheduledBurst, ScheduledStep, Scheduler
 from spec_decode.step import CONFIDENCES, MODES, DecodeState, StepConfig, StepPlan, init_state
@@ -800,7 +800,10 @@ class Engine:
     # ------------------------------------------------------------------ the host loop
     def _schedule(self, sched: Scheduler) -> tuple[ScheduledStep | ScheduledBurst | None, object]:
         """The next launch and what it sends: a multi-step launch and its loop inputs when one fits (see
-        :meth:`Scheduler.schedule_burst`), else one step and its packed plan (None: nothing can run now)."""
+        :meth:`Scheduler.schedule_burst`), else one step and its packed plan (None: nothing can run now, or
+        the launches in flight are expected to finish every request: wait for them)."""
+        if sched.expects_in_flight_to_finish():
+            return None, None
         m0 = self.decode_steps_per_launch
         if m0 > 1 and (False, None) in self._loop_programs:
             # the first multi-step launch after a single step runs M0 steps, each next one 4x the one before, up
@@ -828,15 +831,12 @@ class Engine:
             sched.add(r)
         depth = 1 if self.async_scheduling else 0  # steps left in flight while the host plans the next
         in_flight: collections.deque = collections.deque()
-        steps = verify_steps = 0
-        verified_per_step: list[int] = []
-        budget_per_step: list[int] = []
-        draft_len_per_step: list[int] = []
-        drafted_per_step: list[int] = []
+        steps = 0
+        verify_log = VerifySteps()
         # seconds the host spent, by part; "dispatch": launching the step programs (on the launcher thread when
         # async, where it overlaps the main thread's schedule and commit)
         host = {"schedule": 0.0, "dispatch": 0.0, "commit": 0.0}
-        launches = {"multi_step": 0, "steps_in_multi_step": 0}
+        launches = {"multi_step": 0, "steps_in_multi_step": 0, "empty": 0}
         t0 = time.perf_counter()
         with compile_counter() as compiled:
             try:
@@ -869,22 +869,16 @@ class Engine:
                             events = sched.commit_burst(done, out)
                             n = int(out.steps)
                             steps += n
-                            verify_steps += n
                             launches["multi_step"] += 1
                             launches["steps_in_multi_step"] += n
-                            ver = out.verified_per_step[:, :n]
-                            verified_per_step.extend(int(x) for x in np.where(ver >= 0, ver, 0).sum(0))
-                            budget_per_step.extend(int(x) for x in out.budget_per_step[:n])
-                            draft_len_per_step.extend(int(x) for x in out.draft_len_per_step[:n])
-                            drafted_per_step.extend(int(x) for x in out.draft_len_per_step[:n] * out.live_per_step[:n])
+                            verify_log.add_loop(out)
                         else:
                             events = sched.commit(done, out)
-                        if isinstance(done, ScheduledStep) and done.num_decode:
-                            verify_steps += 1
-                            verified_per_step.append(int(np.sum(out.num_verified)))
-                            budget_per_step.append(done.budget)
-                            draft_len_per_step.append(max(done.key.draft_len, 0))
-                            drafted_per_step.append(done.num_decode * max(done.key.draft_len, 0))
+                            if done.num_decode:
+                                verify_log.add(verified=np.sum(out.num_verified), budget=done.budget,
+                                             draft_length=done.key.draft_len, rows=done.num_decode)
+                        if not events and (isinstance(done, ScheduledBurst) or done.num_decode):
+                            launches["empty"] += 1  # a decode launch whose requests had all finished
                         commit_s += time.perf_counter() - h3
                         for req, new in events:
                             yield req.index, new
@@ -906,19 +900,17 @@ class Engine:
             finally:
                 wall = time.perf_counter() - t0
                 self.num_compiles += len(compiled)
-                per_step = {f"host_{part}_ms_per_step": 1e3 * v / max(steps, 1) for part, v in host.items()}
+                host_ms = {f"host_{part}_ms_per_step": 1e3 * v / max(steps, 1) for part, v in host.items()}
                 stats.update(run_stats(requests, k=self.k, mode=self.mode, loop="host", wall=wall, steps=steps,
-                                       verify_steps=verify_steps, verified_per_step=verified_per_step,
-                                       budget_per_step=budget_per_step, host_s=sum(host.values()),
-                                       draft_length_per_step=draft_len_per_step,
-                                       drafted_per_step=drafted_per_step,
+                                       per_step=verify_log, host_s=sum(host.values()),
                                        compiles=len(compiled), preemptions=sched.num_preemptions,
                                        prefill_tokens=sched.prefill_tokens_computed,
                                        prefix_tokens_reused=sched.prefix_tokens_reused,
                                        async_scheduling=self.async_scheduling, acceptance=self.acceptance,
                                        multi_step_launches=launches["multi_step"],
                                        steps_in_multi_step_launches=launches["steps_in_multi_step"],
-                                       **per_step))
+                                       empty_launches=launches["empty"],
+                                       **host_ms))
 
     def _recover(self, sched: Scheduler, *, forget_prefixes: bool = True) -> None:
         """An interrupted run (an exception, or a closed stream): free its pages and slots. If the device state
@@ -940,7 +932,7 @@ class Engine:
         sched = self._scheduler()
         t0 = time.perf_counter()
         steps = 0
-        verified, budgets, lengths, drafted = [], [], [], []
+        verify_log = VerifySteps()
         device_s = 0.0
         with compile_counter() as compiled:
             try:
@@ -979,11 +971,7 @@ class Engine:
                                 stopped.add(r.index)
                     n = int(out.steps)
                     steps += n
-                    per_step = np.where(out.verified_per_step[:, :n] >= 0, out.verified_per_step[:, :n], 0).sum(0)
-                    verified.extend(int(x) for x in per_step)
-                    budgets.extend(int(x) for x in out.budget_per_step[:n])
-                    lengths.extend(int(x) for x in out.draft_len_per_step[:n])
-                    drafted.extend(int(x) for x in out.draft_len_per_step[:n] * out.live_per_step[:n])
+                    verify_log.add_loop(out)
                     for r in live:
                         last = r.output[-1] if r.output else None
                         r.finish_reason = "stop" if r.index in stopped or last in r.stop_ids else "length"
@@ -994,8 +982,7 @@ class Engine:
         self.num_compiles += len(compiled)
         wall = time.perf_counter() - t0
         stats = run_stats(requests, k=self.k, mode=self.mode, loop="device", wall=wall, steps=steps,
-                          verify_steps=len(verified), verified_per_step=verified, budget_per_step=budgets,
-                          draft_length_per_step=lengths, drafted_per_step=drafted,
+                          per_step=verify_log,
                           host_s=wall - device_s, compiles=len(compiled), preemptions=0,
                           prefill_tokens=sched.prefill_tokens_computed, prefix_tokens_reused=sched.prefix_tokens_reused,
                           token_buckets=[list(b) for b in self.loop_config.token_buckets], device_time_s=device_s,

@@ -82,18 +82,48 @@ def request_result(req: Request, *, k: int, tokenizer=None) -> GenerationResult:
                             prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs))
 
 
+@dataclasses.dataclass
+class VerifySteps:
+    """What each decode (verify) step of a run did, batch totals, in step order: the drafts it verified, its
+    budget, the draft length ``K_d`` it drafted, and the draft tokens it produced (decode rows times ``K_d``)."""
+
+    verified: list[int] = dataclasses.field(default_factory=list)
+    budget: list[int] = dataclasses.field(default_factory=list)
+    draft_length: list[int] = dataclasses.field(default_factory=list)
+    drafted: list[int] = dataclasses.field(default_factory=list)
+
+    def add(self, *, verified: int, budget: int, draft_length: int, rows: int) -> None:
+        """One host step that decoded ``rows`` requests."""
+        self.verified.append(int(verified))
+        self.budget.append(int(budget))
+        self.draft_length.append(max(int(draft_length), 0))
+        self.drafted.append(int(rows) * max(int(draft_length), 0))
+
+    def add_loop(self, out) -> None:
+        """The steps of one device-loop program run (its :class:`~spec_decode.device_loop.LoopOutputs`, numpy):
+        ``out.steps`` of them, verified counts summed over the rows that ran each (``-1`` marks a row that did
+        not)."""
+        n = int(out.steps)
+        ver = out.verified_per_step[:, :n]
+        self.verified.extend(int(x) for x in np.where(ver >= 0, ver, 0).sum(0))
+        self.budget.extend(int(x) for x in out.budget_per_step[:n])
+        self.draft_length.extend(int(x) for x in out.draft_len_per_step[:n])
+        self.drafted.extend(int(x) for x in out.draft_len_per_step[:n] * out.live_per_step[:n])
+
+
 def run_stats(requests: Sequence[Request], *, k: int, mode: str, loop: str, wall: float, steps: int,
-              verify_steps: int, verified_per_step: Sequence[int], budget_per_step: Sequence[int], host_s: float,
-              compiles: int, preemptions: int, prefill_tokens: int, prefix_tokens_reused: int,
-              draft_length_per_step: Sequence[int] = (), drafted_per_step: Sequence[int] = (), **extra) -> dict:
+              per_step: VerifySteps, host_s: float, compiles: int, preemptions: int, prefill_tokens: int,
+              prefix_tokens_reused: int, **extra) -> dict:
     """The run statistics (``results.stats``), the same keys for the host and the device loop.
 
     ``prefill_tokens`` were computed, ``prefix_tokens_reused`` came from the prefix cache instead.
     ``per_position_acceptance[j]``: of the requests' verify steps that verified draft ``j + 1``, the fraction that
     accepted drafts ``1..j+1``; ``predicted_per_position_acceptance[j]``: the mean survival (product of the step's
     confidences up to ``j + 1``) the allocator ranked those drafts by; ``calibration_error``: the gap between the
-    two, averaged over positions weighted by their verified counts. ``draft_length_per_step`` is the ``K_d`` each
-    decode step drafted, ``drafted_per_step`` the draft tokens it produced (decode rows times ``K_d``)."""
+    two, averaged over positions weighted by their verified counts. The ``*_per_step`` lists come from
+    ``per_step`` (:class:`VerifySteps`), one entry per decode step."""
+    verified_per_step, budget_per_step = per_step.verified, per_step.budget
+    draft_length_per_step, drafted_per_step = per_step.draft_length, per_step.drafted
     out_tokens = sum(len(r.output) for r in requests)
     decode_emitted = sum(max(len(r.output) - 1, 0) for r in requests if r.target_steps)
     row_steps = sum(r.target_steps for r in requests)
@@ -106,7 +136,7 @@ def run_stats(requests: Sequence[Request], *, k: int, mode: str, loop: str, wall
     looked_up = prefill_tokens + prefix_tokens_reused
     return dict(
         wall_time_s=wall, output_tokens=out_tokens, output_tokens_per_s=out_tokens / wall if wall else 0.0,
-        steps=steps, verify_steps=verify_steps,
+        steps=steps, verify_steps=len(verified_per_step),
         mean_acceptance_length=decode_emitted / row_steps if row_steps else 0.0,
         per_position_acceptance=[float(a / v) if v else math.nan for a, v in zip(acc[:k], ver[:k])],
         predicted_per_position_acceptance=[float(p / v) if v else math.nan for p, v in zip(pred[:k], ver[:k])],

@@ -61,6 +61,10 @@ from spec_decode.step import StepOutput, StepPlan
 
 __all__ = ["Request", "RequestStatus", "ScheduledBurst", "ScheduledStep", "Scheduler"]
 
+# the share of a request's observed tokens per decode step that the host expects its next steps to emit when it
+# decides whether the launches in flight finish every request (Scheduler.expects_in_flight_to_finish)
+EXPECTED_SHARE = 0.9
+
 
 @dataclasses.dataclass(frozen=True)
 class _InFlight:
@@ -68,6 +72,8 @@ class _InFlight:
 
     cached_max: int  # cache tokens it may add at most (decode rows: 1 + scheduled; prefill rows: 0, counted)
     emit_min: int  # tokens it emits at least (decode rows and a fresh prefill's last chunk: 1)
+    decode_steps: int = 0  # decode steps it may run for the request (0: a prefill chunk)
+    emit_max: int = 0  # tokens it emits at most (a step: 1 + its drafts; a multi-step launch: what the request lacks)
 
 
 @dataclasses.dataclass
@@ -212,6 +218,30 @@ class Scheduler:
         b[0] -= flight.cached_max
         b[1] -= flight.emit_min
 
+    @staticmethod
+    def _expected_per_step(req: Request) -> float:
+        """Tokens a decode step of ``req`` is expected to emit: :data:`EXPECTED_SHARE` of what its decode steps
+        emitted so far on average (1 before its first one)."""
+        steps = req.target_steps
+        return EXPECTED_SHARE * (len(req.output) - 1) / steps if steps and req.output else 1.0
+
+    def expects_in_flight_to_finish(self) -> bool:
+        """Whether the steps in flight are expected to finish every running request, with nothing waiting that
+        could be admitted now. The host then waits for their read-back instead of planning the next launch on
+        the lower bounds (one token a decode step): with speculation a step emits more, and that launch would
+        most likely run on finished requests only. A wrong guess costs one launch's latency, never a token."""
+        if not self.running or (self.waiting and self.free_slots):
+            return False
+        for r in self.running.values():
+            flights = self._inflight[r.index]
+            if not flights:
+                return False
+            rate = self._expected_per_step(r)  # the current estimate, not the one when the steps were planned
+            expected = sum(max(f.emit_min, min(f.emit_max, f.decode_steps * rate)) for f in flights)
+            if len(r.output) + expected < r.limit:
+                return False
+        return True
+
     # ------------------------------------------------------------------ planning
     def schedule(self, *, prefill_only: bool = False) -> ScheduledStep | None:
         """Plan the next step (None when nothing can run now: everything left waits on steps in flight, or on
@@ -322,7 +352,7 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
             self._push(req, _InFlight(0, 1 if first else 0))
         for req, s in decode:
-            self._push(req, _InFlight(1 + s, 1))
+            self._push(req, _InFlight(1 + s, 1, decode_steps=1, emit_max=1 + s))
         return step
 
     def schedule_burst(self, max_steps: int, *, min_rows: int = 1) -> ScheduledBurst | None:
@@ -355,8 +385,10 @@ class Scheduler:
             # unless every row finishes, so a request that does not finish emits at least one token a step (the
             # host then plans no launch after this one for a request this one takes to its limit); with
             # end_on_finish it may run no iteration at all (a row finished before it started): at least nothing
+            # (a launch that may end on any row's finish is expected to emit nothing: 0 decode steps)
             remaining = r.limit - self._emitted_lower(r)
-            self._push(r, _InFlight(n - self._cached_upper(r), 0 if end_on_finish else min(max_steps, remaining)))
+            self._push(r, _InFlight(n - self._cached_upper(r), 0 if end_on_finish else min(max_steps, remaining),
+                                    decode_steps=0 if end_on_finish else max_steps, emit_max=remaining))
         return ScheduledBurst(decode, max_steps, end_on_finish=end_on_finish)
 
     def _burst_length(self, req: Request, max_steps: int) -> int:
@@ -529,25 +561,7 @@ class Scheduler:
                     if k:
                         conf_rows.append(i)
                         conf_slots.append(req.slot)
-            stopped = False
-            if new:
-                req.output.extend(new)
-                if req.stop_strings is not None:
-                    keep = req.stop_strings.feed(req.output)
-                    if keep is not None:  # a stop string completed: the tokens after it are dropped
-                        del new[len(new) - (len(req.output) - keep):]
-                        del req.output[keep:]
-                        stopped = True
-                if new:
-                    events.append((req, new))
-            if finished[i] or stopped:
-                last = req.output[-1] if req.output else None
-                req.finish_reason = "stop" if stopped or last in req.stop_ids else "length"
-                if req.status is RequestStatus.WAITING:
-                    self.waiting.remove(req)
-                else:
-                    self._release(req)
-                req.status = RequestStatus.FINISHED
+            self._emit(req, new, bool(finished[i]), events)
         if conf_rows:
             self.stale_conf[conf_slots] = out.confidences[conf_rows, :k]
         if predicted:  # the survival the allocator ranked by: its prediction that the first j+1 are accepted
@@ -576,20 +590,29 @@ class Scheduler:
             req.num_cached += n  # every decode step caches its anchor and accepted drafts: what it emits
             if k:
                 self.stale_conf[s] = out.confidences[s, :k]
-            stopped = False
-            if new:
-                req.output.extend(new)
-                if req.stop_strings is not None:
-                    keep = req.stop_strings.feed(req.output)
-                    if keep is not None:
-                        del new[len(new) - (len(req.output) - keep):]
-                        del req.output[keep:]
-                        stopped = True
-                if new:
-                    events.append((req, new))
-            if bool(out.finished[s]) or stopped:
-                last = req.output[-1] if req.output else None
-                req.finish_reason = "stop" if stopped or last in req.stop_ids else "length"
-                self._release(req)
-                req.status = RequestStatus.FINISHED
+            self._emit(req, new, bool(out.finished[s]), events)
         return events
+
+    def _emit(self, req: Request, new: list[int], finished: bool, events: list) -> None:
+        """Append a row's emitted tokens to its request (cut after a completed stop string), add the
+        ``(request, tokens)`` event, and finish the request when the device said so or a stop string ended it:
+        its reason set, its slot and pages released (a request still waiting leaves the queue instead)."""
+        stopped = False
+        if new:
+            req.output.extend(new)
+            if req.stop_strings is not None:
+                keep = req.stop_strings.feed(req.output)
+                if keep is not None:  # a stop string completed: the tokens after it are dropped
+                    del new[len(new) - (len(req.output) - keep):]
+                    del req.output[keep:]
+                    stopped = True
+            if new:
+                events.append((req, new))
+        if finished or stopped:
+            last = req.output[-1] if req.output else None
+            req.finish_reason = "stop" if stopped or last in req.stop_ids else "length"
+            if req.status is RequestStatus.WAITING:
+                self.waiting.remove(req)
+            else:
+                self._release(req)
+            req.status = RequestStatus.FINISHED

@@ -96,3 +96,23 @@ def test_bad_steps_per_launch_is_refused(target, drafter):
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="decode_steps_per_launch"):
             Engine(target, drafter, num_speculative_tokens=3, decode_steps_per_launch=bad, **COMMON)
+
+
+def test_no_launch_after_the_last_when_drafts_are_accepted(monkeypatch):
+    """With most drafts accepted a launch emits several tokens a step, far above its lower bound of one: the host
+    expects the launches in flight to finish every request (at its observed tokens per step) and plans no further,
+    empty, launch. The negative control (the expectation switched off) makes one; the tokens are the same."""
+    target = damped_target(damping=0.02)  # nearly its own bigram table: the bigram drafter's drafts survive
+    drafter = bigram_drafter(target, block_size=7)
+    prompts = random_prompts(3, [20, 15, 30], seed=3)
+    eng = Engine(target, drafter, num_speculative_tokens=7, verification="fixed", cost_table=None,
+                 decode_steps_per_launch=4, sampling=False, enable_prefix_caching=False, **COMMON)
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    res = eng.generate(prompts, sampling_params=params, progress=False)
+    assert res.stats["mean_acceptance_length"] > 4 and res.stats["multi_step_launches"] > 0
+    assert res.stats["empty_launches"] == 0
+    monkeypatch.setattr(Scheduler, "expects_in_flight_to_finish", lambda self: False)
+    control = eng.generate(prompts, sampling_params=params, progress=False)
+    assert control.stats["empty_launches"] >= 1
+    assert [r.token_ids for r in control] == [r.token_ids for r in res]
+    assert [len(r.token_ids) for r in res] == [60] * 3
