@@ -6,7 +6,8 @@ kernels) are written to ``$MINIMAX_JAX_CACHE_DIR`` or ``$XDG_CACHE_HOME/minimax-
 compiling. Small programs are kept too (JAX's default keeps only programs that took a second or more to
 compile). The cost tables the engine profiles at warm-up are kept beside them (``.../minimax-jax/cost_tables``), one
 JSON file per (device, model, drafter, dtype, engine settings, jax version): a second engine with the same key loads
-its table instead of profiling. Opting out of both: ``MINIMAX_JAX_COMPILATION_CACHE=0`` in the environment, or
+its table instead of profiling. Compiled programs are also kept as executables (:mod:`spec_decode.executable_store`,
+``.../minimax-jax/executables``), which a warm start loads without tracing. Opting out of all three: ``MINIMAX_JAX_COMPILATION_CACHE=0`` in the environment, or
 ``Engine(..., compilation_cache=False)``. A ``jax_compilation_cache_dir`` the user set is left as it is.
 """
 

@@ -52,6 +52,7 @@ from spec_decode import compilation_cache as persistent_cache
 from spec_decode.buckets import StepKey, default_draft_lengths, logit_rows, step_keys, token_bucket
 from spec_decode.cost_table import CostTable, CostTableArrays, load_cost_table, save_cost_table
 from spec_decode.device_loop import LoopConfig, fill_requests, logprobs_width, loop_inputs, make_loop_fn
+from spec_decode.executable_store import ExecutableStore, abstract, program_digest
 from spec_decode.logprobs import ScoreResult
 from spec_decode.page_pool import PagePool
 from spec_decode.penalties import write_history
@@ -267,6 +268,9 @@ class Engine:
         self.warmup_report: CompileReport | None = None
         self.num_compiles = 0  # programs this engine compiled (XLA compilations, counted by JAX's monitoring)
         self.compilation_cache_dir = persistent_cache.enable() if compilation_cache else None
+        # compiled programs on disk as executables (one process, one device: a mesh's programs compile)
+        self._executables = (ExecutableStore.default() if compilation_cache and self.mesh is None
+                             and jax.process_count() == 1 else None)
         self._cache_costs = bool(compilation_cache) and persistent_cache.enabled()
         if precompile:
             self.warmup()
@@ -445,21 +449,32 @@ class Engine:
             if self._state is None:
                 self._state = self._init_state()
             params = (self._target_params, self._drafter_params)
-            lowered = self._programs.lower(*params, self._state, self._example_plan)
+            # what is missing: step programs, the history writer, device loops ("loop", sampling, width)
+            names = list(self._programs.missing)
             if self._state.token_counts is not None and self._history_program is None:
+                names.append("history")
+            names += [("loop",) + key for key in loops if key not in self._loop_programs]
+            # first from the executable store (no tracing), then lowered and compiled (and stored)
+            loaded, digests = self._load_executables(names)
+            t_loaded = time.perf_counter()
+            todo = [name for name in names if name not in loaded]
+            lowered = self._programs.lower(*params, self._state, self._example_plan,
+                                           keys=[name for name in todo if isinstance(name, StepKey)])
+            if "history" in todo:
                 lowered["history"] = self._history_jit().lower(
                     self._state.token_counts, self._state.prompt_mask, np.int32(0),
                     np.full(self.max_model_len, -1, np.int32), np.int32(0))
-            for sampling, width in loops:
-                if (sampling, width) not in self._loop_programs:
-                    cfg = dataclasses.replace(self.loop_config, logprobs=width,
-                                              step=dataclasses.replace(self._step_config, sampling=sampling))
-                    fn = jax.jit(on_mesh(make_loop_fn(self.target, self.drafter, cfg), self.mesh),
-                                 donate_argnums=(2,))
-                    lowered[("loop", sampling, width)] = fn.lower(*params, self._state, self._example_loop_inputs())
+            for name in todo:
+                if isinstance(name, tuple) and name[0] == "loop":
+                    lowered[name] = self._loop_jit(*name[1:]).lower(*params, self._state,
+                                                                     self._example_loop_inputs())
             t_lowered = time.perf_counter()
             done = compile_in_pool(lowered, progress=show, desc="compiling")
             t_compiled = time.perf_counter()
+            if digests:
+                for name, exe in done.items():
+                    self._executables.save(digests[name], exe)
+            done.update(loaded)
             for key in loops:
                 if ("loop",) + key in done:
                     self._loop_programs[key] = done.pop(("loop",) + key)
@@ -468,16 +483,47 @@ class Engine:
             if self.planner.profile_pending and self.k and self._programs.ready:
                 self._load_or_profile_costs(show)
         self.num_compiles += len(compiled)
-        report = CompileReport(programs=len(lowered), compiled=len(compiled), seconds=time.perf_counter() - t0,
-                               lower_seconds=t_lowered - t0, compile_seconds=t_compiled - t_lowered)
+        report = CompileReport(programs=len(names), compiled=len(compiled), seconds=time.perf_counter() - t0,
+                               lower_seconds=t_lowered - t_loaded, compile_seconds=t_compiled - t_lowered,
+                               loaded=len(loaded), load_seconds=t_loaded - t0)
         if self.warmup_report is not None:  # the device loop, compiled on its first use
-            old = self.warmup_report
-            report = CompileReport(old.programs + report.programs, old.compiled + report.compiled,
-                                   old.seconds + report.seconds, old.lower_seconds + report.lower_seconds,
-                                   old.compile_seconds + report.compile_seconds)
+            report = self.warmup_report + report
         self.warmup_report = report
         print(f"minimax-jax: warm-up: {report}", file=sys.stderr)
         return report
+
+    def _loop_jit(self, sampling: bool, width: int | None):
+        """The device loop (greedy or sampling programs, carrying ``width`` log-probabilities or none), jitted."""
+        cfg = dataclasses.replace(self.loop_config, logprobs=width,
+                                  step=dataclasses.replace(self._step_config, sampling=sampling))
+        return jax.jit(on_mesh(make_loop_fn(self.target, self.drafter, cfg), self.mesh), donate_argnums=(2,))
+
+    def _load_executables(self, names: list) -> tuple[dict, dict]:
+        """``({name: program}, {name: digest})``: the programs of ``names`` the executable store holds, and the
+        store's keys of the others (to store them once compiled); both empty without a store
+        (:mod:`spec_decode.executable_store`)."""
+        if self._executables is None or not names:
+            return {}, {}
+        flat = self._programs.flat_params(self._target_params, self._drafter_params)
+        common = (repr(nnx.graphdef(self.target)),
+                  repr(nnx.graphdef(self.drafter)) if self.drafter is not None else None,
+                  abstract(flat), abstract(self._state), repr(self._step_config),
+                  repr(self.loop_config), self.max_num_seqs, self.num_stop_ids, self.max_model_len)
+        loaded, digests = {}, {}
+        for name in names:
+            if isinstance(name, StepKey):
+                parts = ("step", repr(name), pack_plan(self._example_plan(name)).shape)
+            elif name == "history":
+                parts = ("history",)
+            else:
+                parts = (repr(name), abstract(self._example_loop_inputs()))
+            digest = program_digest(common, parts)
+            exe = self._executables.load(digest)
+            if exe is None:
+                digests[name] = digest
+            else:
+                loaded[name] = exe
+        return loaded, digests
 
     def _history_jit(self):
         """:func:`spec_decode.penalties.write_history` jitted for the engine's state (its two arrays donated)."""

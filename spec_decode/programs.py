@@ -78,12 +78,17 @@ class CompileReport:
     seconds: float = 0.0
     lower_seconds: float = 0.0  # tracing and lowering (one thread)
     compile_seconds: float = 0.0  # XLA compilation or cache loads (the thread pool)
+    loaded: int = 0  # programs loaded from the executable store (neither traced nor compiled)
+    load_seconds: float = 0.0  # loading them
 
     def __str__(self) -> str:
-        cached = self.programs - min(self.compiled, self.programs)
-        return (f"{self.programs} programs ready in {self.seconds:.1f} s ({self.compiled} compiled, {cached} from "
-                f"the compilation cache; {self.lower_seconds:.1f} s tracing, {self.compile_seconds:.1f} s "
-                f"compiling)")
+        cached = max(self.programs - self.loaded - self.compiled, 0)
+        return (f"{self.programs} programs ready in {self.seconds:.1f} s ({self.loaded} loaded as executables in "
+                f"{self.load_seconds:.1f} s, {self.compiled} compiled, {cached} from the compilation cache; "
+                f"{self.lower_seconds:.1f} s tracing, {self.compile_seconds:.1f} s compiling)")
+
+    def __add__(self, other: CompileReport) -> CompileReport:
+        return CompileReport(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
 
 def compile_in_pool(lowered: dict, *, progress: bool, desc: str) -> dict:
@@ -212,11 +217,21 @@ class StepPrograms:
     def ready(self) -> bool:
         return len(self._compiled) == len(self.keys)
 
-    def lower(self, target_params, drafter_params, state, plan_for) -> dict:
-        """``{key: Lowered}`` of the programs not compiled yet; ``plan_for(key)`` gives an example host plan."""
+    @property
+    def missing(self) -> tuple[StepKey, ...]:
+        """The keys without a program yet."""
+        return tuple(key for key in self.keys if key not in self._compiled)
+
+    def flat_params(self, target_params, drafter_params) -> tuple:
+        """The parameters as the programs take them (two tuples of arrays)."""
+        return self._flat(target_params, drafter_params)
+
+    def lower(self, target_params, drafter_params, state, plan_for, keys=None) -> dict:
+        """``{key: Lowered}`` of ``keys`` (default: the programs not compiled yet); ``plan_for(key)`` gives an
+        example host plan."""
         flat = self._flat(target_params, drafter_params)
         return {key: self._fns[key].lower(*flat, state, pack_plan(plan_for(key)))
-                for key in self.keys if key not in self._compiled}
+                for key in (self.missing if keys is None else keys)}
 
     def install(self, compiled: dict) -> None:
         self._compiled.update(compiled)

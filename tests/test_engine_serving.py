@@ -6,6 +6,7 @@ compiles nothing). CPU, f32, reference kernels."""
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import numpy as np
@@ -132,36 +133,73 @@ def test_prefix_caching_shares_pages_and_changes_no_output(target, drafter, monk
     assert again.stats["prefix_cache_tokens"] == 40 and again[0].token_ids == refs[1]
 
 
-def test_a_second_process_loads_every_program_from_the_compilation_cache(tmp_path):
-    """The persistent compilation cache: the same engine in a fresh process compiles nothing at warm-up."""
+def test_a_second_process_loads_every_program_as_an_executable(tmp_path):
+    """A fresh process with the same engine loads every program from the executable store (no tracing, no
+    compilation) and generates the same tokens; with the stored files damaged, they are dropped (a warning) and the
+    programs come from JAX's persistent compilation cache instead (traced, not compiled)."""
     script = textwrap.dedent("""
-        import os, sys
+        import os, sys, warnings
         sys.path.insert(0, os.getcwd())
         import tests.conftest  # CPU settings of the suite
         from spec_decode import Engine
         from spec_decode.programs import compile_counter
-        from tests.engine_models import bigram_drafter, damped_target
+        from tests.engine_models import bigram_drafter, damped_target, random_prompts
         target = damped_target(damping=0.3)
-        eng = Engine(target, bigram_drafter(target, block_size=4), num_speculative_tokens=3,
-                     verification="fixed", max_num_seqs=2, max_model_len=48, max_num_batched_tokens=8,
-                     implementation="reference")
-        assert eng.compilation_cache_dir == os.environ["MINIMAX_JAX_CACHE_DIR"], eng.compilation_cache_dir
-        report = eng.warmup()
-        print("REPORT", report.programs, report.compiled)
+        drafter = bigram_drafter(target, block_size=4)
+        prompts = random_prompts(2, [9, 14], seed=4)
+        with warnings.catch_warnings(record=True) as caught, compile_counter() as compiled:
+            warnings.simplefilter("always")
+            eng = Engine(target, drafter, num_speculative_tokens=3,
+                         verification="fixed", max_num_seqs=2, max_model_len=48, max_num_batched_tokens=8,
+                         implementation="reference", sampling=False)
+            assert eng.compilation_cache_dir == os.environ["MINIMAX_JAX_CACHE_DIR"], eng.compilation_cache_dir
+            report = eng.warmup()
+            res = eng.generate(prompts, max_new_tokens=6, progress=False)
+        dropped = sum("dropping the stored executable" in str(w.message) for w in caught)
+        print("REPORT", report.programs, report.compiled, report.loaded, dropped, len(compiled))
+        print("TOKENS", [r.token_ids for r in res])
     """)
-    env = {**os.environ, "MINIMAX_JAX_COMPILATION_CACHE": "1", "MINIMAX_JAX_CACHE_DIR": str(tmp_path),
+    cache = tmp_path / "jax"
+    env = {**os.environ, "MINIMAX_JAX_COMPILATION_CACHE": "1", "MINIMAX_JAX_CACHE_DIR": str(cache),
            "JAX_PLATFORMS": "cpu"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    counts = []
-    for _ in range(2):
+    runs = []
+    for phase in ("cold", "warm", "damaged"):
+        if phase == "damaged":
+            for f in (tmp_path / "executables").iterdir():
+                f.write_bytes(f.read_bytes()[:100])
         proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
                               timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        line = next(x for x in proc.stdout.splitlines() if x.startswith("REPORT"))
-        counts.append(tuple(int(v) for v in line.split()[1:]))
-    (programs, first), (_, second) = counts
-    assert first >= programs > 0 and second == 0, counts
-    assert any(tmp_path.iterdir())
+        lines = {x.split()[0]: x.split(None, 1)[1] for x in proc.stdout.splitlines() if x.startswith(("REPORT", "TOK"))}
+        runs.append((tuple(int(v) for v in lines["REPORT"].split()), lines["TOKENS"]))
+    (cold, tokens), (warm, warm_tokens), (damaged, damaged_tokens) = runs
+    programs = cold[0]
+    assert programs > 0 and cold[1] >= programs and cold[2] == 0, cold
+    assert warm == (programs, 0, programs, 0, 0), warm  # every program loaded; nothing compiled, warm-up or call
+    assert damaged[0] == programs and damaged[1] == 0 and damaged[2] == 0 and damaged[3] == programs, damaged
+    assert tokens == warm_tokens == damaged_tokens
+    assert any(cache.iterdir()) and len(list((tmp_path / "executables").iterdir())) == programs  # stored again
+
+
+def test_the_executable_store_keys_change_with_the_engine(target, drafter):
+    """A program's key in the executable store covers the engine's settings: the same engine gives the same keys,
+    another model length or another drafter config other keys (the weights are arguments: not in a key)."""
+    from spec_decode import executable_store
+
+    def keys(**kw):
+        eng = Engine(target, kw.pop("drafter", drafter), num_speculative_tokens=3, verification="fixed",
+                     **{**GREEDY, **kw})
+        names = list(eng._programs.missing) + [("loop", False, None)]
+        eng._state = eng._init_state()
+        eng._executables = executable_store.ExecutableStore(tempfile.mkdtemp())
+        return eng._load_executables(names)[1]
+
+    base = keys()
+    assert keys() == base and len(set(base.values())) == len(base)
+    assert not set(keys(max_model_len=GREEDY["max_model_len"] + 16).values()) & set(base.values())
+    other = bigram_drafter(target, block_size=4)  # another drafter config (its weights alone would not count)
+    assert not set(keys(drafter=other).values()) & set(base.values())
 
 
 def test_a_profiled_cost_table_is_kept_and_loaded_by_the_next_engine(target, drafter, tmp_path, monkeypatch):
