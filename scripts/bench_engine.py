@@ -82,7 +82,8 @@ def startup_once(n: int, dtype_name: str, k: int, max_model_len: int, profile_to
     # rest (the cost table, profiled or loaded); construction is the remainder of startup_s
     return {"slots": n, "startup_s": total, "programs": rep.programs, "compiled": rep.compiled,
             "warmup_s": rep.seconds, "lower_s": rep.lower_seconds, "compile_s": rep.compile_seconds,
-            "warmup_other_s": rep.seconds - rep.lower_seconds - rep.compile_seconds}
+            "warmup_other_s": rep.seconds - rep.lower_seconds - rep.compile_seconds - rep.load_seconds,
+            "loaded": rep.loaded, "load_s": rep.load_seconds, "slowest_compiles": rep.slowest}
 
 
 def run_startup(args, out_rows: list) -> None:

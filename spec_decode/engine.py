@@ -469,7 +469,8 @@ class Engine:
                     lowered[name] = self._loop_jit(*name[1:]).lower(*params, self._state,
                                                                      self._example_loop_inputs())
             t_lowered = time.perf_counter()
-            done = compile_in_pool(lowered, progress=show, desc="compiling")
+            seconds: dict = {}
+            done = compile_in_pool(lowered, progress=show, desc="compiling", seconds=seconds)
             t_compiled = time.perf_counter()
             if digests:
                 for name, exe in done.items():
@@ -485,7 +486,9 @@ class Engine:
         self.num_compiles += len(compiled)
         report = CompileReport(programs=len(names), compiled=len(compiled), seconds=time.perf_counter() - t0,
                                lower_seconds=t_lowered - t_loaded, compile_seconds=t_compiled - t_lowered,
-                               loaded=len(loaded), load_seconds=t_loaded - t0)
+                               loaded=len(loaded), load_seconds=t_loaded - t0,
+                               slowest=tuple(sorted(((str(k), round(v, 2)) for k, v in seconds.items()),
+                                                    key=lambda kv: -kv[1])[:6]))
         if self.warmup_report is not None:  # the device loop, compiled on its first use
             report = self.warmup_report + report
         self.warmup_report = report

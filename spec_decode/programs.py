@@ -17,6 +17,7 @@ import dataclasses
 import os
 import sys
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +81,7 @@ class CompileReport:
     compile_seconds: float = 0.0  # XLA compilation or cache loads (the thread pool)
     loaded: int = 0  # programs loaded from the executable store (neither traced nor compiled)
     load_seconds: float = 0.0  # loading them
+    slowest: tuple = ()  # (program, seconds) of the longest compilations (or cache loads), longest first
 
     def __str__(self) -> str:
         cached = max(self.programs - self.loaded - self.compiled, 0)
@@ -91,10 +93,18 @@ class CompileReport:
         return CompileReport(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
 
-def compile_in_pool(lowered: dict, *, progress: bool, desc: str) -> dict:
-    """Compile ``{key: jax.stages.Lowered}`` in a thread pool; ``{key: compiled}``."""
+def compile_in_pool(lowered: dict, *, progress: bool, desc: str, seconds: dict | None = None) -> dict:
+    """Compile ``{key: jax.stages.Lowered}`` in a thread pool; ``{key: compiled}``. ``seconds``, when given, gets
+    each key's compile time (in its worker)."""
     if not lowered:
         return {}
+
+    def timed(key, low):
+        t = time.perf_counter()
+        out = low.compile()
+        if seconds is not None:
+            seconds[key] = time.perf_counter() - t
+        return out
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -103,7 +113,7 @@ def compile_in_pool(lowered: dict, *, progress: bool, desc: str) -> dict:
     workers = max(1, min(len(lowered), os.cpu_count() or 1, 16))
     out = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = {pool.submit(low.compile): key for key, low in lowered.items()}
+        futures = {pool.submit(timed, key, low): key for key, low in lowered.items()}
         for fut in concurrent.futures.as_completed(futures):
             out[futures[fut]] = fut.result()
             if bar is not None:
