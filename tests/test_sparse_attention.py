@@ -40,8 +40,9 @@ from pallas_kernels.tuning import (
 # ------------------------------------------------------------------------------------------------------------
 
 
-def naive_attention(q, kc, vc, bt, seq_lens, qsl, sel, *, scale):
-    """By definition, one (token, query head) at a time in float64. ``sel=None`` means every block (dense)."""
+def naive_attention(q, kc, vc, bt, seq_lens, qsl, sel, *, scale, window=None):
+    """By definition, one (token, query head) at a time in float64. ``sel=None`` means every block (dense);
+    ``window``: only the keys ``pos - window < j <= pos``."""
     q = np.asarray(q, np.float64)
     kc = np.asarray(kc, np.float64)
     vc = np.asarray(vc, np.float64)
@@ -57,7 +58,8 @@ def naive_attention(q, kc, vc, bt, seq_lens, qsl, sel, *, scale):
             for qh in range(h_q):
                 g = qh // group
                 chosen = range(pos // page + 1) if sel is None else {int(b) for b in sel[t, g] if b >= 0}
-                keys = [j for j in range(pos + 1) if j // page in chosen]
+                lo = 0 if window is None else max(0, pos - window + 1)
+                keys = [j for j in range(lo, pos + 1) if j // page in chosen]
                 if not keys:
                     continue
                 k = np.stack([kc[g, bt[r, j // page], j % page] for j in keys])
@@ -160,7 +162,7 @@ def args_of(batch, dense=False):
     return [batch[n] for n in names]
 
 
-def oracle(batch, scale, dense=False):
+def oracle(batch, scale, dense=False, window=None):
     b = {
         k: np.asarray(v.astype(jnp.float32) if jnp.issubdtype(v.dtype, jnp.floating) else v)
         for k, v in batch.items()
@@ -174,6 +176,7 @@ def oracle(batch, scale, dense=False):
         b["query_start_loc"],
         None if dense else b["block_indices"],
         scale=scale,
+        window=window,
     )
 
 
