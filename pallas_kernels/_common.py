@@ -95,15 +95,11 @@ def check_window(window) -> None:
         raise ValueError(f"window must be a positive integer (the sliding window in tokens) or None, got {window!r}")
 
 
-def window_blocks(live, pos0, ntok, *, page: int, window: int):
-    """The blocks of a tile (tokens at positions ``[pos0, pos0 + ntok)``) that a sliding ``window`` cuts:
-    ``(start, full)``. Blocks below ``start`` end before every token's window (never read); blocks from
-    ``full`` on start inside every token's window (no window mask). 0 for a tile that is not ``live``."""
-    last = pos0 + ntok - 1
+def window_start(live, pos0, ntok, *, page: int, window: int):
+    """The first block a sliding ``window`` lets a tile (tokens at positions ``[pos0, pos0 + ntok)``) see: the
+    blocks before it end before every token's window (never read). 0 for a tile that is not ``live``."""
     start = jnp.maximum(pos0 - window + 1, 0) // page
-    full = (jnp.maximum(last - window + 1, 0) + page - 1) // page
-    ok = live & (ntok > 0) & (pos0 >= 0)
-    return jnp.where(ok, start, 0), jnp.where(ok, full, 0)
+    return jnp.where(live & (ntok > 0) & (pos0 >= 0), start, 0)
 
 
 def window_walk_bound(max_blocks: int, page: int, window: int | None) -> int:

@@ -74,10 +74,9 @@ class Walk(Protocol):
     num_index_refs: int
 
     def block_range(self, index_refs, *, live, req, pos0, ntok, page: int, window: int | None):
-        """``(n_start, n_front, n_past, n_total)``: the tile walks blocks ``[n_start, n_total)`` of its list;
-        blocks below ``n_past`` end at or before the tile's first position; with a sliding ``window`` the
-        blocks ``[n_start, n_front)`` reach below some token's window and mask per score (``n_start <= n_front
-        <= n_past <= n_total``; without a window ``n_start == n_front == 0``)."""
+        """``(n_start, n_past, n_total)``: the tile walks blocks ``[n_start, n_total)`` of its list; blocks
+        below ``n_past`` end at or before the tile's first position. ``n_start`` is 0 without a sliding
+        ``window``; with one, the blocks before it end before every token's window (never read)."""
 
     def page_id(self, index_refs, req, u):
         """Physical page of block ``u`` of the list (a scalar load)."""
@@ -203,21 +202,18 @@ def _walk_kernel(
     d = jax.lax.broadcasted_iota(jnp.int32, (head_dim,), 0)
     q = plgpu.load(q_ref.at[q_rows[:, None], d[None, :]], mask=row_valid[:, None], other=0)  # [rows, D]
 
-    n_start, n_front, n_past, n_total = walk.block_range(
+    n_start, n_past, n_total = walk.block_range(
         index_refs, live=live, req=req_c, pos0=pos0, ntok=ntok, page=page, window=window
     )
 
     # The walk: block u of the list, sub-step of block_k keys; split s takes a balanced contiguous share of the
     # steps. Past blocks need no causal mask (at most a per-row "took the block" select); only the causal blocks
-    # at the end apply a mask per score, and with a sliding window the blocks at the start that reach below a
-    # token's window (blocks before those are never read).
+    # at the end apply a mask per score. With a sliding window the walk starts at the tile's first window and
+    # masks every step.
     parts = page // block_k
-    first = n_start * parts
     n_steps = (n_total - n_start) * parts
-    lo = first + (split * n_steps) // num_splits
-    hi = first + ((split + 1) * n_steps) // num_splits
-    front = jnp.clip(n_front * parts, lo, hi)
-    mid = jnp.clip(n_past * parts, front, hi)
+    lo = (split * n_steps) // num_splits
+    hi = ((split + 1) * n_steps) // num_splits
     key_iota = jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
     qk_scale = scale * LOG2E  # scores in the log2 domain
 
@@ -264,10 +260,16 @@ def _walk_kernel(
     m_i = jnp.full((rows,), MASK_VALUE, jnp.float32)
     l_i = jnp.zeros((rows,), jnp.float32)
     carry = (acc, m_i, l_i)
-    if window is not None:
-        carry = jax.lax.fori_loop(lo, front, masked_step, carry)
-    carry = jax.lax.fori_loop(front, mid, past_step, carry)
-    acc, m_i, l_i = jax.lax.fori_loop(mid, hi, masked_step, carry)
+    if window is None:  # the past steps need no mask, the causal ones at the end do
+        mid = jnp.clip(n_past * parts, lo, hi)
+        carry = jax.lax.fori_loop(lo, mid, past_step, carry)
+        acc, m_i, l_i = jax.lax.fori_loop(mid, hi, masked_step, carry)
+    else:
+        # Windowed: every step from the first window's block on is masked per score, in one loop (at most
+        # cdiv(window + block_q - 1, page) + 1 blocks). An unmasked loop for the blocks inside every token's
+        # window beside the masked ones spilled scalar registers of the 128-row walk on gfx942.
+        first = n_start * parts
+        acc, m_i, l_i = jax.lax.fori_loop(first + lo, first + hi, masked_step, carry)
 
     store_walk_output(out_refs, acc, m_i, l_i, q_rows=q_rows, row_ok=row_valid, num_rows=q_ref.shape[0],
                       num_splits=num_splits)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import check_window, visible_blocks, window_blocks, window_walk_bound
+from pallas_kernels._common import check_window, visible_blocks, window_start, window_walk_bound
 from pallas_kernels.attention_walk import (
     attention_unsupported,
     check_attention_inputs,
@@ -58,11 +58,9 @@ class DenseWalk:
         n_total = visible_blocks(live, pos0, ntok, page=page, max_blocks=self.max_blocks)
         n_past = jnp.where(live, jnp.minimum((pos0 + 1) // page, n_total), 0)
         if window is None:
-            return 0, 0, n_past, n_total
-        # A window skips the blocks before its first token's window and masks those up to its last token's.
-        start, full = window_blocks(live, pos0, ntok, page=page, window=window)
-        start = jnp.minimum(start, n_past)
-        return start, jnp.clip(full, start, n_past), n_past, n_total
+            return 0, n_past, n_total
+        # A window skips the blocks that end before its first token's window.
+        return jnp.minimum(window_start(live, pos0, ntok, page=page, window=window), n_past), n_past, n_total
 
     def page_id(self, index_refs, req, u):
         return index_refs[0][req, u]
@@ -195,7 +193,7 @@ def ragged_paged_attention(
       scale: softmax scale.
       window: static sliding window ``W`` (``None``: no window): token at position ``pos`` attends to keys
         ``pos - W < j <= pos`` only (its last ``W`` positions, itself included; HF's ``sliding_window``). Blocks
-        before a tile's first window are never read; blocks that reach below a token's window mask per score.
+        before a tile's first window are never read; the walk masks the others per score.
       implementation: ``"pallas"`` (Triton kernels; interpret mode on CPU) or ``"reference"`` (plain jnp).
       interpret: ``None``: interpret mode on CPU, compiled Triton on GPU.
       block_q, num_splits, num_warps, num_stages, block_k: launch overrides; ``None`` asks the chip's policy

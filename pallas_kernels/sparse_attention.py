@@ -51,7 +51,7 @@ from pallas_kernels._common import (
     out_of_bounds_where,
     tile_table,
     visible_blocks,
-    window_blocks,
+    window_start,
     window_walk_bound,
 )
 from pallas_kernels.attention_walk import (
@@ -97,8 +97,7 @@ def _tile_union_kernel(
     tables_ref,  # [R, max_blocks] int32
     sel_ref,  # [T, topk] int32 (this KV head)
     tile_ref,  # [num_tiles, 4] int32 out: (request row or -1, first token, tokens, first position) per tile
-    counts_ref,  # [2] int32 out (this tile, KV head): (past blocks, union blocks); windowed: [4] int32,
-    #              (past blocks, union blocks, blocks reaching below a token's window, 0)
+    counts_ref,  # [2] int32 out (this tile, KV head): (past blocks, union blocks)
     union_ref,  # [3, U] int32 out (this tile, KV head): rows (physical page, logical block, token mask)
     *,
     num_tokens: int,
@@ -126,15 +125,10 @@ def _tile_union_kernel(
     ok = (t < ntok) & (j < topk) & live
     sel = plgpu.load(sel_ref.at[jnp.where(ok, tok0 + t, 0), jnp.where(ok, j, 0)], mask=ok, other=-1)
     sel = jnp.where(ok & (sel >= 0) & (sel < n_visible), sel, -1)
-    n_past_max = jnp.minimum((pos0 + 1) // page, n_visible)  # blocks below end at or before pos0
-    n_front_max = jnp.int32(0)
-    if window is not None:
-        # Blocks that end before the first token's window are dropped (never read); those below `full` reach
-        # below some token's window (masked per score in the walk).
-        start, full = window_blocks(live, pos0, ntok, page=page, window=window)
-        sel = jnp.where(sel >= start, sel, -1)
-        n_front_max = jnp.minimum(full, n_past_max)
+    if window is not None:  # blocks that end before the tile's first window are dropped (never read)
+        sel = jnp.where(sel >= window_start(live, pos0, ntok, page=page, window=window), sel, -1)
     tok_bit = jnp.left_shift(1, jax.lax.broadcasted_iota(jnp.int32, (block_q, 1), 0))  # [block_q, 1]
+    n_past_max = jnp.minimum((pos0 + 1) // page, n_visible)  # blocks below end at or before pos0
     cb = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
 
     # The union in ascending block order, ``chunk`` block ids at a time: a block's token mask has bit t set
@@ -142,7 +136,7 @@ def _tile_union_kernel(
     # blocks below n_past_max ("past": no causal mask needed, only the per-row selection bit) come first by
     # construction; the at most cdiv(block_q - 1, page) + 1 causal blocks follow.
     def chunk_step(c, carry):
-        offset, n_past, n_front = carry
+        offset, n_past = carry
         b = c * chunk + cb  # [chunk]
         hit = (sel[:, :, None] == b[None, None, :]).astype(jnp.int32)  # [block_q, topk_pow2, chunk]
         token_mask = jnp.sum(jnp.max(hit, axis=1) * tok_bit, axis=0)  # [chunk]
@@ -155,35 +149,27 @@ def _tile_union_kernel(
         )
         for row, value in enumerate((phys, b, token_mask)):
             plgpu.store(union_ref.at[jnp.full_like(slot, row), slot], value, mask=present)
-        n_front = n_front + jnp.sum(present_i * (b < n_front_max))
-        return offset + jnp.sum(present_i), n_past + jnp.sum(present_i * (b < n_past_max)), n_front
+        return offset + jnp.sum(present_i), n_past + jnp.sum(present_i * (b < n_past_max))
 
     n_chunks = (n_visible + chunk - 1) // chunk
-    zero = jnp.int32(0)
-    n_union, n_past, n_front = jax.lax.fori_loop(0, n_chunks, chunk_step, (zero, zero, zero))
-    if window is None:
-        two = jax.lax.broadcasted_iota(jnp.int32, (2,), 0)
-        plgpu.store(counts_ref.at[two], jnp.where(two == 0, n_past, n_union))
-    else:
-        four = jax.lax.broadcasted_iota(jnp.int32, (4,), 0)
-        plgpu.store(counts_ref.at[four], jnp.where(four == 0, n_past, jnp.where(four == 1, n_union,
-                                                                               jnp.where(four == 2, n_front, 0))))
+    n_union, n_past = jax.lax.fori_loop(0, n_chunks, chunk_step, (jnp.int32(0), jnp.int32(0)))
+    two = jax.lax.broadcasted_iota(jnp.int32, (2,), 0)
+    plgpu.store(counts_ref.at[two], jnp.where(two == 0, n_past, n_union))
 
 
 @dataclasses.dataclass(frozen=True)
 class SparseWalk:
     """The walk over a tile's union (``attention_walk.Walk``): index refs ``union [3, U]`` (physical page,
-    logical block, token mask per union block) and ``counts [2]`` (past blocks, union size; windowed ``[4]``:
-    also the union blocks reaching below a token's window, which come first)."""
+    logical block, token mask per union block) and ``counts [2]`` (past blocks, union size); with a window the
+    pre-pass left out the blocks before the tile's first window."""
 
     kind = "sparse"
     num_index_refs = 2
 
     def block_range(self, index_refs, *, live, req, pos0, ntok, page, window):
-        del live, req, pos0, ntok, page  # the pre-pass counted them
+        del live, req, pos0, ntok, page, window  # the pre-pass counted them
         _, counts_ref = index_refs
-        n_front = 0 if window is None else counts_ref[2]
-        return 0, n_front, counts_ref[0], counts_ref[1]
+        return 0, counts_ref[0], counts_ref[1]
 
     def page_id(self, index_refs, req, u):
         del req
@@ -268,15 +254,14 @@ def _tile_union_prepass(
     interpret: bool,
     window: int | None = None,
 ):
-    """Runs ``_tile_union_kernel``: ``tiles int32[num_tiles, 4]``, ``counts int32[num_tiles, H_kv, 2]`` (``[...,
-    4]`` with a ``window``) and ``union int32[num_tiles, H_kv, 3, U]``, ``U = min(max_blocks, block_q * topk)``."""
+    """Runs ``_tile_union_kernel``: ``tiles int32[num_tiles, 4]``, ``counts int32[num_tiles, H_kv, 2]`` and
+    ``union int32[num_tiles, H_kv, 3, U]``, ``U = min(max_blocks, block_q * topk)``."""
     num_rows, max_blocks = block_tables.shape
     block_q = config.block_q
     num_tiles = num_tiles_bound(num_tokens, num_rows, block_q)
     num_kv_heads, topk = block_indices.shape[1:]
     topk_pow2 = next_pow2(topk)
     union_size = min(max_blocks, block_q * topk)
-    n_counts = 2 if window is None else 4
     return pallas_call(
         functools.partial(
             _tile_union_kernel,
@@ -300,12 +285,12 @@ def _tile_union_prepass(
         ],
         out_specs=[
             pl.BlockSpec((num_tiles, 4), lambda i, h: (0, 0)),
-            pl.BlockSpec((None, None, n_counts), lambda i, h: (i, h, 0)),
+            pl.BlockSpec((None, None, 2), lambda i, h: (i, h, 0)),
             pl.BlockSpec((None, None, 3, union_size), lambda i, h: (i, h, 0, 0)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((num_tiles, 4), jnp.int32),
-            jax.ShapeDtypeStruct((num_tiles, num_kv_heads, n_counts), jnp.int32),
+            jax.ShapeDtypeStruct((num_tiles, num_kv_heads, 2), jnp.int32),
             jax.ShapeDtypeStruct((num_tiles, num_kv_heads, 3, union_size), jnp.int32),
         ],
         args=[
@@ -375,7 +360,7 @@ def ragged_sparse_attention_pallas(
         [union, counts],
         [
             pl.BlockSpec((None, None, 3, union_size), lambda i, h, s: (i, h, 0, 0)),
-            pl.BlockSpec((None, None, counts.shape[-1]), lambda i, h, s: (i, h, 0)),
+            pl.BlockSpec((None, None, 2), lambda i, h, s: (i, h, 0)),
         ],
         walk=SparseWalk(),
         scale=scale,
@@ -464,8 +449,8 @@ def ragged_sparse_attention(
       scale: softmax scale (``head_dim ** -0.5`` for M3).
       window: static sliding window ``W`` (``None``: no window): a token at position ``pos`` attends only to
         the keys ``pos - W < j <= pos`` of its selected blocks (the window masks the attention; the selection
-        is the caller's). The pre-pass drops selected blocks that end before every token's window of a tile
-        (never read); the blocks reaching below some token's window are masked per score.
+        is the caller's). The pre-pass drops selected blocks that end before the first window of a tile (never
+        read); the walk masks the rest per score.
       implementation: ``"pallas"`` (Triton kernels; interpret mode on CPU) or ``"reference"`` (plain jnp).
       interpret: ``None``: interpret mode on CPU, compiled Triton on GPU.
       block_q, num_splits, num_warps, num_stages, block_k: launch overrides; ``None`` asks the chip's policy
