@@ -12,7 +12,9 @@ Both kernels cut the ragged batch into *request tiles* (up to ``block_q`` consec
    scalar load of a page id, a ``block_k``-key K/V slice, ``S = Q K^T``, online softmax in fp32 (log2 domain),
    ``acc += P V``. *Past* blocks (ending at or before the tile's first position) need no causal mask; only the
    at most ``cdiv(block_q - 1, page) + 1`` *causal* blocks at the end mask per score. Which blocks a tile walks,
-   where their page ids come from and which rows take each block is the kernel's :class:`Walk`.
+   where their page ids come from and which rows take each block is the kernel's :class:`Walk`. With a sliding
+   ``window`` (static) the walk starts at the tile's first window and masks every step (causal and window
+   bounds per row) in one loop; the blocks before it are never read.
 3. Split-K: ``num_splits`` programs share one tile's walk (balanced contiguous step ranges) and write fp32
    partial outputs with a base-2 log-sum-exp; ``_merge_splits_kernel`` combines them. With one split the walk
    writes the final output.
