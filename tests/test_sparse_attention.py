@@ -22,7 +22,7 @@ import pytest
 
 from pallas_kernels import attention_walk, tuning
 from pallas_kernels import sparse_attention as sa
-from pallas_kernels._common import num_tiles_bound, tile_table
+from pallas_kernels._common import num_tiles_bound, tile_table, window_walk_bound
 from pallas_kernels.platform import lower_for_gpu
 from pallas_kernels.sparse_attention import (
     ragged_sparse_attention,
@@ -405,6 +405,19 @@ def test_windowed_union_drops_blocks_before_every_window():
             assert counts[i, g].tolist() == [sum(b < (pos0 + 1) // page for b in blocks), len(blocks)]
             np.testing.assert_array_equal(union[i, g, 1, : len(blocks)], blocks)
     assert dropped > 0
+
+
+def test_window_bounds_the_walk_the_launch_policy_sees():
+    """Split-K is sized for the blocks a one-token window touches, not the table's width."""
+    assert window_walk_bound(256, 128, None) == 256
+    assert window_walk_bound(256, 128, 4000) == 33  # cdiv(3999, 128) + 1
+    assert window_walk_bound(256, 128, 1) == 1 and window_walk_bound(256, 128, 129) == 2  # 129 keys: 2 pages
+    assert window_walk_bound(256, 128, 130) == 3
+    assert window_walk_bound(4, 128, 10**6) == 4
+    sparse = {"num_q_heads": 64, "num_kv_heads": 4, "topk": 16, "chip": "hopper", "num_tokens": 1, "num_requests": 1}
+    full = sparse_attention_launch_config(max_blocks=256, **sparse)
+    small = sparse_attention_launch_config(max_blocks=window_walk_bound(256, 128, 129), **sparse)
+    assert small.num_splits <= 2 < full.num_splits
 
 
 def test_bad_window_raises():
