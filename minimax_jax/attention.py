@@ -61,6 +61,7 @@ class Attention(nnx.Module):
         self.k_norm = norm_for(cfg, hd, dtype=dtype)
         self.indexer = (MSAIndexer(cfg, dtype=dtype, rngs=rngs, prefix=p + ".indexer")
                         if cfg.is_sparse_layer(layer_idx) else None)
+        self.window = cfg.layer_window(layer_idx)  # sliding window (None: every earlier position)
 
     @property
     def is_sparse(self) -> bool:
@@ -76,16 +77,20 @@ class Attention(nnx.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def __call__(self, x: jax.Array, positions: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        """Plain causal attention over the whole sequence ``x [B, S, d]`` (MSA selection on sparse layers)."""
+        """Plain causal attention over the whole sequence ``x [B, S, d]`` (MSA selection on sparse layers; with
+        a sliding ``window``, only the keys ``pos - window < j <= pos``)."""
         c = self.cfg
         b, s, _ = x.shape
         q, k, v = self.project_qkv(x, cos, sin)
-        causal = jnp.arange(s)[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, S, S]
+        keys = jnp.arange(s)[None, None, None, :]
+        causal = keys <= positions[:, None, :, None]  # [B, 1, S, S]
         if self.is_sparse:
             sel = self.indexer.select(x, positions, cos, sin)  # [B, G, S, topk]
             allowed = msa.selection_key_mask(sel, positions, s, block_size=c.index_block_size)  # [B, G, S, S]
         else:
             allowed = jnp.broadcast_to(causal, (b, c.num_key_value_heads, s, s))
+        if self.window is not None:
+            allowed = allowed & (keys > positions[:, None, :, None] - self.window)
         out = grouped_attention(q, k, v, allowed, scale=c.head_dim ** -0.5)
         return self.o_proj(out.reshape(b, s, -1))
 

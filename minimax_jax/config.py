@@ -25,6 +25,13 @@ Strictness:
   MiniMax-M3 class writes that default but always runs swigluoai).
 * Feature switches we do not implement (an attention output gate, top-k reuse across layers, non-sigmoid
   routing, ...) are refused with a message naming the key, never silently run as something else.
+* Sliding windows (docs/CHECKPOINTS.md, "Sliding windows"): ``sliding_window`` (a positive integer, or null)
+  counts unless ``use_sliding_window`` is false. Per layer, HF style: the layers ``layer_types`` names
+  ``sliding_attention`` are dense layers over their last ``sliding_window`` positions. Model-wide (no such
+  entry): every ``full_attention`` layer becomes ``sliding_attention``, as vLLM's model-level window reaches
+  MiniMax-M3's dense layers only; MSA layers take no window. A window that would reach no layer, a list-valued
+  ``sliding_window``, ``use_sliding_window: true`` without a window and ``max_window_layers`` beside a window
+  are refused.
 * ``quantization_config`` is read by :mod:`minimax_jax.quantization`: the MXFP8 and Quark MXFP4 releases load,
   any other scheme is refused naming what is unsupported (docs/CHECKPOINTS.md).
 * Special token ids (BOS, EOS, PAD) outside the vocabulary are loaded as *absent*, with a warning: small test
@@ -47,6 +54,7 @@ from collections.abc import Mapping
 from typing import Any
 
 FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"  # dense attention over the last `sliding_window` positions
 SPARSE_ATTENTION = "minimax_m3_sparse"
 DENSE_MLP = "dense"
 MOE_MLP = "sparse"
@@ -88,6 +96,7 @@ class MiniMaxM3Config:
     index_topk_blocks: int | None = None
     # ---- keys with a true default (the reference's value when the key is absent)
     index_local_blocks: int = 1
+    sliding_window: int | None = None  # the window of the `sliding_attention` layers (None: there are none)
     rotary_dim: int | None = None  # None: head_dim // 2 (MiniMax-M3 rotates half of each head)
     rope_theta: float = 5_000_000.0
     rms_norm_eps: float = 1e-6
@@ -146,6 +155,11 @@ class MiniMaxM3Config:
     def is_moe_layer(self, i: int) -> bool:
         return self.mlp_layer_types[i] == MOE_MLP
 
+    def layer_window(self, i: int) -> int | None:
+        """The sliding window of layer ``i``'s attention: ``sliding_window`` on a ``sliding_attention`` layer,
+        None (every earlier position) on the others."""
+        return self.sliding_window if self.layer_types[i] == SLIDING_ATTENTION else None
+
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         def positive(name):
@@ -178,8 +192,18 @@ class MiniMaxM3Config:
         if len(self.mlp_layer_types) != n:
             raise ConfigError(f"mlp_layer_types has {len(self.mlp_layer_types)} entries but num_hidden_layers is {n}")
         for i, t in enumerate(self.layer_types):
-            if t not in (FULL_ATTENTION, SPARSE_ATTENTION):
-                raise ConfigError(f"layer_types[{i}] must be {FULL_ATTENTION!r} or {SPARSE_ATTENTION!r}, got {t!r}")
+            if t not in (FULL_ATTENTION, SLIDING_ATTENTION, SPARSE_ATTENTION):
+                raise ConfigError(f"layer_types[{i}] must be {FULL_ATTENTION!r}, {SLIDING_ATTENTION!r} or "
+                                  f"{SPARSE_ATTENTION!r}, got {t!r}")
+        sliding = [i for i, t in enumerate(self.layer_types) if t == SLIDING_ATTENTION]
+        w = self.sliding_window
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+            raise ConfigError(f"sliding_window must be a positive integer or None, got {w!r}")
+        if sliding and w is None:
+            raise ConfigError(f"layer_types[{sliding[0]}] is {SLIDING_ATTENTION!r} but sliding_window is not set")
+        if w is not None and not sliding:
+            raise ConfigError(f"sliding_window={w} but no layer is {SLIDING_ATTENTION!r} (the window applies to "
+                              f"those layers only)")
         for i, t in enumerate(self.mlp_layer_types):
             if t not in (DENSE_MLP, MOE_MLP):
                 raise ConfigError(f"mlp_layer_types[{i}] must be {DENSE_MLP!r} or {MOE_MLP!r}, got {t!r}")
@@ -392,12 +416,13 @@ _BOOKKEEPING = {
     "output_router_logits", "router_aux_loss_coef", "router_jitter_noise", "attention_dropout", "initializer_range",
     "return_dict", "output_hidden_states", "output_attentions", "is_encoder_decoder", "id2label", "label2id",
     "problem_type", "tokenizer_class", "chunk_size_feed_forward", "_name_or_path", "name_or_path",
-    "base_config_key", "num_mtp_modules", "keys_to_ignore_at_inference", "max_window_layers",
+    "base_config_key", "num_mtp_modules", "keys_to_ignore_at_inference",
 }
 # Keys the parser reads besides the field names.
 _READ = {
     "text_config", "vision_config", "sparse_attention_config", "moe_layer_freq", "num_experts", "rope_parameters",
-    "rope_scaling", "partial_rotary_factor", "hidden_act", "quantization_config",
+    "rope_scaling", "partial_rotary_factor", "hidden_act", "quantization_config", "use_sliding_window",
+    "max_window_layers",
 }
 # Feature switches: key -> (the value(s) we implement, what the other values would need).
 _SWITCHES = {
@@ -412,8 +437,6 @@ _SWITCHES = {
     "index_skip_topk_offset": ((0, None), "MSA top-k reuse across layers (index_skip_topk_offset)"),
     "attention_bias": ((False, None), "biases in the attention projections"),
     "mlp_bias": ((False, None), "biases in the MLP projections"),
-    "use_sliding_window": ((False, None), "sliding-window attention"),
-    "sliding_window": ((None,), "sliding-window attention"),
 }
 _KNOWN = _FIELDS | set(_LEGACY_SPARSE_KEYS) | _BOOKKEEPING | _READ | set(_SWITCHES) | {"n_shared_experts"}
 
@@ -506,6 +529,7 @@ def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
         missing.append("layer_types (or sparse_attention_config.sparse_attention_freq)")
     else:
         out["layer_types"] = tuple(_as_list(layer_types, "layer_types", None))
+        _sliding_window(text, out)
 
     mlp_types = text.get("mlp_layer_types")
     if mlp_types is None and text.get("moe_layer_freq") is not None:
@@ -564,7 +588,8 @@ def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
 
     # everything else that matches a field name (JSON null = absent)
     for k, v in text.items():
-        if k in _FIELDS and k not in out and k not in ("layer_types", "mlp_layer_types") and v is not None:
+        if (k in _FIELDS and k not in out and k not in ("layer_types", "mlp_layer_types", "sliding_window")
+                and v is not None):
             out[k] = v
 
     for k in list(out):
@@ -579,6 +604,38 @@ def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         _warn("config.json keys not used by MiniMax-M3 (ignored; misspelt?): " + ", ".join(unknown))
     return out
+
+
+def _sliding_window(text: Mapping[str, Any], out: dict[str, Any]) -> None:
+    """Read ``sliding_window`` / ``use_sliding_window`` into ``out`` (``sliding_window`` and the layers'
+    ``sliding_attention`` types; see the module docstring and docs/CHECKPOINTS.md)."""
+    window, use = text.get("sliding_window"), text.get("use_sliding_window")
+    if use is not None and not isinstance(use, bool):
+        raise ConfigError(f"use_sliding_window must be true or false, got {use!r}")
+    if isinstance(window, (list, tuple)):
+        raise ConfigError(f"sliding_window={window!r}: a per-layer list is not read; give one window and mark "
+                          f"its layers {SLIDING_ATTENTION!r} in layer_types")
+    if window is not None and (isinstance(window, bool) or _as_int(window, "sliding_window") < 1):
+        raise ConfigError(f"sliding_window must be a positive integer or null, got {window!r}")
+    if use is True and window is None:
+        raise ConfigError("use_sliding_window is true but sliding_window is not set")
+    types = list(out["layer_types"])
+    if window is None or use is False:  # no window (transformers drops sliding_window without the switch)
+        if SLIDING_ATTENTION in types:
+            raise ConfigError(f"layer_types[{types.index(SLIDING_ATTENTION)}] is {SLIDING_ATTENTION!r} but "
+                              f"there is no sliding window (sliding_window={window!r}, use_sliding_window={use!r})")
+        return
+    if text.get("max_window_layers") is not None:
+        raise ConfigError(f"max_window_layers={text['max_window_layers']!r} beside sliding_window: which layers it "
+                          f"windows is model-specific; mark them {SLIDING_ATTENTION!r} in layer_types instead")
+    if SLIDING_ATTENTION not in types:
+        # One model-wide window: vLLM's model-level window reaches MiniMax-M3's dense attention layers (its MSA
+        # layers take none), so every full_attention layer slides.
+        if FULL_ATTENTION not in types:
+            raise ConfigError(f"sliding_window={window!r} applies to full_attention layers and this config has "
+                              f"none (MSA layers, {SPARSE_ATTENTION!r}, take no window)")
+        out["layer_types"] = tuple(SLIDING_ATTENTION if t == FULL_ATTENTION else t for t in types)
+    out["sliding_window"] = _as_int(window, "sliding_window")
 
 
 def _special_tokens(out: dict[str, Any]) -> None:

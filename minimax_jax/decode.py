@@ -8,7 +8,9 @@ One call processes a packed batch of tokens from many requests (docs/ARCHITECTUR
 
 Per layer the new tokens' K, V (and index-K on sparse layers) are written into the paged caches *before* any
 attention or indexing runs, so a draft token sees the drafts before it. Sparse layers then run
-``ragged_index_topk`` and ``ragged_sparse_attention``; dense layers ``ragged_paged_attention``. The request of a
+``ragged_index_topk`` and ``ragged_sparse_attention``; dense layers ``ragged_paged_attention``, with the layer's
+sliding window (``cfg.layer_window``) where the config gives one (the pages stay allocated; the kernels skip
+the pages before a window). The request of a
 token and its position come from the device-side metadata helpers only (binary search over
 ``query_start_loc``), never from host lengths.
 
@@ -232,6 +234,7 @@ def forward_ragged(
         new_k[i] = write_tokens(new_k[i], k, slots)
         new_v[i] = write_tokens(new_v[i], v, slots)
         scale = cfg.head_dim ** -0.5
+        attn_kw = {"scale": scale, "window": cfg.layer_window(i), **kernel_kw}
         if attn.is_sparse:
             j = sparse_slot[i]
             iq, ik = attn.indexer.project(xn, cos, sin)  # [T, H_idx, D_idx], [T, D_idx]
@@ -239,10 +242,10 @@ def forward_ragged(
             sel = local(functools.partial(ragged_index_topk, topk=cfg.index_topk_blocks,
                                           local_blocks=cfg.index_local_blocks, **kernel_kw),
                         "h", "r", *"rrr")(iq, new_index_k[j], *meta)
-            o = local(functools.partial(ragged_sparse_attention, scale=scale, **kernel_kw),
+            o = local(functools.partial(ragged_sparse_attention, **attn_kw),
                       "h", "k", "k", *"rrr", "h")(q, new_k[i], new_v[i], *meta, sel)
         else:
-            o = local(functools.partial(ragged_paged_attention, scale=scale, **kernel_kw),
+            o = local(functools.partial(ragged_paged_attention, **attn_kw),
                       "h", "k", "k", *"rrr")(q, new_k[i], new_v[i], *meta)
         h = x + attn.o_proj(o.reshape(t, -1))
         mlp_kw = moe_kw if cfg.is_moe_layer(i) else {}

@@ -241,7 +241,7 @@ class DSparkConfig:
         if n_layers < 1:
             raise ConfigError(f"num_draft_layers must be >= 1, got {num_draft_layers}")
         layer_cfg = target_cfg.replace(
-            num_hidden_layers=n_layers, layer_types=(FULL_ATTENTION,) * n_layers,
+            num_hidden_layers=n_layers, layer_types=(FULL_ATTENTION,) * n_layers, sliding_window=None,
             mlp_layer_types=(DENSE_MLP,) * n_layers,
             dense_intermediate_size=int(intermediate_size or target_cfg.dense_intermediate_size))
         n = target_cfg.num_hidden_layers

@@ -88,6 +88,28 @@ def visible_blocks(live, pos0, ntok, *, page: int, max_blocks: int):
     return jnp.where(live & (ntok > 0) & (last >= 0), n, 0)
 
 
+def check_window(window) -> None:
+    """A sliding window is a positive int (each query sees its last ``window`` positions, itself included) or
+    ``None`` (no window); a ValueError names anything else."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive integer (the sliding window in tokens) or None, got {window!r}")
+
+
+def window_start(live, pos0, ntok, *, page: int, window: int):
+    """The first block a sliding ``window`` lets a tile (tokens at positions ``[pos0, pos0 + ntok)``) see: the
+    blocks before it end before every token's window (never read). 0 for a tile that is not ``live``."""
+    start = jnp.maximum(pos0 - window + 1, 0) // page
+    return jnp.where(live & (ntok > 0) & (pos0 >= 0), start, 0)
+
+
+def window_walk_bound(max_blocks: int, page: int, window: int | None) -> int:
+    """Launch policy input: the most blocks a one-token tile walks, ``max_blocks``, or with a sliding
+    ``window`` at most the ``cdiv(window - 1, page) + 1`` pages a window of one token touches."""
+    if window is None:
+        return max_blocks
+    return max(1, min(max_blocks, cdiv(window - 1, page) + 1))
+
+
 def load_segments(qsl_ref, seq_ref, *, num_rows: int, num_tokens: int):
     """In-kernel: the segment vectors of :func:`locate_tile` from ``qsl_ref [R + 1]`` and ``seq_ref [R]``."""
     seg = jax.lax.broadcasted_iota(jnp.int32, (next_pow2(num_rows + 1),), 0)

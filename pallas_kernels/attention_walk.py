@@ -12,7 +12,9 @@ Both kernels cut the ragged batch into *request tiles* (up to ``block_q`` consec
    scalar load of a page id, a ``block_k``-key K/V slice, ``S = Q K^T``, online softmax in fp32 (log2 domain),
    ``acc += P V``. *Past* blocks (ending at or before the tile's first position) need no causal mask; only the
    at most ``cdiv(block_q - 1, page) + 1`` *causal* blocks at the end mask per score. Which blocks a tile walks,
-   where their page ids come from and which rows take each block is the kernel's :class:`Walk`.
+   where their page ids come from and which rows take each block is the kernel's :class:`Walk`. With a sliding
+   ``window`` (static) the walk starts at the tile's first window and masks every step (causal and window
+   bounds per row) in one loop; the blocks before it are never read.
 3. Split-K: ``num_splits`` programs share one tile's walk (balanced contiguous step ranges) and write fp32
    partial outputs with a base-2 log-sum-exp; ``_merge_splits_kernel`` combines them. With one split the walk
    writes the final output.
@@ -73,9 +75,10 @@ class Walk(Protocol):
     kind: str  # kernel names: ``ragged_{kind}_attention_...``
     num_index_refs: int
 
-    def block_range(self, index_refs, *, live, req, pos0, ntok, page: int):
-        """``(n_past, n_total)``: the tile walks blocks ``[0, n_total)`` of its list; the first ``n_past``
-        end at or before the tile's first position."""
+    def block_range(self, index_refs, *, live, req, pos0, ntok, page: int, window: int | None):
+        """``(n_start, n_past, n_total)``: the tile walks blocks ``[n_start, n_total)`` of its list; blocks
+        below ``n_past`` end at or before the tile's first position. ``n_start`` is 0 without a sliding
+        ``window``; with one, the blocks before it end before every token's window (never read)."""
 
     def page_id(self, index_refs, req, u):
         """Physical page of block ``u`` of the list (a scalar load)."""
@@ -180,6 +183,7 @@ def _walk_kernel(
     rows: int,
     num_splits: int,
     scale: float,
+    window: int | None,
 ):
     index_refs, out_refs = refs[: walk.num_index_refs], refs[walk.num_index_refs :]
     head = pl.program_id(1)
@@ -200,16 +204,18 @@ def _walk_kernel(
     d = jax.lax.broadcasted_iota(jnp.int32, (head_dim,), 0)
     q = plgpu.load(q_ref.at[q_rows[:, None], d[None, :]], mask=row_valid[:, None], other=0)  # [rows, D]
 
-    n_past, n_total = walk.block_range(index_refs, live=live, req=req_c, pos0=pos0, ntok=ntok, page=page)
+    n_start, n_past, n_total = walk.block_range(
+        index_refs, live=live, req=req_c, pos0=pos0, ntok=ntok, page=page, window=window
+    )
 
     # The walk: block u of the list, sub-step of block_k keys; split s takes a balanced contiguous share of the
     # steps. Past blocks need no causal mask (at most a per-row "took the block" select); only the causal blocks
-    # at the end apply a mask per score.
+    # at the end apply a mask per score. With a sliding window the walk starts at the tile's first window and
+    # masks every step.
     parts = page // block_k
-    n_steps = n_total * parts
+    n_steps = (n_total - n_start) * parts
     lo = (split * n_steps) // num_splits
     hi = ((split + 1) * n_steps) // num_splits
-    mid = jnp.clip(n_past * parts, lo, hi)
     key_iota = jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
     qk_scale = scale * LOG2E  # scores in the log2 domain
 
@@ -240,20 +246,32 @@ def _walk_kernel(
         acc = acc * alpha[:, None] + dot_f32(p.astype(vb.dtype), vb, contract_b=0)
         return acc, m_next, l_next
 
-    def causal_step(step, carry):
+    def masked_step(step, carry):
         u, off, kb, vb = load_kv(step)
         b = walk.block_id(index_refs, u)
         picked = walk.picked_rows(index_refs, u, tok_local)
         limit = row_pos if picked is None else jnp.where(picked, row_pos, -1)
-        visible = (b * page + off + key_iota)[None, :] <= limit[:, None]  # [rows, block_k]
+        key_pos = (b * page + off + key_iota)[None, :]
+        visible = key_pos <= limit[:, None]  # [rows, block_k]
+        if window is not None:
+            visible = visible & (key_pos > (row_pos - window)[:, None])  # each row's last `window` positions
         s = jnp.where(visible, dot_f32(q, kb, contract_b=1) * qk_scale, MASK_VALUE)
         return online_softmax_step(carry, s, vb, visible)
 
     acc = jnp.zeros((rows, head_dim), jnp.float32)
     m_i = jnp.full((rows,), MASK_VALUE, jnp.float32)
     l_i = jnp.zeros((rows,), jnp.float32)
-    carry = jax.lax.fori_loop(lo, mid, past_step, (acc, m_i, l_i))
-    acc, m_i, l_i = jax.lax.fori_loop(mid, hi, causal_step, carry)
+    carry = (acc, m_i, l_i)
+    if window is None:  # the past steps need no mask, the causal ones at the end do
+        mid = jnp.clip(n_past * parts, lo, hi)
+        carry = jax.lax.fori_loop(lo, mid, past_step, carry)
+        acc, m_i, l_i = jax.lax.fori_loop(mid, hi, masked_step, carry)
+    else:
+        # Windowed: every step from the first window's block on is masked per score, in one loop (at most
+        # cdiv(window + block_q - 1, page) + 1 blocks). An unmasked loop for the blocks inside every token's
+        # window beside the masked ones spilled scalar registers of the 128-row walk on gfx942.
+        first = n_start * parts
+        acc, m_i, l_i = jax.lax.fori_loop(first + lo, first + hi, masked_step, carry)
 
     store_walk_output(out_refs, acc, m_i, l_i, q_rows=q_rows, row_ok=row_valid, num_rows=q_ref.shape[0],
                       num_splits=num_splits)
@@ -487,12 +505,14 @@ def run_walk(
     config: AttentionLaunchConfig,
     interpret: bool,
     poison: bool,
+    window: int | None = None,
 ):
     """The walk over ``tiles`` (a pre-pass's tile table), then the split-K merge when ``config.num_splits > 1``.
 
     ``index_args`` / ``index_specs``: the walk's index arrays and their BlockSpecs over the grid
     ``(tile, KV head, split)``, passed to the kernel as ``walk``'s index refs. ``poison`` (tests only): the float
     output buffers start as NaN (aliased into the kernels), so a row a kernel fails to write shows up.
+    ``window`` (static): each token sees only its last ``window`` positions (``None``: every key up to itself).
     Returns ``[T, H_q, D]`` in q's dtype.
     """
     num_tokens, num_q_heads, head_dim = q.shape
@@ -523,6 +543,7 @@ def run_walk(
         rows=rows,
         num_splits=num_splits,
         scale=float(scale),
+        window=window,
     )
     outs = pallas_call(
         kernel,
@@ -535,7 +556,8 @@ def run_walk(
         interpret=interpret,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        name=f"ragged_{kind}_attention_bq{block_q}_rows{rows}_bk{block_k}_splits{num_splits}",
+        name=f"ragged_{kind}_attention_bq{block_q}_rows{rows}_bk{block_k}_splits{num_splits}"
+        + ("" if window is None else f"_window{window}"),
     )
     out = outs[0] if num_splits == 1 else merge_splits(
         outs, num_splits=num_splits, dtype=q.dtype, merge_rows=config.merge_rows, merge_warps=config.merge_warps,

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import MASK_VALUE, cdiv, next_pow2
+from pallas_kernels._common import MASK_VALUE, cdiv, check_window, next_pow2
 from pallas_kernels.attention_walk import (
     LOG2E,
     dot_f32,
@@ -295,8 +295,7 @@ def _check_inputs(q, k_cache, v_cache, block_tables, ctx_lengths, k_blk, v_blk, 
             )
     elif cache_rows.shape != (r,) or not jnp.issubdtype(cache_rows.dtype, jnp.integer):
         raise ValueError(f"cache_rows must be int32[R={r}], got {cache_rows.dtype}{list(cache_rows.shape)}")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be a positive integer (the sliding window in tokens) or None, got {window!r}")
+    check_window(window)
     if query_positions is not None:
         if window is None:
             raise ValueError("query_positions only matter with a window: pass window= too")

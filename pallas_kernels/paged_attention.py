@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import visible_blocks
+from pallas_kernels._common import check_window, visible_blocks, window_start, window_walk_bound
 from pallas_kernels.attention_walk import (
     attention_unsupported,
     check_attention_inputs,
@@ -52,12 +52,15 @@ class DenseWalk:
     kind = "paged"
     num_index_refs = 1
 
-    def block_range(self, index_refs, *, live, req, pos0, ntok, page):
+    def block_range(self, index_refs, *, live, req, pos0, ntok, page, window):
         del index_refs, req
         # Blocks 0 .. n_total of the request; the first n_past end at or before the tile's first position.
         n_total = visible_blocks(live, pos0, ntok, page=page, max_blocks=self.max_blocks)
         n_past = jnp.where(live, jnp.minimum((pos0 + 1) // page, n_total), 0)
-        return n_past, n_total
+        if window is None:
+            return 0, n_past, n_total
+        # A window skips the blocks that end before its first token's window.
+        return jnp.minimum(window_start(live, pos0, ntok, page=page, window=window), n_past), n_past, n_total
 
     def page_id(self, index_refs, req, u):
         return index_refs[0][req, u]
@@ -102,7 +105,7 @@ def supports(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret", "poison"))
+@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret", "poison", "window"))
 def ragged_paged_attention_pallas(
     q,
     k_cache,
@@ -115,13 +118,15 @@ def ragged_paged_attention_pallas(
     config: AttentionLaunchConfig,
     interpret: bool,
     poison: bool = False,
+    window: int | None = None,
 ):
     """The Pallas kernels with an explicit launch ``config``: the tile pre-pass, the walk, the split-K merge.
 
     ``poison`` (tests only): start the float output buffers as NaN (aliased into the kernels) so that a row a
-    kernel fails to write shows up.
+    kernel fails to write shows up. ``window``: as in :func:`ragged_paged_attention`.
     """
     check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    check_window(window)
     check_walk_config(config, q, k_cache, interpret=interpret)
     num_rows, max_blocks = block_tables.shape
     tiles = tile_prepass(
@@ -139,6 +144,7 @@ def ragged_paged_attention_pallas(
         config=config,
         interpret=interpret,
         poison=poison,
+        window=window,
     )
 
 
@@ -146,6 +152,7 @@ def ragged_paged_attention_pallas(
     jax.jit,
     static_argnames=(
         "scale",
+        "window",
         "implementation",
         "interpret",
         "block_q",
@@ -165,6 +172,7 @@ def ragged_paged_attention(
     query_start_loc: jax.Array,
     *,
     scale: float,
+    window: int | None = None,
     implementation: str = "pallas",
     interpret: bool | None = None,
     block_q: int | None = None,
@@ -183,6 +191,9 @@ def ragged_paged_attention(
       seq_lens: ``int32[R]`` lengths including this step's tokens.
       query_start_loc: ``int32[R + 1]``; slots ``>= qsl[R]`` are padding.
       scale: softmax scale.
+      window: static sliding window ``W`` (``None``: no window): token at position ``pos`` attends to keys
+        ``pos - W < j <= pos`` only (its last ``W`` positions, itself included; HF's ``sliding_window``). Blocks
+        before a tile's first window are never read; the walk masks the others per score.
       implementation: ``"pallas"`` (Triton kernels; interpret mode on CPU) or ``"reference"`` (plain jnp).
       interpret: ``None``: interpret mode on CPU, compiled Triton on GPU.
       block_q, num_splits, num_warps, num_stages, block_k: launch overrides; ``None`` asks the chip's policy
@@ -193,9 +204,10 @@ def ragged_paged_attention(
       ``[T, H_q, D]`` in q's dtype, zeros for padding slots.
     """
     check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    check_window(window)
     if implementation == "reference":
         return ragged_paged_attention_reference(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=scale
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=scale, window=window
         )
     if implementation != "pallas":
         raise ValueError(f"implementation must be 'pallas' or 'reference', got {implementation!r}")
@@ -204,7 +216,7 @@ def ragged_paged_attention(
         num_requests=block_tables.shape[0],
         num_q_heads=q.shape[1],
         num_kv_heads=k_cache.shape[0],
-        max_blocks=block_tables.shape[1],
+        max_blocks=window_walk_bound(block_tables.shape[1], k_cache.shape[2], window),
         page=k_cache.shape[2],
         head_dim=q.shape[2],
         itemsize=k_cache.dtype.itemsize,
@@ -225,6 +237,7 @@ def ragged_paged_attention(
         scale=scale,
         config=config,
         interpret=resolve_interpret(interpret),
+        window=window,
     )
 
 
@@ -237,6 +250,7 @@ def ragged_paged_attention_reference(
     query_start_loc: jax.Array,
     *,
     scale: float,
+    window: int | None = None,
     implementation: str = "reference",
     interpret: bool | None = None,
     block_q: int | None = None,
@@ -251,10 +265,12 @@ def ragged_paged_attention_reference(
     program).
 
     Dense attention is sparse attention with every block selected: the sparse reference runs with
-    ``block_indices[t, g] = 0 .. max_blocks - 1`` (blocks past a token's position are masked there).
+    ``block_indices[t, g] = 0 .. max_blocks - 1`` (blocks past a token's position, and keys outside its
+    ``window``, are masked there).
     """
     del implementation, interpret, block_q, num_splits, num_warps, num_stages, chip, block_k
     check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    check_window(window)
     num_tokens = q.shape[0]
     num_kv_heads = k_cache.shape[0]
     max_blocks = block_tables.shape[1]
@@ -262,5 +278,5 @@ def ragged_paged_attention_reference(
         jnp.arange(max_blocks, dtype=jnp.int32), (num_tokens, num_kv_heads, max_blocks)
     )
     return ragged_sparse_attention_reference(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, all_blocks, scale=scale
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, all_blocks, scale=scale, window=window
     )

@@ -45,11 +45,14 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
     MASK_VALUE,
+    check_window,
     next_pow2,
     num_tiles_bound,
     out_of_bounds_where,
     tile_table,
     visible_blocks,
+    window_start,
+    window_walk_bound,
 )
 from pallas_kernels.attention_walk import (
     attention_unsupported,
@@ -106,6 +109,7 @@ def _tile_union_kernel(
     max_blocks: int,
     union_size: int,
     chunk: int,
+    window: int | None,
 ):
     """Pre-pass, one program per (request tile, KV head): find the tile, then write the union of its tokens'
     selections as dense arrays, so the attention walk only does scalar loads (module docstring)."""
@@ -121,6 +125,8 @@ def _tile_union_kernel(
     ok = (t < ntok) & (j < topk) & live
     sel = plgpu.load(sel_ref.at[jnp.where(ok, tok0 + t, 0), jnp.where(ok, j, 0)], mask=ok, other=-1)
     sel = jnp.where(ok & (sel >= 0) & (sel < n_visible), sel, -1)
+    if window is not None:  # blocks that end before the tile's first window are dropped (never read)
+        sel = jnp.where(sel >= window_start(live, pos0, ntok, page=page, window=window), sel, -1)
     tok_bit = jnp.left_shift(1, jax.lax.broadcasted_iota(jnp.int32, (block_q, 1), 0))  # [block_q, 1]
     n_past_max = jnp.minimum((pos0 + 1) // page, n_visible)  # blocks below end at or before pos0
     cb = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
@@ -154,15 +160,16 @@ def _tile_union_kernel(
 @dataclasses.dataclass(frozen=True)
 class SparseWalk:
     """The walk over a tile's union (``attention_walk.Walk``): index refs ``union [3, U]`` (physical page,
-    logical block, token mask per union block) and ``counts [2]`` (past blocks, union size)."""
+    logical block, token mask per union block) and ``counts [2]`` (past blocks, union size); with a window the
+    pre-pass left out the blocks before the tile's first window."""
 
     kind = "sparse"
     num_index_refs = 2
 
-    def block_range(self, index_refs, *, live, req, pos0, ntok, page):
-        del live, req, pos0, ntok, page  # the pre-pass counted them
+    def block_range(self, index_refs, *, live, req, pos0, ntok, page, window):
+        del live, req, pos0, ntok, page, window  # the pre-pass counted them
         _, counts_ref = index_refs
-        return counts_ref[0], counts_ref[1]
+        return 0, counts_ref[0], counts_ref[1]
 
     def page_id(self, index_refs, req, u):
         del req
@@ -245,6 +252,7 @@ def _tile_union_prepass(
     page: int,
     config: AttentionLaunchConfig,
     interpret: bool,
+    window: int | None = None,
 ):
     """Runs ``_tile_union_kernel``: ``tiles int32[num_tiles, 4]``, ``counts int32[num_tiles, H_kv, 2]`` and
     ``union int32[num_tiles, H_kv, 3, U]``, ``U = min(max_blocks, block_q * topk)``."""
@@ -266,6 +274,7 @@ def _tile_union_prepass(
             max_blocks=max_blocks,
             union_size=union_size,
             chunk=max(1, min(next_pow2(max_blocks), _PREPASS_CHUNK_ELEMENTS // (block_q * topk_pow2))),
+            window=window,
         ),
         grid=(num_tiles, num_kv_heads),
         in_specs=[
@@ -294,11 +303,11 @@ def _tile_union_prepass(
         interpret=interpret,
         num_warps=config.prepass_warps,
         num_stages=1,
-        name=f"ragged_sparse_attention_tiles_bq{block_q}",
+        name=f"ragged_sparse_attention_tiles_bq{block_q}" + ("" if window is None else f"_window{window}"),
     )
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret", "poison"))
+@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret", "poison", "window"))
 def ragged_sparse_attention_pallas(
     q,
     k_cache,
@@ -312,13 +321,15 @@ def ragged_sparse_attention_pallas(
     config: AttentionLaunchConfig,
     interpret: bool,
     poison: bool = False,
+    window: int | None = None,
 ):
     """The Pallas kernels with an explicit launch ``config``: the union pre-pass, the walk, the split-K merge.
 
     ``poison`` (tests only): start the float output buffers as NaN (aliased into the kernels) so that a row a
-    kernel fails to write shows up.
+    kernel fails to write shows up. ``window``: as in :func:`ragged_sparse_attention`.
     """
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_indices)
+    check_window(window)
     check_walk_config(config, q, k_cache, interpret=interpret)
     block_q = config.block_q
     if block_q > MAX_SPARSE_BLOCK_Q:
@@ -338,6 +349,7 @@ def ragged_sparse_attention_pallas(
         page=k_cache.shape[2],
         config=config,
         interpret=interpret,
+        window=window,
     )
     union_size = union.shape[-1]
     return run_walk(
@@ -355,6 +367,7 @@ def ragged_sparse_attention_pallas(
         config=config,
         interpret=interpret,
         poison=poison,
+        window=window,
     )
 
 
@@ -393,6 +406,7 @@ def union_block_counts(
     jax.jit,
     static_argnames=(
         "scale",
+        "window",
         "implementation",
         "interpret",
         "block_q",
@@ -413,6 +427,7 @@ def ragged_sparse_attention(
     block_indices: jax.Array,
     *,
     scale: float,
+    window: int | None = None,
     implementation: str = "pallas",
     interpret: bool | None = None,
     block_q: int | None = None,
@@ -432,6 +447,10 @@ def ragged_sparse_attention(
       query_start_loc: ``int32[R + 1]`` ragged query boundaries; slots ``>= qsl[R]`` are padding.
       block_indices: ``int32[T, H_kv, topk]`` selected logical blocks per (token, KV group), -1 padded.
       scale: softmax scale (``head_dim ** -0.5`` for M3).
+      window: static sliding window ``W`` (``None``: no window): a token at position ``pos`` attends only to
+        the keys ``pos - W < j <= pos`` of its selected blocks (the window masks the attention; the selection
+        is the caller's). The pre-pass drops selected blocks that end before the first window of a tile (never
+        read); the walk masks the rest per score.
       implementation: ``"pallas"`` (Triton kernels; interpret mode on CPU) or ``"reference"`` (plain jnp).
       interpret: ``None``: interpret mode on CPU, compiled Triton on GPU.
       block_q, num_splits, num_warps, num_stages, block_k: launch overrides; ``None`` asks the chip's policy
@@ -443,9 +462,10 @@ def ragged_sparse_attention(
       ``[T, H_q, D]`` in q's dtype; zeros for padding slots and for tokens without a visible selected key.
     """
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_indices)
+    check_window(window)
     if implementation == "reference":
         return ragged_sparse_attention_reference(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_indices, scale=scale
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_indices, scale=scale, window=window
         )
     if implementation != "pallas":
         raise ValueError(f"implementation must be 'pallas' or 'reference', got {implementation!r}")
@@ -455,7 +475,7 @@ def ragged_sparse_attention(
         num_q_heads=q.shape[1],
         num_kv_heads=k_cache.shape[0],
         topk=block_indices.shape[2],
-        max_blocks=block_tables.shape[1],
+        max_blocks=window_walk_bound(block_tables.shape[1], k_cache.shape[2], window),
         page=k_cache.shape[2],
         head_dim=q.shape[2],
         itemsize=k_cache.dtype.itemsize,
@@ -477,6 +497,7 @@ def ragged_sparse_attention(
         scale=scale,
         config=config,
         interpret=resolve_interpret(interpret),
+        window=window,
     )
 
 
@@ -490,6 +511,7 @@ def ragged_sparse_attention_reference(
     block_indices: jax.Array,
     *,
     scale: float,
+    window: int | None = None,
     implementation: str = "reference",
     interpret: bool | None = None,
     block_q: int | None = None,
@@ -504,15 +526,18 @@ def ragged_sparse_attention_reference(
     program).
 
     Gathers each (token, KV group)'s selected pages (``[T, H_kv, topk, page, D]``), masks repeated, ``-1``,
-    invisible and future keys, and runs an fp32 softmax. Memory is O(T * H_kv * topk * page * D).
+    invisible and future keys (and keys outside the ``window``), and runs an fp32 softmax. Memory is O(T * H_kv
+    * topk * page * D).
     """
     del implementation, interpret, block_q, num_splits, num_warps, num_stages, chip, block_k
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_indices)
-    return _reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_indices, scale=scale)
+    check_window(window)
+    return _reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_indices, scale=scale,
+                      window=window)
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
-def _reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_indices, *, scale):
+@functools.partial(jax.jit, static_argnames=("scale", "window"))
+def _reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_indices, *, scale, window):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page, _ = k_cache.shape
     max_blocks = block_tables.shape[1]
@@ -533,6 +558,8 @@ def _reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, blo
     v = v_cache[heads, phys].astype(jnp.float32)
     kpos = sel[..., None] * page + jnp.arange(page)  # [T, H_kv, topk, page]
     visible = ok[..., None] & (kpos <= pos[:, None, None, None])
+    if window is not None:
+        visible = visible & (kpos > (pos - window)[:, None, None, None])
     v = jnp.where(visible[..., None], v, 0.0)  # masked slots may hold anything (stale drafts, unused pages)
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
     hi = jax.lax.Precision.HIGHEST

@@ -271,6 +271,21 @@ def _paged_attention_call(batch: Batch) -> KernelCall:
     return KernelCall(ragged_paged_attention, args, kwargs)
 
 
+# The sliding window of the windowed attention variants (a windowed target's layers): static, so its value only
+# sets constants; not a multiple of the 128-key page, as a window usually is not.
+ATTENTION_WINDOW = 4000
+
+
+def _windowed(make: Callable[[Batch], KernelCall]) -> Callable[[Batch], KernelCall]:
+    """``make``'s call with the sliding window ``ATTENTION_WINDOW`` (dense / MSA attention of a windowed target)."""
+
+    def windowed(batch: Batch) -> KernelCall:
+        call = make(batch)
+        return dataclasses.replace(call, kwargs={**call.kwargs, "window": ATTENTION_WINDOW})
+
+    return windowed
+
+
 def _moe_ffn_call(batch: Batch, *, experts: int | None = None) -> KernelCall:
     """The routed experts of one M3 MoE layer over the batch's tokens (gate/up with swigluoai, then down)."""
     from minimax_jax.layers import swiglu_params
@@ -347,6 +362,8 @@ KERNELS: tuple[tuple[str, Callable[[Batch], KernelCall | None]], ...] = (
     ("ragged_index_topk", _indexer_call),
     ("ragged_sparse_attention", _sparse_attention_call),
     ("ragged_paged_attention", _paged_attention_call),
+    ("ragged_sparse_attention_window", _windowed(_sparse_attention_call)),
+    ("ragged_paged_attention_window", _windowed(_paged_attention_call)),
     ("moe_ffn", _moe_ffn_call),
     ("mx_moe_ffn_mxfp4", functools.partial(_mx_moe_ffn_call, fmt="mxfp4")),
     ("mx_moe_ffn_mxfp8", functools.partial(_mx_moe_ffn_call, fmt="mxfp8")),
@@ -384,7 +401,9 @@ def all_cases(kernels=KERNELS, batches: Iterable[Batch] = BATCHES, *, only: Iter
 GATE_CASES: tuple[Case, ...] = (
     *all_cases(batches=(Batch("verify", 32, 8, 32768),)),
     *all_cases(batches=(Batch("verify", 512, 8, 4096),), only=("moe_ffn", "mx_moe_ffn_mxfp4", "mx_moe_ffn_mxfp8")),
-    *all_cases(batches=(Batch("decode", 16, 1, 4096),), only=("ragged_sparse_attention", "ragged_paged_attention")),
+    *all_cases(batches=(Batch("decode", 16, 1, 4096),), only=("ragged_sparse_attention", "ragged_paged_attention",
+                                                               "ragged_sparse_attention_window",
+                                                               "ragged_paged_attention_window")),
     *all_cases(batches=(Batch("decode", 512, 1, 4096), Batch("prefill", 1, 512, 4096)), only=("ragged_index_topk",)),
 )
 

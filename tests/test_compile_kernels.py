@@ -57,7 +57,8 @@ def test_compile_gate(reports):
                  for r in ok if r.target.startswith("gfx") and r.occupancy < 2]
     # 4. Coverage: each target compiled each kernel family of every entry point (the indexer's fused, split-scores
     #    and selection kernels; each attention's pre-pass, walk and split-K merge), the 16- and 128-row walks on
-    #    AMD, and the gfx942 indexer's key page fits two workgroups per CU (32 KiB: one stage; two took 33,280 B).
+    #    AMD, the sliding-window variants of both attentions' walks (and the MSA union pre-pass), and the gfx942
+    #    indexer's key page fits two workgroups per CU (32 KiB: one stage; two took 33,280 B).
     want = {
         "ragged_index_topk_fused", "ragged_index_scores", "ragged_index_select",
         "ragged_sparse_attention_tiles", "ragged_sparse_attention", "ragged_sparse_attention_merge",
@@ -72,6 +73,10 @@ def test_compile_gate(reports):
         failures += [f"coverage: {target} compiled no {name} kernel" for name in sorted(missing)]
         failures += [f"coverage: {target} lowered nothing for {name}" for name, _ in cc.KERNELS
                      if not any(c.startswith(name + " ") for r in mine for c in r.cases)]
+        windowed = {_family(r.name) for r in mine if "_window" in r.name}
+        failures += [f"coverage: {target} compiled no windowed {name} kernel" for name in
+                     ("ragged_sparse_attention_tiles", "ragged_sparse_attention", "ragged_paged_attention")
+                     if name not in windowed]
         if target.startswith("gfx"):
             rows = {m.group(1) for r in mine for m in [re.search(r"attention_bq\d+_rows(\d+)_", r.name)] if m}
             failures += [f"coverage: {target} compiled no {n}-row walk" for n in ("16", "128") if n not in rows]

@@ -7,7 +7,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from minimax_jax.config import FULL_ATTENTION, SPARSE_ATTENTION, ConfigError, ConfigWarning, MiniMaxM3Config
+from minimax_jax.config import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    SPARSE_ATTENTION,
+    ConfigError,
+    ConfigWarning,
+    MiniMaxM3Config,
+)
 from minimax_jax.model import abstract_model
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
@@ -105,6 +112,56 @@ def test_errors_name_the_key(change, key):
     raw.update(change)
     with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
         MiniMaxM3Config.from_pretrained(raw)
+
+
+F, W, S = FULL_ATTENTION, SLIDING_ATTENTION, SPARSE_ATTENTION
+
+
+@pytest.mark.parametrize("change, types, window", [
+    ({}, (F, F, S, S), None),  # the published form: no window
+    ({"sliding_window": None, "use_sliding_window": False}, (F, F, S, S), None),
+    ({"sliding_window": 4096, "use_sliding_window": False}, (F, F, S, S), None),  # switched off: dropped
+    ({"sliding_window": 64}, (W, W, S, S), 64),  # model-wide: the dense layers slide, MSA layers take none
+    ({"sliding_window": 64, "use_sliding_window": True}, (W, W, S, S), 64),
+    ({"sliding_window": 7, "layer_types": [F, W, S, S]}, (F, W, S, S), 7),  # per layer, HF style
+])
+def test_sliding_window_keys(change, types, window):
+    raw = {**load_json("hf_tiny"), **change}
+    cfg = MiniMaxM3Config.from_pretrained(raw)
+    assert cfg.layer_types == types and cfg.sliding_window == window
+    assert [cfg.layer_window(i) for i in range(4)] == [window if t == W else None for t in types]
+    assert MiniMaxM3Config.from_pretrained(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"sliding_window": 0}, "sliding_window must be a positive integer"),
+    ({"sliding_window": -5}, "sliding_window must be a positive integer"),
+    ({"sliding_window": True}, "sliding_window must be a positive integer"),
+    ({"sliding_window": 2.5}, "sliding_window must be an integer"),
+    ({"sliding_window": [8, None, None, None]}, "per-layer list"),
+    ({"use_sliding_window": True}, "use_sliding_window is true but sliding_window is not set"),
+    ({"use_sliding_window": "yes", "sliding_window": 8}, "use_sliding_window must be true or false"),
+    ({"layer_types": [W, F, S, S]}, r"layer_types\[0\] is 'sliding_attention' but there is no sliding window"),
+    ({"layer_types": [W, F, S, S], "sliding_window": 8, "use_sliding_window": False}, "no sliding window"),
+    ({"sliding_window": 8, "max_window_layers": 2}, "max_window_layers"),
+    ({"sliding_window": 8, "layer_types": [S, S, S, S]}, "MSA layers"),
+])
+def test_sliding_window_refusals_name_the_key(change, message):
+    with pytest.raises(ConfigError, match=message):
+        MiniMaxM3Config.from_pretrained({**load_json("hf_tiny"), **change})
+
+
+def test_sliding_window_dataclass_validation():
+    tiny = MiniMaxM3Config.tiny(layer_types=(W, F, S, S), sliding_window=5)
+    assert tiny.layer_window(0) == 5 and tiny.layer_window(1) is None and tiny.layer_window(2) is None
+    with pytest.raises(ConfigError, match="no layer is 'sliding_attention'"):
+        MiniMaxM3Config.tiny(sliding_window=5)
+    with pytest.raises(ConfigError, match="sliding_window is not set"):
+        MiniMaxM3Config.tiny(layer_types=(W, F, S, S))
+    with pytest.raises(ConfigError, match="positive integer"):
+        MiniMaxM3Config.tiny(layer_types=(W, F, S, S), sliding_window=0)
+    # max_window_layers without a window is bookkeeping (Qwen2-style configs write it), not an error
+    MiniMaxM3Config.from_pretrained({**load_json("hf_tiny"), "max_window_layers": 28})
 
 
 def test_broken_json(tmp_path):

@@ -98,6 +98,23 @@ def test_greedy_equals_target_only_decoding(target, drafters, prompts, reference
         assert all(0.0 <= p <= 1.0 for p in pred if p == p) and 0.0 <= st["calibration_error"] <= 1.0
 
 
+def test_windowed_target_greedy_equals_target_only_decoding(prompts):
+    """A target whose dense layers slide (window 5, shorter than every prompt) generates exactly its own greedy
+    decode (the plain forward with the window), which differs from the unwindowed target's on some prompt."""
+    from minimax_jax.config import SLIDING_ATTENTION, SPARSE_ATTENTION
+
+    types = (SLIDING_ATTENTION,) * 2 + (SPARSE_ATTENTION,) * 2
+    target = damped_target(damping=0.3, layer_types=types, sliding_window=5)
+    plain = damped_target(damping=0.3)  # the same weights, no window
+    prompts, max_new = prompts[:3], MAX_NEW[:3]
+    refs = [greedy_reference(target, p, n) for p, n in zip(prompts, max_new)]
+    assert refs != [greedy_reference(plain, p, n) for p, n in zip(prompts, max_new)]
+    eng = Engine(target, bigram_drafter(target, block_size=7), num_speculative_tokens=3, verification="adaptive",
+                 cost_table=None, **COMMON)
+    res = eng.generate(prompts, sampling_params=greedy_params(max_new), progress=False)
+    assert [r.token_ids for r in res] == refs
+
+
 def test_adaptive_budget_trims_with_a_cost_table(target, drafters, prompts, references):
     """A steep verify cost makes the planner verify fewer drafts; outputs stay exact."""
     steep = CostTable.from_measurements({8: 1.0, 16: 3.0, 32: 6.0})

@@ -26,7 +26,15 @@ from pallas_kernels.platform import gpu_platform_name, on_gpu
 from pallas_kernels.sparse_attention import ragged_sparse_attention
 from pallas_kernels.tuning import AttentionLaunchConfig
 from tests import test_indexer as ti
-from tests.test_sparse_attention import VERIFY, args_of, assert_close, make_batch, oracle
+from tests.test_sparse_attention import (
+    VERIFY,
+    args_of,
+    assert_close,
+    make_batch,
+    oracle,
+    poison_before_window,
+    windowed_bf16_tol,
+)
 
 pytestmark = pytest.mark.skipif(not on_gpu(), reason="compiled Triton kernels need a GPU")
 
@@ -102,6 +110,41 @@ def test_paged_attention_compiled(dtype, page, dim, group, block_q, num_splits, 
     assert_close(out, oracle(batch, scale, dense=True), dtype, int(batch["query_start_loc"][-1]))
     public = ragged_paged_attention(*args_of(batch, dense=True), scale=scale, interpret=False)
     assert_close(public, oracle(batch, scale, dense=True), dtype, int(batch["query_start_loc"][-1]))
+
+
+@pytest.mark.parametrize(
+    "kernel, dtype, page, dim, group, window, block_q, num_splits, block_k",
+    [
+        ("dense", "f32", 16, 32, 2, 1, 4, 1, 16),
+        ("dense", "bf16", 32, 128, 16, 32, 8, 1, 32),
+        ("dense", "bf16", 16, 64, 8, 45, 1, 4, 16),
+        ("dense", "f32", 32, 64, 4, 1000, 8, 3, 16),
+        ("sparse", "f32", 16, 32, 2, 16, 4, 2, 16),
+        ("sparse", "bf16", 32, 128, 16, 77, 4, 1, 32),
+        ("sparse", "bf16", 16, 64, 8, 3, 1, 3, 16),
+    ],
+)
+def test_windowed_attention_compiled(kernel, dtype, page, dim, group, window, block_q, num_splits, block_k):
+    """Sliding windows (one key, a page, not a multiple of the page, past every context) compiled: NaN pages
+    before every window are never read, poisoned outputs, the public entry point with the chip's policy too."""
+    rng = np.random.default_rng(hash((kernel, dtype, page, window)) % 2**32)
+    batch = make_batch(rng, **LONG, page=page, dim=dim, kv_heads=2, group=group, topk=4, dtype=dtype)
+    batch, _ = poison_before_window(batch, window)
+    dense = kernel == "dense"
+    scale = dim**-0.5
+    expected = oracle(batch, scale, dense=dense, window=window)
+    num_valid = int(batch["query_start_loc"][-1])
+    ref_fn = pa.ragged_paged_attention_reference if dense else sa.ragged_sparse_attention_reference
+    tol = windowed_bf16_tol(ref_fn(*args_of(batch, dense=dense), scale=scale, window=window), expected)
+    pallas = pa.ragged_paged_attention_pallas if dense else sa.ragged_sparse_attention_pallas
+    config = AttentionLaunchConfig(block_q, num_splits, 4, 3, block_k)
+    out = pallas(*args_of(batch, dense=dense), scale=scale, config=config, interpret=False, poison=True,
+                 window=window)
+    assert_close(out, expected, dtype, num_valid, bf16_mean_tol=tol)
+    public = (ragged_paged_attention if dense else ragged_sparse_attention)(
+        *args_of(batch, dense=dense), scale=scale, window=window, interpret=False
+    )
+    assert_close(public, expected, dtype, num_valid, bf16_mean_tol=tol)
 
 
 def test_all_padding_batch_is_zero_compiled():

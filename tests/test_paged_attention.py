@@ -21,7 +21,16 @@ from pallas_kernels.paged_attention import ragged_paged_attention, ragged_paged_
 from pallas_kernels.platform import lower_for_gpu
 from pallas_kernels.sparse_attention import ragged_sparse_attention_reference
 from pallas_kernels.tuning import AttentionLaunchConfig
-from tests.test_sparse_attention import VERIFY, args_of, assert_close, make_batch, oracle
+from tests.test_sparse_attention import (
+    VERIFY,
+    WINDOWED,
+    args_of,
+    assert_close,
+    make_batch,
+    oracle,
+    poison_before_window,
+    windowed_bf16_tol,
+)
 
 
 def test_reference_matches_naive_oracle():
@@ -68,6 +77,42 @@ def test_kernel_matches_oracle_verify_batch(dtype, page, dim, group, block_q, nu
     assert_close(out, oracle(batch, scale, dense=True), dtype, int(batch["query_start_loc"][-1]))
 
 
+@pytest.mark.parametrize("dtype, page, window, block_q, num_splits, block_k", WINDOWED)
+def test_windowed_kernel_matches_oracle(dtype, page, window, block_q, num_splits, block_k):
+    """Each token attends to its last ``window`` positions: kernel (poisoned outputs; NaN pages before every
+    window, which it must never read) == reference == float64 oracle, on the mixed verification batch."""
+    rng = np.random.default_rng(hash(("dense", dtype, page, window, block_q)) % 2**32)
+    batch = make_batch(rng, **VERIFY, page=page, dim=16, kv_heads=2, group=3, dtype=dtype)
+    batch, poisoned = poison_before_window(batch, window)
+    scale = 0.25
+    if poisoned:  # positive control: without the window the poisoned pages are read
+        assert np.isnan(np.asarray(ragged_paged_attention_reference(*args_of(batch, dense=True), scale=scale))).any()
+    expected = oracle(batch, scale, dense=True, window=window)
+    num_valid = int(batch["query_start_loc"][-1])
+    config = AttentionLaunchConfig(block_q=block_q, num_splits=num_splits, num_warps=4, num_stages=2,
+                                   block_k=block_k)
+    out = pa.ragged_paged_attention_pallas(
+        *args_of(batch, dense=True), scale=scale, config=config, interpret=True, poison=True, window=window
+    )
+    ref = ragged_paged_attention_reference(*args_of(batch, dense=True), scale=scale, window=window)
+    assert_close(ref, expected, dtype, num_valid)
+    assert_close(out, expected, dtype, num_valid, bf16_mean_tol=windowed_bf16_tol(ref, expected))
+
+
+def test_windowed_prefill_chunk_public_entry_point():
+    """A 19-token prefill chunk with a 10-token window (default launch policy), beside a decode row."""
+    rng = np.random.default_rng(24)
+    batch = make_batch(rng, q_lens=[19, 1, 0], seq_lens=[59, 30, 0], page=8, dim=16, pad_slots=4)
+    batch, _ = poison_before_window(batch, 10)
+    for implementation in ("pallas", "reference"):
+        out = ragged_paged_attention(*args_of(batch, dense=True), scale=0.25, window=10,
+                                     implementation=implementation)
+        assert_close(out, oracle(batch, 0.25, dense=True, window=10), "f32", 20)
+    for bad in (0, -1, False, 3.0):
+        with pytest.raises(ValueError, match="window"):
+            ragged_paged_attention(*args_of(batch, dense=True), scale=0.25, window=bad)
+
+
 def test_prefill_chunk_public_entry_point():
     """A 19-token prefill chunk (continuing a 40-token context) beside decode rows, default launch policy."""
     rng = np.random.default_rng(23)
@@ -112,6 +157,10 @@ def test_lowers_for_gpu(chip):
             chip=chip,
         )
         assert "triton" in text.lower() and "ragged_paged_attention_bq" in text
+    # A windowed variant (a 4,000-token window, not a multiple of the page) of the split-K decode shape.
+    text = lower_for_gpu(ragged_paged_attention, *shapes, platform=tuning.chip_platform(chip), scale=128**-0.5,
+                         interpret=False, chip=chip, window=4000)
+    assert "ragged_paged_attention_bq" in text and "_window4000" in text
 
 
 def test_supports_reports_the_limits():

@@ -22,7 +22,7 @@ import pytest
 
 from pallas_kernels import attention_walk, tuning
 from pallas_kernels import sparse_attention as sa
-from pallas_kernels._common import num_tiles_bound, tile_table
+from pallas_kernels._common import num_tiles_bound, tile_table, window_walk_bound
 from pallas_kernels.platform import lower_for_gpu
 from pallas_kernels.sparse_attention import (
     ragged_sparse_attention,
@@ -40,8 +40,9 @@ from pallas_kernels.tuning import (
 # ------------------------------------------------------------------------------------------------------------
 
 
-def naive_attention(q, kc, vc, bt, seq_lens, qsl, sel, *, scale):
-    """By definition, one (token, query head) at a time in float64. ``sel=None`` means every block (dense)."""
+def naive_attention(q, kc, vc, bt, seq_lens, qsl, sel, *, scale, window=None):
+    """By definition, one (token, query head) at a time in float64. ``sel=None`` means every block (dense);
+    ``window``: only the keys ``pos - window < j <= pos``."""
     q = np.asarray(q, np.float64)
     kc = np.asarray(kc, np.float64)
     vc = np.asarray(vc, np.float64)
@@ -57,7 +58,8 @@ def naive_attention(q, kc, vc, bt, seq_lens, qsl, sel, *, scale):
             for qh in range(h_q):
                 g = qh // group
                 chosen = range(pos // page + 1) if sel is None else {int(b) for b in sel[t, g] if b >= 0}
-                keys = [j for j in range(pos + 1) if j // page in chosen]
+                lo = 0 if window is None else max(0, pos - window + 1)
+                keys = [j for j in range(lo, pos + 1) if j // page in chosen]
                 if not keys:
                     continue
                 k = np.stack([kc[g, bt[r, j // page], j % page] for j in keys])
@@ -160,7 +162,7 @@ def args_of(batch, dense=False):
     return [batch[n] for n in names]
 
 
-def oracle(batch, scale, dense=False):
+def oracle(batch, scale, dense=False, window=None):
     b = {
         k: np.asarray(v.astype(jnp.float32) if jnp.issubdtype(v.dtype, jnp.floating) else v)
         for k, v in batch.items()
@@ -174,17 +176,18 @@ def oracle(batch, scale, dense=False):
         b["query_start_loc"],
         None if dense else b["block_indices"],
         scale=scale,
+        window=window,
     )
 
 
-def assert_close(out, expected, dtype, num_valid):
+def assert_close(out, expected, dtype, num_valid, *, bf16_mean_tol=3e-4):
     out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
     assert not np.isnan(out).any(), "NaN in the output"
     assert np.all(out[num_valid:] == 0.0), "padding slots must be exact zeros"
     err = np.abs(out - expected)
     if dtype == "bf16":
         assert err.max() <= 2e-2, f"bf16 max abs err {err.max():.3g}"
-        assert err.mean() <= 3e-4, f"bf16 mean abs err {err.mean():.3g}"
+        assert err.mean() <= bf16_mean_tol, f"bf16 mean abs err {err.mean():.3g}"
     else:
         assert err.max() <= 1e-5, f"f32 max abs err {err.max():.3g}"
 
@@ -306,6 +309,123 @@ def test_all_padding_batch_is_zero():
         *args_of(batch), scale=0.2, config=AttentionLaunchConfig(2, 2, 4, 2, 2), interpret=True, poison=True
     )
     assert np.all(np.asarray(out) == 0.0)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Sliding window.
+# ------------------------------------------------------------------------------------------------------------
+
+
+def poison_before_window(batch, window):
+    """NaN K and V in every page that ends before the window of its request's first new token: the windowed
+    kernels must never read them (a read turns the output NaN, masked or not)."""
+    page = batch["k_cache"].shape[2]
+    kc, vc = np.array(batch["k_cache"], np.float32), np.array(batch["v_cache"], np.float32)
+    qsl, seq, tables = (np.asarray(batch[k]) for k in ("query_start_loc", "seq_lens", "block_tables"))
+    poisoned = 0
+    for r in range(len(seq)):
+        first = int(seq[r]) - int(qsl[r + 1] - qsl[r])  # position of the row's first new token
+        for b in range(max(0, first - window + 1) // page):
+            kc[:, tables[r, b]] = np.nan
+            vc[:, tables[r, b]] = np.nan
+            poisoned += 1
+    dtype = batch["k_cache"].dtype
+    return {**batch, "k_cache": jnp.asarray(kc, dtype), "v_cache": jnp.asarray(vc, dtype)}, poisoned
+
+
+def windowed_bf16_tol(ref, expected):
+    """bf16 mean-error tolerance of a windowed case: a few keys per query give larger outputs than the
+    unwindowed batches (whose 3e-4 budget is mostly output rounding), so allow twice the error of the bf16
+    reference itself (f32 math, one rounding of the output), at least the usual 3e-4."""
+    floor = np.abs(np.asarray(jnp.asarray(ref, jnp.float32), np.float64) - expected).mean()
+    return max(3e-4, 2 * floor)
+
+
+# Windows of one key, a page, not a multiple of the page, and past every context (the whole causal range).
+WINDOWED = [
+    # dtype, page, window, block_q, num_splits, block_k
+    ("f32", 4, 1, 4, 1, 4),
+    ("f32", 8, 8, 2, 3, 4),
+    ("bf16", 4, 6, 8, 2, 2),
+    ("f32", 8, 13, 1, 2, 8),
+    ("f32", 4, 200, 4, 1, 2),
+]
+
+
+@pytest.mark.parametrize("dtype, page, window, block_q, num_splits, block_k", WINDOWED)
+def test_windowed_kernel_matches_oracle(dtype, page, window, block_q, num_splits, block_k):
+    """A token sees its last ``window`` positions of its selected blocks: kernel (poisoned outputs, NaN pages
+    before every window) == reference == the float64 oracle, on the mixed verification batch (padding slots,
+    zero-length rows, contexts not a multiple of the page)."""
+    rng = np.random.default_rng(hash((dtype, page, window, block_q)) % 2**32)
+    batch = make_batch(rng, **VERIFY, page=page, dim=16, kv_heads=2, group=2, topk=3, dtype=dtype)
+    batch, poisoned = poison_before_window(batch, window)
+    assert poisoned > 0 or window >= 70
+    scale = 0.25
+    if poisoned:  # positive control: without the window the poisoned pages are read
+        assert np.isnan(np.asarray(ragged_sparse_attention_reference(*args_of(batch), scale=scale))).any()
+    expected = oracle(batch, scale, window=window)
+    num_valid = int(batch["query_start_loc"][-1])
+    config = AttentionLaunchConfig(block_q=block_q, num_splits=num_splits, num_warps=4, num_stages=2,
+                                   block_k=block_k)
+    out = sa.ragged_sparse_attention_pallas(
+        *args_of(batch), scale=scale, config=config, interpret=True, poison=True, window=window
+    )
+    ref = ragged_sparse_attention_reference(*args_of(batch), scale=scale, window=window)
+    assert_close(ref, expected, dtype, num_valid)
+    assert_close(out, expected, dtype, num_valid, bf16_mean_tol=windowed_bf16_tol(ref, expected))
+    if window >= 70:  # the whole causal range: the window changes nothing
+        assert_close(ref, oracle(batch, scale), dtype, num_valid)
+
+
+def test_windowed_union_drops_blocks_before_every_window():
+    """With a window the pre-pass leaves out the selected blocks that end before the tile's first window."""
+    rng = np.random.default_rng(41)
+    page, window, block_q = 4, 6, 4
+    batch = make_batch(rng, q_lens=[8, 1, 0, 3], seq_lens=[40, 17, 0, 26], page=page, dim=16, kv_heads=2, topk=4)
+    sel = np.asarray(batch["block_indices"])
+    config = AttentionLaunchConfig(block_q=block_q, num_splits=1, num_warps=4, num_stages=2)
+    tiles, counts, union = (
+        np.asarray(x)
+        for x in sa._tile_union_prepass(
+            batch["query_start_loc"], batch["seq_lens"], batch["block_tables"], batch["block_indices"],
+            num_tokens=sel.shape[0], page=page, config=config, interpret=True, window=window,
+        )
+    )
+    dropped = 0
+    for i, (req, tok0, ntok, pos0) in enumerate(tiles):
+        for g in range(sel.shape[1]):
+            if req < 0 or ntok == 0:
+                assert counts[i, g].tolist() == [0, 0]
+                continue
+            lo, hi = max(0, pos0 - window + 1) // page, (pos0 + ntok - 1) // page
+            chosen = {int(b) for t in range(ntok) for b in sel[tok0 + t, g] if 0 <= b <= hi}
+            blocks = sorted(b for b in chosen if b >= lo)
+            dropped += len(chosen) - len(blocks)
+            assert counts[i, g].tolist() == [sum(b < (pos0 + 1) // page for b in blocks), len(blocks)]
+            np.testing.assert_array_equal(union[i, g, 1, : len(blocks)], blocks)
+    assert dropped > 0
+
+
+def test_window_bounds_the_walk_the_launch_policy_sees():
+    """Split-K is sized for the blocks a one-token window touches, not the table's width."""
+    assert window_walk_bound(256, 128, None) == 256
+    assert window_walk_bound(256, 128, 4000) == 33  # cdiv(3999, 128) + 1
+    assert window_walk_bound(256, 128, 1) == 1 and window_walk_bound(256, 128, 129) == 2  # 129 keys: 2 pages
+    assert window_walk_bound(256, 128, 130) == 3
+    assert window_walk_bound(4, 128, 10**6) == 4
+    sparse = {"num_q_heads": 64, "num_kv_heads": 4, "topk": 16, "chip": "hopper", "num_tokens": 1, "num_requests": 1}
+    full = sparse_attention_launch_config(max_blocks=256, **sparse)
+    small = sparse_attention_launch_config(max_blocks=window_walk_bound(256, 128, 129), **sparse)
+    assert small.num_splits <= 2 < full.num_splits
+
+
+def test_bad_window_raises():
+    b = make_batch(np.random.default_rng(8), q_lens=[2], seq_lens=[10], page=4, dim=16)
+    for fn in (ragged_sparse_attention, ragged_sparse_attention_reference):
+        for bad in (0, -3, True, 2.5, "8"):
+            with pytest.raises(ValueError, match="window"):
+                fn(*args_of(b), scale=0.1, window=bad)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -510,6 +630,10 @@ def test_lowers_for_gpu(chip):
         assert "triton" in text.lower() and "ragged_sparse_attention_bq" in text
         if num_rows == 1:  # split-K: the merge kernel is there too
             assert "ragged_sparse_attention_merge_splits" in text
+    # A windowed variant (a 4,000-token window, not a multiple of the page) of the split-K decode shape.
+    text = lower_for_gpu(ragged_sparse_attention, *shapes, platform=tuning.chip_platform(chip), scale=128**-0.5,
+                         interpret=False, chip=chip, window=4000)
+    assert "ragged_sparse_attention_tiles_bq" in text and "_window4000" in text
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
