@@ -75,6 +75,15 @@ from spec_decode.synthetic import acceptance_rates, conditional_rates
 __all__ = ["Engine", "GenerationResult", "GenerationResults", "generate_offline"]
 
 
+def _compile_order(name) -> tuple:
+    """Warm-up compiles the longest programs first (they start first and do not trail the rest): the device loops
+    (a step per token bucket in one program), then the sampling step programs, then the greedy ones, larger token
+    buckets first, then the history writer."""
+    if isinstance(name, StepKey):
+        return 1, not name.sampling, -name.tokens
+    return (0, False, 0) if isinstance(name, tuple) else (2, False, 0)
+
+
 class Engine:
     """DSpark speculative decoding with adaptive verification over a paged MiniMax-M3 target.
 
@@ -448,7 +457,6 @@ class Engine:
         with compile_counter() as compiled:
             if self._state is None:
                 self._state = self._init_state()
-            params = (self._target_params, self._drafter_params)
             # what is missing: step programs, the history writer, device loops ("loop", sampling, width)
             names = list(self._programs.missing)
             if self._state.token_counts is not None and self._history_program is None:
@@ -458,19 +466,10 @@ class Engine:
             loaded, digests = self._load_executables(names)
             t_loaded = time.perf_counter()
             todo = [name for name in names if name not in loaded]
-            lowered = self._programs.lower(*params, self._state, self._example_plan,
-                                           keys=[name for name in todo if isinstance(name, StepKey)])
-            if "history" in todo:
-                lowered["history"] = self._history_jit().lower(
-                    self._state.token_counts, self._state.prompt_mask, np.int32(0),
-                    np.full(self.max_model_len, -1, np.int32), np.int32(0))
-            for name in todo:
-                if isinstance(name, tuple) and name[0] == "loop":
-                    lowered[name] = self._loop_jit(*name[1:]).lower(*params, self._state,
-                                                                     self._example_loop_inputs())
-            t_lowered = time.perf_counter()
+            todo.sort(key=_compile_order)
             seconds: dict = {}
-            done = compile_in_pool(lowered, progress=show, desc="compiling", seconds=seconds)
+            done, lower_s = compile_in_pool(((name, self._lowering(name)) for name in todo), total=len(todo),
+                                            progress=show, desc="compiling", seconds=seconds)
             t_compiled = time.perf_counter()
             if digests:
                 for name, exe in done.items():
@@ -485,7 +484,7 @@ class Engine:
                 self._load_or_profile_costs(show)
         self.num_compiles += len(compiled)
         report = CompileReport(programs=len(names), compiled=len(compiled), seconds=time.perf_counter() - t0,
-                               lower_seconds=t_lowered - t_loaded, compile_seconds=t_compiled - t_lowered,
+                               lower_seconds=lower_s, compile_seconds=t_compiled - t_loaded - lower_s,
                                loaded=len(loaded), load_seconds=t_loaded - t0,
                                slowest=tuple(sorted(((str(k), round(v, 2)) for k, v in seconds.items()),
                                                     key=lambda kv: -kv[1])[:6]))
@@ -494,6 +493,18 @@ class Engine:
         self.warmup_report = report
         print(f"minimax-jax: warm-up: {report}", file=sys.stderr)
         return report
+
+    def _lowering(self, name):
+        """A function that lowers the program ``name`` of :meth:`_warmup` (a step key, ``"history"`` or
+        ``("loop", sampling, width)``)."""
+        params = (self._target_params, self._drafter_params)
+        if isinstance(name, StepKey):
+            return self._programs.lowering(name, *params, self._state, self._example_plan)
+        if name == "history":
+            s = self._state
+            return lambda: self._history_jit().lower(s.token_counts, s.prompt_mask, np.int32(0),
+                                                     np.full(self.max_model_len, -1, np.int32), np.int32(0))
+        return lambda: self._loop_jit(*name[1:]).lower(*params, self._state, self._example_loop_inputs())
 
     def _loop_jit(self, sampling: bool, width: int | None):
         """The device loop (greedy or sampling programs, carrying ``width`` log-probabilities or none), jitted."""
@@ -512,7 +523,7 @@ class Engine:
                   repr(nnx.graphdef(self.drafter)) if self.drafter is not None else None,
                   abstract(flat), abstract(self._state), repr(self._step_config),
                   repr(self.loop_config), self.max_num_seqs, self.num_stop_ids, self.max_model_len)
-        loaded, digests = {}, {}
+        digests = {}
         for name in names:
             if isinstance(name, StepKey):
                 parts = ("step", repr(name), pack_plan(self._example_plan(name)).shape)
@@ -520,13 +531,13 @@ class Engine:
                 parts = ("history",)
             else:
                 parts = (repr(name), abstract(self._example_loop_inputs()))
-            digest = program_digest(common, parts)
-            exe = self._executables.load(digest)
-            if exe is None:
-                digests[name] = digest
-            else:
-                loaded[name] = exe
-        return loaded, digests
+            digests[name] = program_digest(common, parts)
+        # loading is mostly the runtime's work (reading and placing the kernels): in a thread pool
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 1, 16))) \
+                as pool:
+            found = dict(zip(names, pool.map(self._executables.load, [digests[n] for n in names])))
+        loaded = {name: exe for name, exe in found.items() if exe is not None}
+        return loaded, {name: d for name, d in digests.items() if name not in loaded}
 
     def _history_jit(self):
         """:func:`spec_decode.penalties.write_history` jitted for the engine's state (its two arrays donated)."""

@@ -77,8 +77,8 @@ class CompileReport:
     programs: int = 0  # programs made ready
     compiled: int = 0  # XLA backend compilations (0 when every program came from the persistent cache)
     seconds: float = 0.0
-    lower_seconds: float = 0.0  # tracing and lowering (one thread)
-    compile_seconds: float = 0.0  # XLA compilation or cache loads (the thread pool)
+    lower_seconds: float = 0.0  # tracing and lowering (the calling thread)
+    compile_seconds: float = 0.0  # XLA compilation or cache loads (a thread pool), beyond what overlapped lowering
     loaded: int = 0  # programs loaded from the executable store (neither traced nor compiled)
     load_seconds: float = 0.0  # loading them
     slowest: tuple = ()  # (program, seconds) of the longest compilations (or cache loads), longest first
@@ -93,11 +93,13 @@ class CompileReport:
         return CompileReport(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
 
-def compile_in_pool(lowered: dict, *, progress: bool, desc: str, seconds: dict | None = None) -> dict:
-    """Compile ``{key: jax.stages.Lowered}`` in a thread pool; ``{key: compiled}``. ``seconds``, when given, gets
-    each key's compile time (in its worker)."""
-    if not lowered:
-        return {}
+def compile_in_pool(programs, *, total: int, progress: bool, desc: str,
+                    seconds: dict | None = None) -> tuple[dict, float]:
+    """Lower each ``(key, lower)`` of ``programs`` in this thread (``lower()`` returns a ``jax.stages.Lowered``:
+    tracing holds the GIL) and compile it in a thread pool as soon as it is lowered (XLA compiles outside the
+    GIL), so tracing overlaps compiling. Put the longest compilations first: they start first and do not trail the
+    rest. Returns ``({key: compiled}, seconds spent lowering)``; ``seconds``, when given, gets each key's compile
+    time (in its worker)."""
 
     def timed(key, low):
         t = time.perf_counter()
@@ -105,22 +107,27 @@ def compile_in_pool(lowered: dict, *, progress: bool, desc: str, seconds: dict |
         if seconds is not None:
             seconds[key] = time.perf_counter() - t
         return out
+
     bar = None
-    if progress:
+    if progress and total:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(lowered), unit="program", desc=desc, file=sys.stderr, leave=False)
-    workers = max(1, min(len(lowered), os.cpu_count() or 1, 16))
-    out = {}
+        bar = tqdm(total=total, unit="program", desc=desc, file=sys.stderr, leave=False)
+    workers = max(1, min(total, os.cpu_count() or 1, 16))
+    out, futures, lowering = {}, {}, 0.0
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = {pool.submit(timed, key, low): key for key, low in lowered.items()}
+        for key, lower in programs:
+            t = time.perf_counter()
+            low = lower()
+            lowering += time.perf_counter() - t
+            futures[pool.submit(timed, key, low)] = key
         for fut in concurrent.futures.as_completed(futures):
             out[futures[fut]] = fut.result()
             if bar is not None:
                 bar.update(1)
     if bar is not None:
         bar.close()
-    return out
+    return out, lowering
 
 
 _INT_FIELDS = ("rows", "prefill_len", "prefill_start", "prefill_last", "resume_token", "scheduled", "top_k", "seed",
@@ -236,12 +243,10 @@ class StepPrograms:
         """The parameters as the programs take them (two tuples of arrays)."""
         return self._flat(target_params, drafter_params)
 
-    def lower(self, target_params, drafter_params, state, plan_for, keys=None) -> dict:
-        """``{key: Lowered}`` of ``keys`` (default: the programs not compiled yet); ``plan_for(key)`` gives an
-        example host plan."""
+    def lowering(self, key: StepKey, target_params, drafter_params, state, plan_for):
+        """A function that lowers ``key``'s program (``plan_for(key)`` gives an example host plan)."""
         flat = self._flat(target_params, drafter_params)
-        return {key: self._fns[key].lower(*flat, state, pack_plan(plan_for(key)))
-                for key in (self.missing if keys is None else keys)}
+        return lambda: self._fns[key].lower(*flat, state, pack_plan(plan_for(key)))
 
     def install(self, compiled: dict) -> None:
         self._compiled.update(compiled)
