@@ -48,17 +48,19 @@ from pallas_kernels.tuning import (
     paged_attention_launch_config,
     sparse_attention_launch_config,
 )
-from scripts import bench_common
+from scripts import bench_common, bench_shapes
 
-M3 = {"num_q_heads": 64, "num_kv_heads": 4, "head_dim": 128, "page": 128, "topk": 16}
+M3 = bench_shapes.m3_attention()  # 64 query / 4 KV heads of 128, page 128, topk 16
 
-SIZES = {
-    "512x8x4K": {"num_requests": 512, "q_len": 8, "context": 4096},
-    "512x1x4K": {"num_requests": 512, "q_len": 1, "context": 4096},
-    "1x8x32K": {"num_requests": 1, "q_len": 8, "context": 32768},
-}
+
+def _sizes(batches) -> dict:
+    return {b.size if b.context >= 1024 else f"{b.requests}x{b.tokens}x{b.context}":
+            {"num_requests": b.requests, "q_len": b.tokens, "context": b.context} for b in batches}
+
+
+SIZES = _sizes(bench_shapes.ATTENTION_BATCHES)  # 512x8x4K, 512x1x4K, 1x8x32K
 # Tiny size for a CPU smoke run of the whole bench path (interpret mode), not a measurement.
-QUICK_SIZES = {"2x4x512": {"num_requests": 2, "q_len": 4, "context": 512}}
+QUICK_SIZES = _sizes(bench_shapes.ATTENTION_QUICK)
 # Copy-rate probe size: 1 GiB is far past the L2 (~60 MB); back-to-back timing keeps ``reps`` outputs alive,
 # so 4 GiB x 20 outputs does not fit beside XLA's preallocated pool on a 141 GB H200 (it ran out of memory).
 COPY_BYTES = 1 << 30
