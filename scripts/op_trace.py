@@ -26,8 +26,8 @@ import collections
 import dataclasses
 import glob
 import re
-import statistics
 import tempfile
+import time
 from collections.abc import Callable
 
 import jax
@@ -35,7 +35,8 @@ import jax
 UNATTRIBUTED = "(unattributed)"
 # Name-stack parts JAX adds for transforms and control flow; never a scope of the model.
 _TRANSFORM_PARTS = {"while", "body", "cond", "branch", "shard_map", "checkpoint", "remat", "pjit", "closed_call",
-                    "custom_jvp_call", "custom_vjp_call", "scan", "switch", "jvp", "transpose", "vmap"}
+                    "custom_jvp_call", "custom_vjp_call", "scan", "switch", "jvp", "transpose", "vmap",
+                    "eval_jaxpr"}
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
@@ -46,7 +47,7 @@ def scope_of(op_name: str) -> tuple[str, ...]:
     """The named-scope path of an HLO ``op_name``: ``"jit(step)/layer0/qkv_proj/jit(f)/dot_general"`` ->
     ``("layer0", "qkv_proj")``."""
     parts = op_name.split("/")[:-1]
-    return tuple(p for p in parts if p and "(" not in p and p not in _TRANSFORM_PARTS
+    return tuple(p for p in parts if p and "(" not in p and "->" not in p and p not in _TRANSFORM_PARTS
                  and not p.startswith("branch_"))
 
 
@@ -217,13 +218,15 @@ class ScopeTimes:
     """Seconds per run (mean over the traced runs) of each scope path, and of the whole run."""
 
     scopes: dict[tuple[str, ...], float]  # scope path -> seconds (UNATTRIBUTED: ``(UNATTRIBUTED,)``)
-    span_s: float  # median over runs of first event start -> last event end
+    span_s: float  # mean over runs of first event start -> last event end
     busy_s: float  # mean over runs of the time some event ran (the sum of ``scopes``)
     kernel_sum_s: float  # mean over runs of the raw event durations (overlaps counted twice)
     runs: int
     events_per_run: float
     platform: str
     unattributed_ops: dict[str, float]  # the biggest unattributed instructions / kernels, seconds per run
+    kernels: dict[tuple[str, ...], float] = dataclasses.field(default_factory=dict)  # events per run per scope
+    wall_s: float | None = None  # mean host wall time of a traced call (profile_compiled)
 
     @property
     def unattributed_s(self) -> float:
@@ -241,6 +244,7 @@ def attribute(events: list[Event], scopes: dict[str, tuple[str, ...]], *, calls:
     if not runs:
         raise RuntimeError("the trace holds no event of the program (wrong module name, or no profiler data)")
     totals: dict[tuple[str, ...], float] = collections.defaultdict(float)
+    counts: dict[tuple[str, ...], int] = collections.defaultdict(int)
     missing: dict[str, float] = collections.defaultdict(float)
     spans, busy, raw = [], [], []
     for run in runs:
@@ -251,25 +255,34 @@ def attribute(events: list[Event], scopes: dict[str, tuple[str, ...]], *, calls:
                 scope = (UNATTRIBUTED,)
                 missing[e.op] += s * 1e-9
             totals[scope] += s * 1e-9
+            counts[scope] += 1
         spans.append(1e-9 * (max(e.start_ns + e.dur_ns for e in run) - min(e.start_ns for e in run)))
         busy.append(1e-9 * sum(shares))
         raw.append(1e-9 * sum(e.dur_ns for e in run))
     n = len(runs)
     top = dict(sorted(((k, v / n) for k, v in missing.items()), key=lambda kv: -kv[1])[:12])
-    return ScopeTimes({k: v / n for k, v in totals.items()}, statistics.median(spans), sum(busy) / n,
-                      sum(raw) / n, n, sum(len(r) for r in runs) / n, platform, top)
+    return ScopeTimes({k: v / n for k, v in totals.items()}, sum(spans) / n, sum(busy) / n,
+                      sum(raw) / n, n, sum(len(r) for r in runs) / n, platform, top,
+                      {k: v / n for k, v in counts.items()})
 
 
 def profile_compiled(compiled, run_once: Callable[[], object], *, calls: int) -> ScopeTimes:
-    """Trace ``calls`` synchronised runs of ``run_once()`` (which calls ``compiled``) and attribute them."""
+    """Trace ``calls`` synchronised runs of ``run_once()`` (which calls ``compiled``) and attribute them;
+    ``wall_s`` of the result is the mean host wall time of those traced calls (each one's events run inside
+    it, so ``busy_s <= span_s <= wall_s``)."""
     text = compiled.as_text()
     module = module_name(text)
+    walls = []
 
     def many():
         out = None
         for _ in range(calls):
+            t0 = time.perf_counter()
             out = jax.block_until_ready(run_once())
+            walls.append(time.perf_counter() - t0)
         return out
 
     events, platform = trace(many, module)
-    return attribute(events, hlo_scopes(text), calls=calls, platform=platform)
+    times = attribute(events, hlo_scopes(text), calls=calls, platform=platform)
+    times.wall_s = sum(walls) / len(walls)
+    return times
