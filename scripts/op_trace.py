@@ -28,6 +28,7 @@ import glob
 import re
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 
 import jax
@@ -122,7 +123,9 @@ def _events_of(data, module: str) -> tuple[list[Event], str]:
             lines = [ln for ln in lines if "stream" in ln.name.lower()]  # not the derived "XLA Ops" lines
         for line in lines:
             for e in line.events:
-                stats = dict(e.stats)
+                with warnings.catch_warnings():  # "builtin type event_stats has no __module__" (jax 0.12)
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    stats = dict(e.stats)
                 mod = _stat(stats, "hlo_module")
                 op = _stat(stats, "hlo_op")
                 if mod is not None and mod != module:

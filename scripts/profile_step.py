@@ -902,6 +902,134 @@ def profile_draft(
     }
 
 
+# ----------------------------------------------------------------------------------------------- engine step
+def _prefixed(costs: dict, root: str, prefix: str) -> dict:
+    return {(root, *k): dataclasses.replace(c, name=f"{prefix}{c.name}") for k, c in costs.items()}
+
+
+def profile_engine(
+    model,
+    num_rows: int,
+    *,
+    context: int,
+    num_draft_layers: int,
+    block_size: int,
+    num_features: int,
+    implementation: str,
+    chip: ChipPeak,
+    warmup: int,
+    iters: int,
+    trace_calls: int,
+    seed: int,
+    log=print,
+) -> dict:
+    """One speculative step of the engine (``spec_decode.step.make_step_fn``, greedy, ``mode="fixed"``, every
+    row drafting and verifying K tokens, ``commit=False`` so every call sees the same lengths), traced: its parts
+    (``install_tables``, ``draft``, ``pack``, ``verify``, ``rejection``, ``bookkeeping``) and, inside ``draft``
+    and ``verify``, the drafter's and the target's ops with their rooflines. The verify rows' data-dependent
+    sizes come from a probe batch of the same shape (the anchor and random draft ids at each row's context)."""
+    from spec_decode.step import StepConfig, StepPlan, init_state
+    from spec_decode.step import make_step_fn as make_engine_step
+
+    cfg = model.cfg
+    dtype = model.dtype
+    k = block_size
+    dcfg = DSparkConfig.for_target(cfg, mask_token_id=cfg.vocab_size - 1, block_size=k,
+                                   num_draft_layers=num_draft_layers,
+                                   target_layer_ids=tuple(range(min(num_features, cfg.num_hidden_layers))),
+                                   enable_confidence_head=True)
+    drafter = make_random(DSparkDrafter, dcfg, embed_tokens=model.embed_tokens[...], lm_head=model.lm_head[...],
+                          dtype=dtype, seed=seed + 11)
+    page = page_size_for(cfg)
+    max_model_len = context + 1 + k + 16
+    nb = -(-max_model_len // page)
+    num_pages = num_rows * nb
+    name = f"R{num_rows}xK{k}xL{num_draft_layers}"
+    log(f"# engine step {name}: {num_rows} decode rows at {context} context, K = {k} drafted and verified, "
+        f"{num_draft_layers} draft layers")
+    state = init_state(model, drafter, num_slots=num_rows, num_pages=num_pages, max_model_len=max_model_len,
+                       num_speculative_tokens=k, use_estimator=False)
+    rng = np.random.default_rng(seed + 12)
+    tables = jnp.asarray(rng.permutation(num_pages).reshape(num_rows, nb), jnp.int32)
+    dc = state.draft_cache
+    dk, dv = normal_arrays([(dc.k.shape, dc.k.dtype)] * 2, seed + 13)
+    lengths = jnp.full((num_rows,), context, jnp.int32)
+    state = dataclasses.replace(
+        state, cache=make_paged_cache(cfg, num_pages, dtype=dtype, seed=seed),
+        draft_cache=dataclasses.replace(dc, k=dk, v=dv, lengths=lengths), num_cached=lengths,
+        last_token=jnp.asarray(rng.integers(0, cfg.vocab_size, num_rows), jnp.int32))
+    r, t = num_rows, num_rows * (1 + k)
+
+    def z(dt=np.int32):
+        return np.zeros(r, dt)
+
+    plan = StepPlan(rows=np.arange(r, dtype=np.int32), prefill_tokens=np.zeros(t, np.int32), prefill_len=z(),
+                    prefill_start=z(), prefill_last=z(bool), resume_token=np.full(r, -1, np.int32),
+                    block_tables=np.asarray(tables), scheduled=np.full(r, k, np.int32),
+                    budget=np.asarray(r * k, np.int32), temperature=z(np.float32), top_k=z(),
+                    top_p=np.ones(r, np.float32), seed=np.arange(r, dtype=np.int32),
+                    limit=np.full(r, max_model_len, np.int32), prefill_emitted=z(),
+                    stop_ids=np.full((r, 1), -1, np.int32), commit=np.asarray(False))
+    plan = jax.tree.map(jnp.asarray, plan)
+    config = StepConfig(num_speculative_tokens=k, mode="fixed", num_logit_rows=t, implementation=implementation,
+                        capture_layers=dcfg.target_layer_ids)
+    step = jax.jit(make_engine_step(model, drafter, config), donate_argnums=(2,) if _donate() else ())
+    tparams, dparams = nnx.state(model), nnx.state(drafter)
+    # the verify batch's shape for the roofline: every row's anchor + K drafts at context + 1 + K
+    v_inp = make_verify_inputs(cfg, num_requests=r, q_len=1 + k, context=context + 1 + k, num_pages=num_pages,
+                               seed=seed)
+    v_inp = dataclasses.replace(v_inp, batch=dataclasses.replace(v_inp.batch, block_tables=tables))
+    selections, experts_hit = verify_probe(model, state.cache, v_inp, implementation=implementation,
+                                           moe_implementation=None)
+    compiled, compile_s = _compile(step, tparams, dparams, state, plan)
+    holder = {"state": state}
+
+    def call():
+        holder["state"], out = compiled(tparams, dparams, holder["state"], plan)
+        return out.tokens
+
+    tokens = np.asarray(call())
+    t_whole, times = _traced(compiled, call, warmup=warmup, iters=iters, trace_calls=trace_calls)
+    d_inp = dataclasses.replace(make_draft_inputs(drafter, r, context, nb * page, sampling="greedy", seed=seed),
+                                block_tables=tables)
+    ctx = dataclasses.replace(d_inp, features=jax.ShapeDtypeStruct((t, dcfg.feature_size), dtype))
+    costs = {
+        ("install_tables",): Cost("install_tables", 0.0, float(3 * r * nb * 4), "engine",
+                                  note="the step's block tables into its slots' draft-cache rows (int32)"),
+        **_prefixed(draft_costs(drafter, d_inp, page=page, sampling="greedy"), "draft", "draft."),
+        **_prefixed(verify_costs(cfg, v_inp, dtype=dtype, selections=selections, experts_hit=experts_hit),
+                    "verify", "verify."),
+        # the step computes the write's positions itself (bookkeeping), then DSparkDrafter.write_context
+        **{("bookkeeping", *key): c for key, c in context_costs(drafter, ctx).items() if key[-1] != "positions"},
+    }
+    rows = scope_rows(times, costs, chip)
+    for row in rows:
+        log(_one_line(row))
+    parts = ("install_tables", "draft", "pack", "verify", "rejection", "bookkeeping", "logprobs")
+    whole = {"whole_step_ms": 1e3 * t_whole["median"], "whole_step_min_ms": 1e3 * t_whole["min"],
+             "whole_step_compile_s": compile_s,
+             "tokens_finite": bool(np.all((tokens >= -1) & (tokens < cfg.vocab_size))),
+             "ms_by_part": {p: 1e3 * times.total((p,)) for p in parts if times.total((p,)) > 0}}
+    summary = summarise(rows, whole, times, chip)
+    log(f"# engine step {name}: whole step {summary['whole_step_ms']:.3f} ms, device span "
+        f"{summary['device_span_ms']:.3f} ms; by part (ms) "
+        + ", ".join(f"{p} {v:.3f}" for p, v in summary["ms_by_part"].items()))
+    del state, drafter
+    gc.collect()
+    return {
+        "step": "engine",
+        "shape": name,
+        "num_rows": r,
+        "block_size": k,
+        "draft_layers": num_draft_layers,
+        "context": context,
+        "tokens": t,
+        "implementation": implementation,
+        "summary": summary,
+        "rows": rows,
+    }
+
+
 def draft_attention_impls(spec: str) -> list[str]:
     """``--draft-attention``: a comma list of ``pallas`` / ``reference``; ``auto`` is both on a GPU (the
     kernel first: the one in the step's sum) and the jnp path alone elsewhere."""
@@ -1058,6 +1186,15 @@ def run(args, log=print) -> dict:
                 gc.collect()
         del cache
         gc.collect()
+    engine_rows = [int(x) for x in args.engine_rows.split(",") if x]
+    for r in engine_rows:
+        prof = profile_engine(model, r, context=args.context, num_draft_layers=draft_layers[0],
+                              block_size=args.draft_k, num_features=args.draft_features,
+                              implementation=args.implementation, **common)
+        result["profiles"].append(prof)
+        log(format_table(table_rows(prof)))
+        save()
+        gc.collect()
     capacity = args.context + args.capacity_slack
     for n_layers in draft_layers if draft_rows else []:
         drafter = make_drafter(cfg, model, num_layers=n_layers, block_size=args.draft_k,
@@ -1100,6 +1237,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--markov-type", default="vanilla")
     p.add_argument("--no-confidence-head", action="store_true")
     p.add_argument("--capacity-slack", type=int, default=16, help="draft cache capacity = context + this")
+    p.add_argument("--engine-rows", default="",
+                   help="decode rows of an engine-step profile (spec_decode/step.py, K drafted and verified per "
+                   "row, the first --draft-layers count); empty: none")
     p.add_argument("--skip-verify", action="store_true")
     p.add_argument("--skip-draft", action="store_true")
     p.add_argument("--chip", choices=sorted(PEAKS), default=None,
