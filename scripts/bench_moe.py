@@ -293,9 +293,9 @@ def run(
                         row["weight_TBps"] = row["weight_bytes"] / (row["time_ms"] * 1e-3) / 1e12
                         row["TFLOPs"] = row["flops"] / (row["time_ms"] * 1e-3) / 1e12
                         if profile and on_gpu():
-                            from scripts.bench_sparse_attention import device_times
+                            from scripts.op_trace import kernel_times
 
-                            prof = device_times(fn, [args])
+                            prof = kernel_times(fn, [args])
                             if prof and "span_us" in prof:
                                 row["span_ms"] = prof["span_us"] / 1e3
                                 row["kernels_us"] = prof.get("kernels")

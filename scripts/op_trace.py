@@ -106,6 +106,7 @@ class Event:
     dur_ns: float
     run: object  # the execution it belongs to (``run_id`` stat; None when the trace has none)
     line: str
+    name: str = ""  # the event's own name (a GPU kernel's name)
 
 
 def _stat(stats: dict, key: str):
@@ -113,8 +114,8 @@ def _stat(stats: dict, key: str):
     return v.decode() if isinstance(v, bytes) else v
 
 
-def _events_of(data, module: str) -> tuple[list[Event], str]:
-    """The module's events: ``(events, "gpu" | "cpu")``."""
+def _events_of(data, module: str | None) -> tuple[list[Event], str]:
+    """The module's events (``None``: every module's): ``(events, "gpu" | "cpu")``."""
     device, host = [], []
     for plane in data.planes:
         on_device = plane.name.startswith("/device:") and "CPU" not in plane.name
@@ -128,14 +129,15 @@ def _events_of(data, module: str) -> tuple[list[Event], str]:
                     stats = dict(e.stats)
                 mod = _stat(stats, "hlo_module")
                 op = _stat(stats, "hlo_op")
-                if mod is not None and mod != module:
+                if mod is not None and module is not None and mod != module:
                     continue
                 if on_device:
                     if mod is None and op is None and e.name.startswith("end:"):
                         continue
-                    device.append(Event(op or e.name, e.start_ns, e.duration_ns, _stat(stats, "run_id"), line.name))
-                elif op is not None and mod == module:
-                    host.append(Event(op, e.start_ns, e.duration_ns, _stat(stats, "run_id"), line.name))
+                    device.append(Event(op or e.name, e.start_ns, e.duration_ns, _stat(stats, "run_id"), line.name,
+                                        e.name))
+                elif op is not None and (mod == module or (module is None and mod is not None)):
+                    host.append(Event(op, e.start_ns, e.duration_ns, _stat(stats, "run_id"), line.name, e.name))
     if device:
         return device, "gpu"
     return _innermost(host), "cpu"
@@ -158,9 +160,11 @@ def _innermost(events: list[Event]) -> list[Event]:
     return out
 
 
-def trace(run: Callable[[], object], module: str, *, log_dir: str | None = None) -> tuple[list[Event], str]:
-    """Run ``run()`` (which must wait for its results) under the profiler; the events of ``module`` and the
-    platform they were read from (``"gpu"``: device kernels, ``"cpu"``: host thunks)."""
+def trace(run: Callable[[], object], module: str | None, *, log_dir: str | None = None
+          ) -> tuple[list[Event], str]:
+    """Run ``run()`` (which must wait for its results) under the profiler; the events of ``module`` (``None``:
+    of every program) and the platform they were read from (``"gpu"``: device kernels, ``"cpu"``: host
+    thunks)."""
     from jax.profiler import ProfileData
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -289,3 +293,42 @@ def profile_compiled(compiled, run_once: Callable[[], object], *, calls: int) ->
     times = attribute(events, hlo_scopes(text), calls=calls, platform=platform)
     times.wall_s = sum(walls) / len(walls)
     return times
+
+
+def kernel_times(fn, arg_sets, *, calls: int = 20) -> dict | None:
+    """Device-side timing of ``calls`` back-to-back calls of ``fn`` from a profiler trace (GPU only, else None;
+    a failed trace is ``{"error": ...}``, so profiling stays optional for a benchmark).
+
+    ``device_us``: median per call of the summed kernel durations; ``span_us``: median per call of first kernel
+    start to last kernel end (kernels plus the gaps between them inside one call, none of the host's dispatch
+    time between calls); ``kernels``: mean microseconds per call per kernel name."""
+    from pallas_kernels.platform import on_gpu
+
+    if not on_gpu():
+        return None
+    try:
+        for i in range(3):
+            jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+
+        def run():
+            return [fn(*arg_sets[i % len(arg_sets)]) for i in range(calls)]
+
+        events, _ = trace(run, None)
+    except Exception as e:  # noqa: BLE001  (profiling is optional: keep the timings)
+        return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    events = [e for e in events if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    if not events:
+        return {"device_events": 0}
+    events.sort(key=lambda e: e.start_ns)
+    if all(e.run is None for e in events) and len(events) % calls == 0:  # back to back: equal groups per call
+        per = len(events) // calls
+        runs = [events[i * per:(i + 1) * per] for i in range(calls)]
+    else:
+        runs = split_runs(events, calls)
+    spans = sorted(max(e.start_ns + e.dur_ns for e in r) - min(e.start_ns for e in r) for r in runs)
+    busy = sorted(sum(e.dur_ns for e in r) for r in runs)
+    names: dict[str, float] = collections.defaultdict(float)
+    for e in events:
+        names[(e.name or e.op)[:80]] += e.dur_ns / len(runs) / 1e3
+    return {"device_us": busy[len(busy) // 2] / 1e3, "span_us": spans[len(spans) // 2] / 1e3,
+            "kernels": {k: round(v, 2) for k, v in names.items()}, "calls_found": len(runs)}
