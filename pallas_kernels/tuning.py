@@ -15,7 +15,8 @@ Chips (each runs on one platform, ``"cuda"`` or ``"rocm"``):
 ``chip=`` argument into a chip, ``DEFAULT_CHIP`` when there is no GPU (interpret mode then makes the launch
 choices of the measured chip). The tables sit side by side in ``TABLES`` (one :class:`ChipTables` per chip:
 the indexer, the sparse and the dense attention walks, the walks' tile pre-pass and split-K merge, the
-MoE's grouped GEMM), and the policy functions (:func:`indexer_launch_config`,
+MoE's grouped GEMM), ``PEAKS`` the roofline constants of the GPU models the benchmarks and the per-op profiler
+quote against (:func:`detect_peak` names the default device's), and the policy functions (:func:`indexer_launch_config`,
 :func:`sparse_attention_launch_config`, :func:`paged_attention_launch_config`,
 :func:`grouped_matmul_launch_config`) turn static shapes and a chip into a launch config. Retune here, nowhere
 else. Every in-kernel shape is a power of 2 and ``num_warps <= 16`` (AMD wavefronts are 64 lanes wide), so the

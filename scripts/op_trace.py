@@ -126,7 +126,7 @@ def _events_of(data, module: str | None) -> tuple[list[Event], str]:
             for e in line.events:
                 with warnings.catch_warnings():  # "builtin type event_stats has no __module__" (jax 0.12)
                     warnings.simplefilter("ignore", DeprecationWarning)
-                    stats = dict(e.stats)
+                    stats = dict(getattr(e, "stats", None) or ())
                 mod = _stat(stats, "hlo_module")
                 op = _stat(stats, "hlo_op")
                 if mod is not None and module is not None and mod != module:
@@ -175,7 +175,11 @@ def trace(run: Callable[[], object], module: str | None, *, log_dir: str | None 
         if not files:
             raise RuntimeError(f"the profiler wrote no xplane.pb under {d}")
         data = ProfileData.from_file(files[-1])
-        return _events_of(data, module)
+        events, platform = _events_of(data, module)
+        if not events and module is not None:  # module names spelled otherwise: nothing else ran in the trace
+            events, platform = _events_of(data, None)
+            platform += " (module not found: every program's events)"
+        return events, platform
 
 
 def split_runs(events: list[Event], calls: int) -> list[list[Event]]:

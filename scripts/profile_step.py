@@ -2,7 +2,8 @@
 
     PYTHONPATH=. python3 scripts/profile_step.py --out $OUT/profile.json               # M3 width (GPU)
     PYTHONPATH=. python3 scripts/profile_step.py --shapes 512x8 --skip-draft --out ... # one verify shape
-    PYTHONPATH=. python3 scripts/profile_step.py --tiny --out /tmp/p.json              # CPU smoke run
+    PYTHONPATH=. python3 scripts/profile_step.py --skip-verify --skip-draft --engine-rows 64 ...  # engine step
+    PYTHONPATH=. python3 scripts/profile_step.py --tiny --engine-rows 4 --out /tmp/p.json  # CPU smoke run
 
 **How an op is timed.** The REAL whole step runs, compiled once, and the profiler reads each op's time back
 from a ``jax.profiler`` trace of it: every op of the model runs under a ``jax.named_scope`` (metadata only,
@@ -40,6 +41,15 @@ the others add their ``draft_attention`` rows and whole-step time beside it (not
 too: the context write after verification (:func:`minimax_jax.draft_step.append_context_packed_step`: positions,
 feature projection ``fc`` + ``hidden_norm``, every layer's context K/V, the page scatter; ``R x (1 + K)``
 feature rows), traced the same way.
+
+**Engine step** (``--engine-rows R``). ``spec_decode/step.py``'s whole step over ``R`` decode rows, each
+drafting and verifying ``--draft-k`` tokens (greedy, ``mode="fixed"``, ``commit=False`` so every call sees the
+same lengths; a drafter of the first ``--draft-layers`` count reading the target's layers): rows for its parts
+(``install_tables``, ``draft``, ``pack``, ``verify``, ``rejection``, ``bookkeeping``; ``ms_by_part`` in the
+summary) and, inside ``draft`` and ``verify``, the drafter's and the target's ops with their rooflines (prefixed
+``draft.`` / ``verify.``; the verify rows' selections from a probe batch of the same shape). Time that no op
+scope claims inside a part (the allocation in ``draft``, the logit-row gather in ``verify``) is the part's own
+row.
 
 **Timing.** Whole steps: ``--warmup`` calls, then the median of ``--iters`` calls, each synchronised
 (``scripts/bench_common.time_calls``; a donated cache is fed back as the engine does). Per op: the mean over

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import tuning
 from scripts import op_trace
 from scripts import profile_step as ps
 
@@ -255,3 +256,6 @@ def test_layer_and_shape_parsing():
         ps.draft_attention_impls("triton")
     assert ps.roofline(989e12, 1.0, H200) == (pytest.approx(1.0), "compute")
     assert jax.default_backend() == "cpu"
+    # the roofline constants live with the chip vocabulary (pallas_kernels.tuning), one family per GPU model
+    assert all(peak.chip in tuning.TABLES for peak in tuning.PEAKS.values())
+    assert tuning.detect_peak() is None and ps.parse_args(["--tiny"]).chip == tuning.DEFAULT_PEAK
