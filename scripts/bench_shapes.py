@@ -63,6 +63,9 @@ ATTENTION_BATCHES: tuple[Batch, ...] = (
 )
 ATTENTION_QUICK: tuple[Batch, ...] = (Batch("verify", 2, 4, 512),)  # a CPU smoke run, not a measurement
 
+# The Qwen3-style DSpark drafter published for M3 (nvidia/MiniMax-M3-DSpark): its block and attention shape.
+QWEN3_DRAFT = {"block": 8, "num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128, "window": 1024}
+
 MOE_TOKENS = (512, 4096)  # tokens through one MoE layer: a verify step of 64 x 8, a 4K prefill
 DRAFT_ROWS = (64, 512)  # draft rows R (K = DRAFT_BLOCK slots each)
 

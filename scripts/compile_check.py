@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.platform import lowered_for_gpu
 from pallas_kernels.tuning import chip_platform
-from scripts.bench_shapes import SERVING_BATCHES, Batch
+from scripts.bench_shapes import DRAFT_BLOCK, QWEN3_DRAFT, SERVING_BATCHES, Batch
 
 __all__ = [
     "BATCHES",
@@ -286,7 +286,7 @@ def _draft_attention_call(batch: Batch) -> KernelCall | None:
     cfg = _m3()
     s, page = jax.ShapeDtypeStruct, _page(cfg)
     pages, (tables, _, _) = _ragged(batch, page)
-    r, k, layers = batch.requests, 7, 1
+    r, k, layers = batch.requests, DRAFT_BLOCK, 1
     h, g, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     cache = s((layers, g, pages, page, hd), jnp.bfloat16)
     args = (s((r, k, h, hd), jnp.bfloat16), cache, cache, tables, s((r,), jnp.int32),
@@ -303,7 +303,8 @@ def _draft_attention_window_call(batch: Batch) -> KernelCall | None:
         return None
     s, page = jax.ShapeDtypeStruct, _page(_m3())
     pages, (tables, _, _) = _ragged(batch, page)
-    r, k, h, g, hd = batch.requests, 8, 32, 8, 128
+    q3 = QWEN3_DRAFT
+    r, k, h, g, hd = batch.requests, q3["block"], q3["num_q_heads"], q3["num_kv_heads"], q3["head_dim"]
     cache = s((1, g, pages, page, hd), jnp.bfloat16)
     args = (s((r, k, h, hd), jnp.bfloat16), cache, cache, tables, s((r,), jnp.int32),
             s((r, k, g, hd), jnp.bfloat16), s((r, k, g, hd), jnp.bfloat16), s((r,), jnp.int32))
@@ -311,7 +312,8 @@ def _draft_attention_window_call(batch: Batch) -> KernelCall | None:
     def windowed(*a, **kw):  # the slots' positions traced, not closed over
         return draft_attention(*a[:7], query_positions=a[7], **kw)
 
-    return KernelCall(windowed, args, {"scale": hd**-0.5, "layer": 0, "window": 1024, "implementation": "pallas"})
+    return KernelCall(windowed, args, {"scale": hd**-0.5, "layer": 0, "window": q3["window"],
+                                       "implementation": "pallas"})
 
 
 # Every kernel entry point: (name, batch -> the call to lower, or None to skip that batch). Add new kernels here;
