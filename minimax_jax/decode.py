@@ -198,21 +198,50 @@ def forward_ragged(
     ``mesh`` (a ``jax.sharding.Mesh`` with a ``"tensor"`` axis, the model's heads stored for it: docs/PARALLELISM.md):
     the attention and indexer kernels run per device inside ``shard_map``, on the device's own query, KV and index
     heads (the GQA ratio is the same on every device), with the ragged metadata replicated; XLA partitions the rest.
+
+    The body is :func:`forward_ragged_layers` (which also returns each layer's selections and MLP input); every
+    op runs under a ``jax.named_scope`` (``metadata``, ``embed``, ``layer{i}/qkv_proj`` ...: docs/BENCHMARKS.md),
+    metadata only, which ``scripts/profile_step.py`` reads back from a profiler trace.
     """
-    cfg = model.cfg
-    bad = [i for i in capture_layers if not 0 <= i < cfg.num_hidden_layers]
+    bad = [i for i in capture_layers if not 0 <= i < model.cfg.num_hidden_layers]
     if bad:
-        raise ValueError(f"capture_layers {bad} are not layers of this {cfg.num_hidden_layers}-layer model (the "
-                         f"embedding output, -1, is the caller's: model.embed(input_ids))")
+        raise ValueError(f"capture_layers {bad} are not layers of this {model.cfg.num_hidden_layers}-layer model "
+                         f"(the embedding output, -1, is the caller's: model.embed(input_ids))")
+    x, layers, cache = forward_ragged_layers(model, cache, batch, implementation=implementation, interpret=interpret,
+                                             moe_implementation=moe_implementation, mesh=mesh)
+    return x, [layers[i].x for i in capture_layers], cache
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerOutput:
+    """What one layer of :func:`forward_ragged_layers` produced: ``x [T, d]`` the residual stream after it;
+    ``selections int32[T, H_kv, topk]`` the indexer's block picks (sparse layers, else None); ``mlp_input [T, d]``
+    what its MLP (the MoE's router) read. Unused fields cost nothing under ``jit`` (dead code)."""
+
+    x: jax.Array
+    selections: jax.Array | None
+    mlp_input: jax.Array
+
+
+def forward_ragged_layers(model: MiniMaxM3ForCausalLM, cache: PagedCache, batch: RaggedBatch, *,
+                          implementation: str = "auto", interpret: bool | None = None,
+                          moe_implementation: str | None = None, mesh=None
+                          ) -> tuple[jax.Array, list[LayerOutput], PagedCache]:
+    """:func:`forward_ragged`'s body: ``(hidden [T, d], one LayerOutput per layer, new cache)``.
+
+    The per-layer outputs are the seam a profiler reads the data-dependent sizes of the step from (the sparse
+    layers' block selections, the MoE layers' router inputs) without rebuilding any part of the model."""
+    cfg = model.cfg
     check_cache(cache, cfg)
     check_batch(batch, page_size=cache.page_size, max_positions=cfg.max_position_embeddings)
     t = batch.num_tokens
     page = cache.page_size
-    req = token_to_request(batch.query_start_loc, t)
-    pos = token_positions(batch.query_start_loc, batch.seq_lens, req)
-    slots = slot_mapping(batch.block_tables, req, pos, page_size=page, num_pages=cache.num_pages)
-    valid = (req >= 0)[:, None]
-    cos, sin = model.rope(jnp.maximum(pos, 0))
+    with jax.named_scope("metadata"):
+        req = token_to_request(batch.query_start_loc, t)
+        pos = token_positions(batch.query_start_loc, batch.seq_lens, req)
+        slots = slot_mapping(batch.block_tables, req, pos, page_size=page, num_pages=cache.num_pages)
+        valid = (req >= 0)[:, None]
+        cos, sin = model.rope(jnp.maximum(pos, 0))
     kernel_kw = {"implementation": choose_implementation(implementation, cfg, page_size=page,
                                                          dtype=cache.k[0].dtype, interpret=interpret),
                  "interpret": interpret}
@@ -223,37 +252,54 @@ def forward_ragged(
               "interpret": interpret, "token_mask": req >= 0, "mesh": mesh}
 
     local = _per_device(mesh)
-    x = jnp.where(valid, model.embed(jnp.where(req >= 0, batch.input_ids, 0)), 0)
+    with jax.named_scope("embed"):
+        x = jnp.where(valid, model.embed(jnp.where(req >= 0, batch.input_ids, 0)), 0)
     new_k, new_v, new_index_k = list(cache.k), list(cache.v), list(cache.index_k)
-    captured = {}
+    outputs = []
     sparse_slot = {layer: i for i, layer in enumerate(cfg.sparse_layer_ids)}
+    scale = cfg.head_dim ** -0.5
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
-        xn = layer.input_layernorm(x)
-        q, k, v = attn.project_qkv(xn, cos, sin)  # [T, H, D], [T, H_kv, D]
-        new_k[i] = write_tokens(new_k[i], k, slots)
-        new_v[i] = write_tokens(new_v[i], v, slots)
-        scale = cfg.head_dim ** -0.5
+        sel = None
         attn_kw = {"scale": scale, "window": cfg.layer_window(i), **kernel_kw}
-        if attn.is_sparse:
-            j = sparse_slot[i]
-            iq, ik = attn.indexer.project(xn, cos, sin)  # [T, H_idx, D_idx], [T, D_idx]
-            new_index_k[j] = write_tokens(new_index_k[j], ik, slots)
-            sel = local(functools.partial(ragged_index_topk, topk=cfg.index_topk_blocks,
-                                          local_blocks=cfg.index_local_blocks, **kernel_kw),
-                        "h", "r", *"rrr")(iq, new_index_k[j], *meta)
-            o = local(functools.partial(ragged_sparse_attention, **attn_kw),
-                      "h", "k", "k", *"rrr", "h")(q, new_k[i], new_v[i], *meta, sel)
-        else:
-            o = local(functools.partial(ragged_paged_attention, **attn_kw),
-                      "h", "k", "k", *"rrr")(q, new_k[i], new_v[i], *meta)
-        h = x + attn.o_proj(o.reshape(t, -1))
-        mlp_kw = moe_kw if cfg.is_moe_layer(i) else {}
-        x = h + layer.mlp(layer.post_attention_layernorm(h), **mlp_kw)
-        x = jnp.where(valid, x, 0)
-        if i in capture_layers:
-            captured[i] = x
-    return x, [captured[i] for i in capture_layers], PagedCache(new_k, new_v, new_index_k)
+        with jax.named_scope(f"layer{i}"):
+            with jax.named_scope("input_norm"):
+                xn = layer.input_layernorm(x)
+            with jax.named_scope("qkv_proj"):
+                q, k, v = attn.project_qkv(xn, cos, sin)  # [T, H, D], [T, H_kv, D]
+            with jax.named_scope("cache_write"):
+                new_k[i] = write_tokens(new_k[i], k, slots)
+                new_v[i] = write_tokens(new_v[i], v, slots)
+            if attn.is_sparse:
+                j = sparse_slot[i]
+                with jax.named_scope("indexer_proj"):
+                    iq, ik = attn.indexer.project(xn, cos, sin)  # [T, H_idx, D_idx], [T, D_idx]
+                with jax.named_scope("cache_write"):
+                    new_index_k[j] = write_tokens(new_index_k[j], ik, slots)
+                with jax.named_scope("index_topk"):
+                    sel = local(functools.partial(ragged_index_topk, topk=cfg.index_topk_blocks,
+                                                  local_blocks=cfg.index_local_blocks, **kernel_kw),
+                                "h", "r", *"rrr")(iq, new_index_k[j], *meta)
+                with jax.named_scope("sparse_attention"):
+                    o = local(functools.partial(ragged_sparse_attention, **attn_kw),
+                              "h", "k", "k", *"rrr", "h")(q, new_k[i], new_v[i], *meta, sel)
+            else:
+                with jax.named_scope("paged_attention"):
+                    o = local(functools.partial(ragged_paged_attention, **attn_kw),
+                              "h", "k", "k", *"rrr")(q, new_k[i], new_v[i], *meta)
+            with jax.named_scope("o_proj"):  # o_proj + residual
+                h = x + attn.o_proj(o.reshape(t, -1))
+            with jax.named_scope("post_norm"):
+                hn = layer.post_attention_layernorm(h)
+            if cfg.is_moe_layer(i):  # router / routed_experts / shared_expert / moe_combine: the MoE's own scopes
+                y = layer.mlp(hn, **moe_kw)
+            else:
+                with jax.named_scope("dense_mlp"):
+                    y = layer.mlp(hn)
+            with jax.named_scope("residual"):
+                x = jnp.where(valid, h + y, 0)
+        outputs.append(LayerOutput(x, sel, hn))
+    return x, outputs, PagedCache(new_k, new_v, new_index_k)
 
 
 def _per_device(mesh):
@@ -265,12 +311,14 @@ def _per_device(mesh):
 
 
 def make_step_fn(model: MiniMaxM3ForCausalLM, *, capture_layers: Sequence[int] = (),
-                 implementation: str = "auto", interpret: bool | None = None, donate_cache: bool = True):
+                 implementation: str = "auto", interpret: bool | None = None, donate_cache: bool = True,
+                 moe_implementation: str | None = None):
     """A jitted ``step(params, cache, batch, logit_rows) -> (logits [N, V], captured, cache)``.
 
     The model's graph is static (``nnx.split``); ``params`` is its state, passed as an argument so the compiled
     program does not embed the weights (Flax Gemma sampler style). ``logit_rows int32[N]`` picks the packed rows
     whose logits are needed (bounded verify logits). The cache is donated: it is updated in place.
+    ``moe_implementation``: :func:`forward_ragged`'s (``None``: ``implementation``).
     """
     from flax import nnx
 
@@ -279,7 +327,8 @@ def make_step_fn(model: MiniMaxM3ForCausalLM, *, capture_layers: Sequence[int] =
     def step(params, cache, batch, logit_rows):
         m = nnx.merge(graphdef, params)
         hidden, captured, cache = forward_ragged(m, cache, batch, capture_layers=tuple(capture_layers),
-                                                 implementation=implementation, interpret=interpret)
+                                                 implementation=implementation, interpret=interpret,
+                                                 moe_implementation=moe_implementation)
         return m.logits(hidden[logit_rows]), captured, cache
 
     return jax.jit(step, donate_argnums=(1,) if donate_cache else ())

@@ -123,10 +123,18 @@ class DraftLayer(nnx.Module):
         (or whatever ``attention`` takes in their place: the Pallas kernel, the whole paged cache and lengths)."""
         attention = draft_attention if attention is None else attention
         r, k = x.shape[:2]
-        q, kb, vb = self.self_attn.project_qkv(self.input_layernorm(x), cos, sin)
-        o = attention(q, k_ctx, v_ctx, ctx_visible, kb, vb, scale=self.cfg.head_dim ** -0.5)
-        h = x + self.self_attn.o_proj(o.reshape(r, k, -1))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        with jax.named_scope("input_norm"):
+            xn = self.input_layernorm(x)
+        with jax.named_scope("qkv_proj"):
+            q, kb, vb = self.self_attn.project_qkv(xn, cos, sin)
+        with jax.named_scope("draft_attention"):
+            o = attention(q, k_ctx, v_ctx, ctx_visible, kb, vb, scale=self.cfg.head_dim ** -0.5)
+        with jax.named_scope("o_proj"):  # o_proj + residual
+            h = x + self.self_attn.o_proj(o.reshape(r, k, -1))
+        with jax.named_scope("post_norm"):
+            hn = self.post_attention_layernorm(h)
+        with jax.named_scope("mlp"):  # MLP + residual
+            return h + self.mlp(hn)
 
 
 class MarkovHead(nnx.Module):
@@ -299,12 +307,13 @@ class DSparkDrafter(nnx.Module):
         """
         impl = choose_implementation(implementation, self.cfg.layer_config, block_size=self.cfg.block_size,
                                      page_size=cache.page_size, dtype=cache.k.dtype, interpret=interpret)
-        x, (cos, sin) = self._block_inputs(anchors, anchor_positions)
-        lengths = cache.lengths
-        if cache_rows is not None:
-            ok = (cache_rows >= 0) & (cache_rows < cache.num_requests)
-            lengths = jnp.where(ok, lengths[jnp.clip(cache_rows, 0, cache.num_requests - 1)], 0)
-        end = jnp.clip(jnp.minimum(lengths, anchor_positions.astype(jnp.int32)), 0, cache.capacity)
+        with jax.named_scope("block_inputs"):
+            x, (cos, sin) = self._block_inputs(anchors, anchor_positions)
+            lengths = cache.lengths
+            if cache_rows is not None:
+                ok = (cache_rows >= 0) & (cache_rows < cache.num_requests)
+                lengths = jnp.where(ok, lengths[jnp.clip(cache_rows, 0, cache.num_requests - 1)], 0)
+            end = jnp.clip(jnp.minimum(lengths, anchor_positions.astype(jnp.int32)), 0, cache.capacity)
         window = self.cfg.sliding_window
         if impl == "pallas":
             # The kernel reads the [L, H_kv, P, page, D] cache in place (layer, table row and pages chosen
@@ -324,24 +333,33 @@ class DSparkDrafter(nnx.Module):
                     return on_local_heads(kernel, mesh, axes, 2)(q, k_cache, v_cache, cache.block_tables, ctx_end,
                                                                  kb, vb, *extras.values())
 
-                x = layer(x, cos, sin, cache.k, cache.v, end, attention=attention)
-            return self.norm(x)
-        tables = cache.block_tables
-        if cache_rows is not None:
-            tables = tables[jnp.clip(cache_rows, 0, cache.num_requests - 1)]
-        visible = self._context_mask(cache.capacity, end, anchor_positions)  # [R, 1 | K, S]
-        seen = jnp.any(visible, axis=1)  # [R, S]
+                with jax.named_scope(f"draft_layer{i}"):
+                    x = layer(x, cos, sin, cache.k, cache.v, end, attention=attention)
+            with jax.named_scope("final_norm"):
+                return self.norm(x)
+        with jax.named_scope("block_inputs"):
+            tables = cache.block_tables
+            if cache_rows is not None:
+                tables = tables[jnp.clip(cache_rows, 0, cache.num_requests - 1)]
+            visible = self._context_mask(cache.capacity, end, anchor_positions)  # [R, 1 | K, S]
+            seen = jnp.any(visible, axis=1)  # [R, S]
         for i, layer in enumerate(self.layers):
-            k_ctx = draft_attention_kernel.paged_context(cache.k[i], tables)  # [R, S, H_kv, D]
-            # invisible entries are other rows' (or never written) pages: zero them so they cannot leak as NaN
-            v_ctx = jnp.where(seen[:, :, None, None], draft_attention_kernel.paged_context(cache.v[i], tables), 0)
-            # q [R, K, H, D], context K/V [R, S, H_kv, D], the mask [R, 1|K, S], kb / vb [R, K, H_kv, D]
-            def attention(*args, scale):
-                return on_local_heads(functools.partial(draft_attention, scale=scale), mesh,
-                                      (2, 2, 2, None, 2, 2), 2)(*args)
+            with jax.named_scope(f"draft_layer{i}"):
+                with jax.named_scope("draft_attention"):  # the context gather is part of the jnp attention
+                    k_ctx = draft_attention_kernel.paged_context(cache.k[i], tables)  # [R, S, H_kv, D]
+                    # invisible entries are other rows' (or never written) pages: zero them so they cannot leak
+                    # as NaN
+                    v_ctx = jnp.where(seen[:, :, None, None],
+                                      draft_attention_kernel.paged_context(cache.v[i], tables), 0)
 
-            x = layer(x, cos, sin, k_ctx, v_ctx, visible, attention=attention)
-        return self.norm(x)
+                # q [R, K, H, D], context K/V [R, S, H_kv, D], the mask [R, 1|K, S], kb / vb [R, K, H_kv, D]
+                def attention(*args, scale):
+                    return on_local_heads(functools.partial(draft_attention, scale=scale), mesh,
+                                          (2, 2, 2, None, 2, 2), 2)(*args)
+
+                x = layer(x, cos, sin, k_ctx, v_ctx, visible, attention=attention)
+        with jax.named_scope("final_norm"):
+            return self.norm(x)
 
     def block_hidden_reference(self, features, anchors: jax.Array, anchor_positions: jax.Array) -> jax.Array:
         """From scratch, no cache: ``features [R, S, m*d]`` of context positions ``0..S-1`` are projected and
@@ -402,7 +420,8 @@ class DSparkDrafter(nnx.Module):
         safe_t = jnp.where(greedy, 1.0, temps)[:, None]
         keys = normalise_keys(key, r)
         h_t = jnp.swapaxes(h, 0, 1)  # [K, R, d]: the scan runs over slots, so the logits come out slot-major
-        u = self.logits(h_t)  # [K, R, V] (transposing h, not a copy of the R x K x V fp32 logits)
+        with jax.named_scope("lm_head"):
+            u = self.logits(h_t)  # [K, R, V] (transposing h, not a copy of the R x K x V fp32 logits)
         markov, conf_head = self.markov_head, self.confidence_head
         state0 = markov.init_state(r) if markov is not None else jnp.zeros((r, 1), jnp.float32)
 
@@ -410,32 +429,36 @@ class DSparkDrafter(nnx.Module):
             prev, state, drafted = carry
             u_k, h_k, slot = xs
             if markov is not None:
-                bias, e, state = markov.step(prev, h_k, state)
-                logits = u_k + bias
+                with jax.named_scope("markov_head"):
+                    bias, e, state = markov.step(prev, h_k, state)
+                    logits = u_k + bias
             else:
                 e, logits = None, u_k
-            scaled = logits / safe_t
-            if logit_filter is not None:
-                scaled = logit_filter(scaled, drafted)
-            greedy_tok = jnp.argmax(scaled, axis=-1).astype(jnp.int32)
-            if keys is None:
-                tok = greedy_tok
-            else:
-                slot_keys = jax.vmap(lambda kk: jax.random.fold_in(kk, slot))(keys)
-                sampled = jax.vmap(jax.random.categorical)(slot_keys, scaled).astype(jnp.int32)
-                tok = jnp.where(greedy, greedy_tok, sampled)
-            ys = {"tokens": tok}
-            if feature_fn is not None:
-                ys["features"] = feature_fn(scaled)
-            if return_probs:
-                onehot = jax.nn.one_hot(greedy_tok, logits.shape[-1], dtype=jnp.float32)
-                ys["probs"] = jnp.where(greedy[:, None], onehot, jax.nn.softmax(scaled, axis=-1))
+            with jax.named_scope("sampling"):
+                scaled = logits / safe_t
+                if logit_filter is not None:
+                    scaled = logit_filter(scaled, drafted)
+                greedy_tok = jnp.argmax(scaled, axis=-1).astype(jnp.int32)
+                if keys is None:
+                    tok = greedy_tok
+                else:
+                    slot_keys = jax.vmap(lambda kk: jax.random.fold_in(kk, slot))(keys)
+                    sampled = jax.vmap(jax.random.categorical)(slot_keys, scaled).astype(jnp.int32)
+                    tok = jnp.where(greedy, greedy_tok, sampled)
+                ys = {"tokens": tok}
+                if feature_fn is not None:
+                    ys["features"] = feature_fn(scaled)
+                if return_probs:
+                    onehot = jax.nn.one_hot(greedy_tok, logits.shape[-1], dtype=jnp.float32)
+                    ys["probs"] = jnp.where(greedy[:, None], onehot, jax.nn.softmax(scaled, axis=-1))
             if conf_head is not None:
-                feats = jnp.concatenate([h_k, e.astype(h_k.dtype)], -1) if self.cfg.confidence_head_with_markov \
-                    else h_k
-                ys["confidence_logits"] = conf_head(feats)
+                with jax.named_scope("confidence_head"):
+                    feats = (jnp.concatenate([h_k, e.astype(h_k.dtype)], -1) if self.cfg.confidence_head_with_markov
+                             else h_k)
+                    ys["confidence_logits"] = conf_head(feats)
             if logit_filter is not None:
-                drafted = jax.lax.dynamic_update_slice(drafted, tok[:, None], (0, slot))
+                with jax.named_scope("sampling"):
+                    drafted = jax.lax.dynamic_update_slice(drafted, tok[:, None], (0, slot))
             return (tok, state, drafted), ys
 
         xs = (u, h_t, jnp.arange(k, dtype=jnp.int32))
@@ -446,7 +469,8 @@ class DSparkDrafter(nnx.Module):
         ys = {name: jnp.swapaxes(val, 0, 1) for name, val in ys.items()}
         conf_logits = ys.get("confidence_logits")
         sts = self.cfg.sts_temperatures
-        conf = None if conf_logits is None else apply_sts(conf_logits, None if sts is None else sts[:k])
+        with jax.named_scope("confidence_head"):
+            conf = None if conf_logits is None else apply_sts(conf_logits, None if sts is None else sts[:k])
         return DraftOutput(tokens=ys["tokens"], probs=ys.get("probs"), confidences=conf,
                            confidence_logits=conf_logits, features=ys.get("features"))
 
@@ -466,13 +490,17 @@ class DSparkDrafter(nnx.Module):
         outside ``[0, R)`` (padding: -1), a position outside ``[0, capacity)`` or a table entry outside the pool
         is dropped (``cache.slot_mapping``): a write never lands on a page its row's table does not name.
         """
-        h_ctx = self.project_features(features)
-        k_new, v_new = self.context_kv(h_ctx, jnp.maximum(positions, 0))  # [L, N, H_kv, D]
-        slots = slot_mapping(cache.block_tables, rows, positions, page_size=cache.page_size,
-                             num_pages=cache.num_pages)
-        write = jax.vmap(write_tokens, in_axes=(0, 0, None))  # over the layers
-        return dataclasses.replace(cache, k=write(cache.k, k_new, slots), v=write(cache.v, v_new, slots),
-                                   lengths=jnp.asarray(new_lengths, jnp.int32))
+        with jax.named_scope("context_write"):
+            with jax.named_scope("feature_proj"):
+                h_ctx = self.project_features(features)
+            with jax.named_scope("context_kv"):
+                k_new, v_new = self.context_kv(h_ctx, jnp.maximum(positions, 0))  # [L, N, H_kv, D]
+            with jax.named_scope("scatter"):
+                slots = slot_mapping(cache.block_tables, rows, positions, page_size=cache.page_size,
+                                     num_pages=cache.num_pages)
+                write = jax.vmap(write_tokens, in_axes=(0, 0, None))  # over the layers
+                return dataclasses.replace(cache, k=write(cache.k, k_new, slots), v=write(cache.v, v_new, slots),
+                                           lengths=jnp.asarray(new_lengths, jnp.int32))
 
     def append_context_impl(self, cache: DraftCache, features, start: jax.Array, num_new: jax.Array) -> DraftCache:
         """Traceable body of :meth:`append_context` (padded per-request layout)."""
@@ -490,10 +518,11 @@ class DSparkDrafter(nnx.Module):
         """Traceable body of :meth:`append_context_packed` (packed ragged layout)."""
         features = self._concat_features(features)
         t = features.shape[0]
-        req = token_to_request(query_start_loc, t)
-        rr = jnp.maximum(req, 0)
-        i = jnp.arange(t, dtype=jnp.int32) - query_start_loc[rr]
-        keep = (req >= 0) & (i < num_new[rr])
+        with jax.named_scope("context_write"), jax.named_scope("positions"):
+            req = token_to_request(query_start_loc, t)
+            rr = jnp.maximum(req, 0)
+            i = jnp.arange(t, dtype=jnp.int32) - query_start_loc[rr]
+            keep = (req >= 0) & (i < num_new[rr])
         return self.write_context(cache, features, jnp.where(keep, req, -1), start[rr] + i, start + num_new)
 
     # ------------------------------------------------------------------ conveniences (jitted)

@@ -263,9 +263,14 @@ class MoE(nnx.Module):
         x2 = x.reshape(-1, shape[-1])
         mask = None if token_mask is None else token_mask.reshape(-1)
         out = self.routed(x2, implementation=implementation, interpret=interpret, token_mask=mask, mesh=mesh)
+        shared = None
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x2).astype(jnp.float32)
-        return out.astype(x.dtype).reshape(shape)
+            with jax.named_scope("shared_expert"):
+                shared = self.shared_experts(x2)
+        with jax.named_scope("moe_combine"):
+            if shared is not None:
+                out = out + shared.astype(jnp.float32)
+            return out.astype(x.dtype).reshape(shape)
 
     def routed(self, x: jax.Array, *, implementation: str = "reference", interpret: bool | None = None,
                token_mask: jax.Array | None = None, mesh=None) -> jax.Array:
@@ -275,7 +280,8 @@ class MoE(nnx.Module):
         ``shard_map``. Every device sees every token and routing decision (replicated), runs the grouped GEMM on its
         own ``E / N`` experts only (pairs routed elsewhere are padding rows, which multiply nothing), and a
         ``psum`` adds the devices' partial sums."""
-        weights, experts = self.gate(x)
+        with jax.named_scope("router"):
+            weights, experts = self.gate(x)
         kw = dict(swiglu=swiglu_params(self.cfg), implementation=implementation, interpret=interpret)
         params = self.expert_params()
 
@@ -286,6 +292,12 @@ class MoE(nnx.Module):
             return routed_experts(x, weights, experts, gu, dn, w_gate_up_scale=gu_scale, w_down_scale=dn_scale,
                                   token_mask=mask, **kw)
 
+        with jax.named_scope("routed_experts"):
+            return self._routed_run(run, x, weights, experts, token_mask, params, mesh)
+
+    @staticmethod
+    def _routed_run(run, x, weights, experts, token_mask, params, mesh):
+        """``run`` on one device, or expert-parallel over ``mesh``'s tensor axis (:meth:`routed`)."""
         if mesh is None:
             return run(x, weights, experts, token_mask, params)
         from jax.sharding import PartitionSpec

@@ -56,9 +56,11 @@ class MiniMaxM3ForCausalLM(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final norm and LM head: ``[..., d]`` residual stream -> float32 logits ``[..., V]``."""
-        h = self.norm(hidden)
-        w = self.lm_head[...]
-        return jnp.dot(h.astype(w.dtype), w, preferred_element_type=jnp.float32)
+        with jax.named_scope("final_norm"):
+            h = self.norm(hidden)
+        with jax.named_scope("lm_head"):
+            w = self.lm_head[...]
+            return jnp.dot(h.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
     def rope(self, positions: jax.Array):
         return rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta)

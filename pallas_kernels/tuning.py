@@ -15,7 +15,8 @@ Chips (each runs on one platform, ``"cuda"`` or ``"rocm"``):
 ``chip=`` argument into a chip, ``DEFAULT_CHIP`` when there is no GPU (interpret mode then makes the launch
 choices of the measured chip). The tables sit side by side in ``TABLES`` (one :class:`ChipTables` per chip:
 the indexer, the sparse and the dense attention walks, the walks' tile pre-pass and split-K merge, the
-MoE's grouped GEMM), and the policy functions (:func:`indexer_launch_config`,
+MoE's grouped GEMM), ``PEAKS`` the roofline constants of the GPU models the benchmarks and the per-op profiler
+quote against (:func:`detect_peak` names the default device's), and the policy functions (:func:`indexer_launch_config`,
 :func:`sparse_attention_launch_config`, :func:`paged_attention_launch_config`,
 :func:`grouped_matmul_launch_config`) turn static shapes and a chip into a launch config. Retune here, nowhere
 else. Every in-kernel shape is a power of 2 and ``num_warps <= 16`` (AMD wavefronts are 64 lanes wide), so the
@@ -95,6 +96,42 @@ def core_count(chip: str) -> int:
         if isinstance(count, int) and count > 0:
             return count
     return TABLES[chip].num_cores
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Roofline constants of the GPU models the benchmarks and the profiler quote against.
+# ------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ChipPeak:
+    """Roofline constants of one GPU model: the HBM rate a roofline uses (achievable), the nominal (data sheet)
+    one, and the dense bf16 tensor-core peak. ``chip``: its family in :data:`TABLES`."""
+
+    name: str
+    chip: str
+    hbm_bytes_per_s: float
+    hbm_nominal_bytes_per_s: float
+    bf16_flops_per_s: float
+    note: str = ""
+
+
+PEAKS: dict[str, ChipPeak] = {
+    "h200": ChipPeak("NVIDIA H200 SXM", "hopper", 4.3e12, 4.8e12, 989e12,
+                     "achievable HBM: the 4.0-4.2 TB/s copy rates measured in docs/BENCHMARKS.md"),
+    "h100": ChipPeak("NVIDIA H100 SXM", "hopper", 3.0e12, 3.35e12, 989e12, "achievable HBM assumed 0.9 x nominal"),
+    "mi300x": ChipPeak("AMD MI300X", "cdna3", 4.3e12, 5.3e12, 1307e12, "achievable HBM assumed ~0.8 x nominal"),
+}
+DEFAULT_PEAK = "h200"
+
+
+def detect_peak() -> str | None:
+    """The :data:`PEAKS` key of the default device (by its ``device_kind``); ``None`` off GPU or for a model
+    not listed."""
+    if gpu_platform_name() is None:
+        return None
+    kind = jax.devices()[0].device_kind.lower().replace(" ", "")
+    return next((key for key in PEAKS if key in kind), None)
 
 
 # ------------------------------------------------------------------------------------------------------------

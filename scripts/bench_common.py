@@ -22,17 +22,24 @@ def device_name() -> str:
     return f"{d.platform}:{getattr(d, 'device_kind', '?')}"
 
 
-def time_fn(fn: Callable, arg_sets: Sequence[tuple], *, warmup: int = 3, iters: int = 30) -> float:
-    """Median seconds of ``fn(*args)`` over ``iters`` calls, cycling through ``arg_sets``."""
-    for i in range(warmup):
-        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+def time_calls(call: Callable[[], object], *, warmup: int = 3, iters: int = 30) -> dict:
+    """Seconds of ``call()`` (which returns its outputs; each call is synchronised with ``block_until_ready``)
+    over ``iters`` calls after ``warmup``: ``{"median", "min", "max"}``. The one per-call timer of the scripts:
+    a call that threads state (a donated cache fed back) keeps it in its closure."""
+    for _ in range(warmup):
+        jax.block_until_ready(call())
     samples = []
-    for i in range(iters):
-        args = arg_sets[i % len(arg_sets)]
+    for _ in range(max(iters, 1)):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
+        jax.block_until_ready(call())
         samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples)}
+
+
+def time_fn(fn: Callable, arg_sets: Sequence[tuple], *, warmup: int = 3, iters: int = 30) -> float:
+    """Median seconds of ``fn(*args)`` over ``iters`` calls, cycling through ``arg_sets`` (:func:`time_calls`)."""
+    i = iter(range(1 << 62))
+    return time_calls(lambda: fn(*arg_sets[next(i) % len(arg_sets)]), warmup=warmup, iters=iters)["median"]
 
 
 def time_stats(fn: Callable, arg_sets: Sequence[tuple], *, reps: int = 20, samples: int = 7,

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import draft_attention as da
-from pallas_kernels.tuning import draft_attention_launch_config
-from scripts import bench_common
+from pallas_kernels.tuning import PEAKS, draft_attention_launch_config
+from scripts import bench_common, bench_shapes
 from scripts.profile_step import normal_arrays
 
 SWEEP = [
@@ -73,7 +73,8 @@ def jnp_path(q, kc, vc, tables, lengths, kb, vb, *, layer, scale):
     return draft_attention(q, k_ctx, v_ctx, visible, kb, vb, scale=scale)
 
 
-M3 = {"heads": 64, "kv_heads": 4, "dim": 128}
+_M3 = bench_shapes.m3_attention()
+M3 = {"heads": _M3["num_q_heads"], "kv_heads": _M3["num_kv_heads"], "dim": _M3["head_dim"]}
 
 
 def run(rows_list, context, *, hbm, sweep, reps, page=128, shape=M3, interpret=False, log=print):
@@ -124,10 +125,11 @@ def run(rows_list, context, *, hbm, sweep, reps, page=128, shape=M3, interpret=F
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", default="64,512")
-    p.add_argument("--context", type=int, default=4096)
-    p.add_argument("--page", type=int, default=128, help="draft cache page size (the target's: M3's MSA block)")
-    p.add_argument("--hbm", type=float, default=4.3e12, help="bytes/s the %% column is quoted against")
+    p.add_argument("--rows", default=",".join(map(str, bench_shapes.DRAFT_ROWS)))
+    p.add_argument("--context", type=int, default=bench_shapes.CONTEXT)
+    p.add_argument("--page", type=int, default=_M3["page"], help="draft cache page size (the target's: M3's MSA block)")
+    p.add_argument("--hbm", type=float, default=PEAKS["h200"].hbm_bytes_per_s,
+                   help="bytes/s the %% column is quoted against")
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="tiny shapes in interpret mode: a CPU smoke run")

@@ -50,15 +50,18 @@ from pallas_kernels import mx_grouped_gemm as mg
 from pallas_kernels.platform import on_gpu
 from pallas_kernels.tuning import (
     MX_WEIGHT_BYTES,
+    PEAKS,
     grouped_matmul_launch_config,
     mx_grouped_matmul_launch_config,
 )
-from scripts import bench_common
+from scripts import bench_common, bench_shapes
 
-HBM_BYTES_PER_S = 4.3e12  # H200 HBM3e
-SPEC_BYTES_PER_S = 4.8e12  # H200 data sheet
-PEAK_FLOPS = 989e12  # H200 dense bf16 tensor cores
-SWIGLU = (1.702, 7.0, 1.0)  # M3's swigluoai (alpha, limit, beta)
+_H200 = PEAKS["h200"]
+HBM_BYTES_PER_S = _H200.hbm_bytes_per_s  # H200 HBM3e, achievable
+SPEC_BYTES_PER_S = _H200.hbm_nominal_bytes_per_s  # H200 data sheet
+PEAK_FLOPS = _H200.bf16_flops_per_s  # H200 dense bf16 tensor cores
+_M3_MOE = bench_shapes.m3_moe()
+SWIGLU = _M3_MOE["swiglu"]  # M3's swigluoai (alpha, limit, beta)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +74,8 @@ class Shape:
     tokens: tuple[int, ...]
 
 
-M3 = Shape(hidden=6144, experts=128, top_k=4, inter=3072, dtype="bfloat16", tokens=(512, 4096))
+M3 = Shape(hidden=_M3_MOE["hidden"], experts=_M3_MOE["experts"], top_k=_M3_MOE["top_k"], inter=_M3_MOE["inter"],
+           dtype="bfloat16", tokens=bench_shapes.MOE_TOKENS)
 TINY = Shape(hidden=64, experts=8, top_k=2, inter=32, dtype="bfloat16", tokens=(8, 32))
 
 # Launch variants of the kernel (grouped_matmul overrides, gate/up and down alike) timed by --sweep.
@@ -289,9 +293,9 @@ def run(
                         row["weight_TBps"] = row["weight_bytes"] / (row["time_ms"] * 1e-3) / 1e12
                         row["TFLOPs"] = row["flops"] / (row["time_ms"] * 1e-3) / 1e12
                         if profile and on_gpu():
-                            from scripts.bench_sparse_attention import device_times
+                            from scripts.op_trace import kernel_times
 
-                            prof = device_times(fn, [args])
+                            prof = kernel_times(fn, [args])
                             if prof and "span_us" in prof:
                                 row["span_ms"] = prof["span_us"] / 1e3
                                 row["kernels_us"] = prof.get("kernels")

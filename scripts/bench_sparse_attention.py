@@ -48,17 +48,19 @@ from pallas_kernels.tuning import (
     paged_attention_launch_config,
     sparse_attention_launch_config,
 )
-from scripts import bench_common
+from scripts import bench_common, bench_shapes, op_trace
 
-M3 = {"num_q_heads": 64, "num_kv_heads": 4, "head_dim": 128, "page": 128, "topk": 16}
+M3 = bench_shapes.m3_attention()  # 64 query / 4 KV heads of 128, page 128, topk 16
 
-SIZES = {
-    "512x8x4K": {"num_requests": 512, "q_len": 8, "context": 4096},
-    "512x1x4K": {"num_requests": 512, "q_len": 1, "context": 4096},
-    "1x8x32K": {"num_requests": 1, "q_len": 8, "context": 32768},
-}
+
+def _sizes(batches) -> dict:
+    return {b.size if b.context >= 1024 else f"{b.requests}x{b.tokens}x{b.context}":
+            {"num_requests": b.requests, "q_len": b.tokens, "context": b.context} for b in batches}
+
+
+SIZES = _sizes(bench_shapes.ATTENTION_BATCHES)  # 512x8x4K, 512x1x4K, 1x8x32K
 # Tiny size for a CPU smoke run of the whole bench path (interpret mode), not a measurement.
-QUICK_SIZES = {"2x4x512": {"num_requests": 2, "q_len": 4, "context": 512}}
+QUICK_SIZES = _sizes(bench_shapes.ATTENTION_QUICK)
 # Copy-rate probe size: 1 GiB is far past the L2 (~60 MB); back-to-back timing keeps ``reps`` outputs alive,
 # so 4 GiB x 20 outputs does not fit beside XLA's preallocated pool on a 141 GB H200 (it ran out of memory).
 COPY_BYTES = 1 << 30
@@ -246,71 +248,9 @@ def time_in_loop(fn, arg_sets, *, iters: int = 50) -> float:
 
 
 def device_times(fn, arg_sets, *, calls: int = 20) -> dict | None:
-    """Device-side timing from a profiler trace of ``calls`` back-to-back calls (GPU only, else None).
-
-    ``device_us``: mean per call of the summed durations of the kernels a call launches; ``span_us``: mean
-    per call of first kernel start to last kernel end (kernels plus the gaps between them inside one call,
-    none of the host's dispatch time between calls); ``kernels``: mean microseconds per kernel name.
-    """
-    if not on_gpu():
-        return None
-    try:
-        return _device_times(fn, arg_sets, calls)
-    except Exception as e:  # noqa: BLE001  (profiling is optional: keep the timings)
-        return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-
-
-def _device_times(fn, arg_sets, calls: int) -> dict | None:
-    import glob
-    import tempfile
-
-    from jax.profiler import ProfileData
-
-    for i in range(3):
-        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            outs = [fn(*arg_sets[i % len(arg_sets)]) for i in range(calls)]
-            jax.block_until_ready(outs)
-        files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
-        if not files:
-            return None
-        data = ProfileData.from_file(files[0])
-    events = []
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if "stream" in line.name.lower():
-                events += [
-                    (e.start_ns, e.duration_ns, e.name)
-                    for e in line.events
-                    if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()
-                ]
-    events.sort()
-    if not events:
-        return {"device_events": 0, "lines": [ln.name for p in data.planes for ln in p.lines][:20]}
-    if len(events) % calls:  # not one group per call: whole-trace averages only
-        return {
-            "device_us": sum(d for _, d, _ in events) / calls / 1e3,
-            "span_us": (max(s + d for s, d, _ in events) - events[0][0]) / calls / 1e3,
-            "kernels": {"events": len(events)},
-        }
-    per_call = len(events) // calls
-    spans, busy, names = [], [], {}
-    for c in range(calls):
-        group = events[c * per_call : (c + 1) * per_call]
-        spans.append(max(s + d for s, d, _ in group) - group[0][0])
-        busy.append(sum(d for _, d, _ in group))
-        for _, dur, name in group:
-            names[name] = names.get(name, 0.0) + dur / calls / 1e3
-    spans.sort()
-    busy.sort()
-    return {
-        "device_us": busy[calls // 2] / 1e3,
-        "span_us": spans[calls // 2] / 1e3,
-        "kernels": {k[:80]: round(v, 2) for k, v in names.items()},
-    }
+    """Device-side timing from a profiler trace of ``calls`` back-to-back calls (GPU only, else None):
+    ``scripts/op_trace.kernel_times``."""
+    return op_trace.kernel_times(fn, arg_sets, calls=calls)
 
 
 def _time_prepass(inp: Inputs, cfg, dense: bool) -> dict:

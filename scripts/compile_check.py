@@ -45,6 +45,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.platform import lowered_for_gpu
 from pallas_kernels.tuning import chip_platform
+from scripts.bench_shapes import DRAFT_BLOCK, QWEN3_DRAFT, SERVING_BATCHES, Batch
 
 __all__ = [
     "BATCHES",
@@ -166,36 +167,8 @@ def cuda_occupancy(*, registers: int, shared: int, num_warps: int, target: Targe
 # ------------------------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Batch:
-    """A ragged serving batch: ``requests`` requests of ``tokens`` new tokens each, at ``context`` tokens."""
-
-    kind: str  # "verify", "decode", "prefill"
-    requests: int
-    tokens: int
-    context: int
-
-    @property
-    def label(self) -> str:
-        return f"{self.kind} {self.requests}x{self.tokens}@{self.context // 1024}K"
-
-
-# M3 serving sizes (every launch-policy branch at least once; a superset of the CI gate's): K = 7 verification
-# at 4K (the indexer's split path at 64 requests, its fused path at 512) and at 32K (the sparse pre-pass's
-# longest union walks), decode at 16 (the engine's default slots), 64 and 512 requests and one 32K request alone
-# (split-K at the chip's largest split count and its merge), a 512-token prefill chunk (the engine's
-# max_num_batched_tokens: 32-token indexer tiles, 8 warps).
-BATCHES: tuple[Batch, ...] = (
-    Batch("verify", 64, 8, 4096),
-    Batch("verify", 512, 8, 4096),
-    Batch("verify", 32, 8, 32768),
-    Batch("verify", 64, 8, 32768),
-    Batch("decode", 16, 1, 4096),
-    Batch("decode", 64, 1, 4096),
-    Batch("decode", 512, 1, 4096),
-    Batch("decode", 1, 1, 32768),
-    Batch("prefill", 1, 512, 4096),
-)
+# The serving batches are declared once, for the benchmarks, the profiler and this gate (scripts/bench_shapes.py).
+BATCHES: tuple[Batch, ...] = SERVING_BATCHES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,9 +181,9 @@ class KernelCall:
 
 
 def _m3():
-    from minimax_jax.config import MiniMaxM3Config
+    from scripts.bench_shapes import m3
 
-    return MiniMaxM3Config.m3()
+    return m3()
 
 
 def _page(cfg) -> int:
@@ -328,7 +301,7 @@ def _draft_attention_call(batch: Batch) -> KernelCall | None:
     cfg = _m3()
     s, page = jax.ShapeDtypeStruct, _page(cfg)
     pages, (tables, _, _) = _ragged(batch, page)
-    r, k, layers = batch.requests, 7, 1
+    r, k, layers = batch.requests, DRAFT_BLOCK, 1
     h, g, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     cache = s((layers, g, pages, page, hd), jnp.bfloat16)
     args = (s((r, k, h, hd), jnp.bfloat16), cache, cache, tables, s((r,), jnp.int32),
@@ -345,7 +318,8 @@ def _draft_attention_window_call(batch: Batch) -> KernelCall | None:
         return None
     s, page = jax.ShapeDtypeStruct, _page(_m3())
     pages, (tables, _, _) = _ragged(batch, page)
-    r, k, h, g, hd = batch.requests, 8, 32, 8, 128
+    q3 = QWEN3_DRAFT
+    r, k, h, g, hd = batch.requests, q3["block"], q3["num_q_heads"], q3["num_kv_heads"], q3["head_dim"]
     cache = s((1, g, pages, page, hd), jnp.bfloat16)
     args = (s((r, k, h, hd), jnp.bfloat16), cache, cache, tables, s((r,), jnp.int32),
             s((r, k, g, hd), jnp.bfloat16), s((r, k, g, hd), jnp.bfloat16), s((r,), jnp.int32))
@@ -353,7 +327,8 @@ def _draft_attention_window_call(batch: Batch) -> KernelCall | None:
     def windowed(*a, **kw):  # the slots' positions traced, not closed over
         return draft_attention(*a[:7], query_positions=a[7], **kw)
 
-    return KernelCall(windowed, args, {"scale": hd**-0.5, "layer": 0, "window": 1024, "implementation": "pallas"})
+    return KernelCall(windowed, args, {"scale": hd**-0.5, "layer": 0, "window": q3["window"],
+                                       "implementation": "pallas"})
 
 
 # Every kernel entry point: (name, batch -> the call to lower, or None to skip that batch). Add new kernels here;

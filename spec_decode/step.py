@@ -345,159 +345,166 @@ def make_step_fn(target, drafter, config: StepConfig):
             transform = _transform(plan, state, slot, emitted, r, mesh=config.mesh)
 
         # ---- 1. draft (K_d of the K positions; K_d = 0: none)
-        if k > 0:
-            drafter = nnx.merge(dgraph, drafter_params)
-            # the draft cache lives on the target's pages: this step's slots take the plan's block tables
-            dc = _draft_cache_for(state, plan, jnp.where(active, slot, -1))
-        if kd > 0:
-            # each decode row drafts from its slot's context, read in place (no per-step copy of the cache);
-            # other rows see no context
-            h = drafter.block_hidden(dc, anchor, num_cached,
-                                     cache_rows=jnp.where(is_decode, slot, -1),
-                                     implementation="reference" if config.implementation == "reference" else "auto",
-                                     interpret=config.interpret, mesh=config.mesh)
-            estimator = config.confidence == "estimator"
+        with jax.named_scope("install_tables"):
+            if k > 0:
+                drafter = nnx.merge(dgraph, drafter_params)
+                # the draft cache lives on the target's pages: this step's slots take the plan's block tables
+                dc = _draft_cache_for(state, plan, jnp.where(active, slot, -1))
+        with jax.named_scope("draft"):
+            if kd > 0:
+                # each decode row drafts from its slot's context, read in place (no per-step copy of the cache);
+                # other rows see no context
+                h = drafter.block_hidden(dc, anchor, num_cached,
+                                         cache_rows=jnp.where(is_decode, slot, -1),
+                                         implementation="reference" if config.implementation == "reference" else "auto",
+                                         interpret=config.interpret, mesh=config.mesh)
+                estimator = config.confidence == "estimator"
 
-            keys = jax.vmap(lambda s, p: sampling_key(s, p, STREAM_DRAFT))(plan.seed, num_cached)
-            d = drafter.sample_block(
-                h, anchor, plan.temperature, keys if sampled else None, return_probs=sampled,
-                logit_filter=(lambda x, drafted: transform(x, jnp.arange(r), jnp.sum(drafted >= 0, axis=1), drafted,
-                                                           safe_temp)) if sampled else None,
-                feature_fn=_estimator_feature if estimator else None, num_drafts=kd)
-            drafts = d.tokens
-            draft_probs = d.probs if sampled else None
-            features = None
-            if estimator:
-                features = d.features
-            elif config.confidence == "calibrated":
-                features = _head_feature(d.confidences)
-            conf = predict(state.estimator, _pad_positions(features, k))[:, :kd] if online else d.confidences
-            if synthetic:  # each request's latent profile: the acceptance probabilities and the confidences
-                profiles = request_profiles(plan.seed, config.synthetic, concentration=config.synthetic_concentration)
-                conf = emulated_confidences(profiles, plan.seed, noise=config.synthetic_noise)[:, :kd]
-            conf = jnp.where(is_decode[:, None], conf, 0.0)
-            sched = jnp.where(is_decode, jnp.clip(jnp.minimum(plan.scheduled, max_emit - 1), 0, kd), 0)
-            alloc_conf = conf if config.mode == "adaptive" else jnp.ones_like(conf)
-            caps = allocate_drafts(alloc_conf, sched, plan.budget)
-        else:
-            drafts = jnp.zeros((r, 0), jnp.int32)
-            draft_probs = jnp.zeros((r, 0, vocab), jnp.float32) if sampled else None  # no drafts: plain sampling
-            features = None
-            conf = jnp.zeros((r, 0 if k else 1), jnp.float32)
-            caps = jnp.zeros((r,), jnp.int32)
+                keys = jax.vmap(lambda s, p: sampling_key(s, p, STREAM_DRAFT))(plan.seed, num_cached)
+                d = drafter.sample_block(
+                    h, anchor, plan.temperature, keys if sampled else None, return_probs=sampled,
+                    logit_filter=(lambda x, drafted: transform(x, jnp.arange(r), jnp.sum(drafted >= 0, axis=1), drafted,
+                                                               safe_temp)) if sampled else None,
+                    feature_fn=_estimator_feature if estimator else None, num_drafts=kd)
+                drafts = d.tokens
+                draft_probs = d.probs if sampled else None
+                features = None
+                if estimator:
+                    features = d.features
+                elif config.confidence == "calibrated":
+                    features = _head_feature(d.confidences)
+                conf = predict(state.estimator, _pad_positions(features, k))[:, :kd] if online else d.confidences
+                if synthetic:  # each request's latent profile: the acceptance probabilities and the confidences
+                    profiles = request_profiles(plan.seed, config.synthetic, concentration=config.synthetic_concentration)
+                    conf = emulated_confidences(profiles, plan.seed, noise=config.synthetic_noise)[:, :kd]
+                conf = jnp.where(is_decode[:, None], conf, 0.0)
+                sched = jnp.where(is_decode, jnp.clip(jnp.minimum(plan.scheduled, max_emit - 1), 0, kd), 0)
+                alloc_conf = conf if config.mode == "adaptive" else jnp.ones_like(conf)
+                caps = allocate_drafts(alloc_conf, sched, plan.budget)
+            else:
+                drafts = jnp.zeros((r, 0), jnp.int32)
+                draft_probs = jnp.zeros((r, 0, vocab), jnp.float32) if sampled else None  # no drafts: plain sampling
+                features = None
+                conf = jnp.zeros((r, 0 if k else 1), jnp.float32)
+                caps = jnp.zeros((r,), jnp.int32)
 
         # ---- 2. pack: prefill chunks (host-packed, rows first) then [anchor, drafts] per decode row
-        q_len = jnp.where(is_prefill, plan.prefill_len, jnp.where(is_decode, 1 + caps, 0))
-        qsl = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_len, dtype=jnp.int32)])
-        dec_tokens = jnp.concatenate([anchor[:, None], drafts], axis=1)
-        offs = jnp.arange(kd + 1, dtype=jnp.int32)[None, :]
-        place = is_decode[:, None] & (offs <= caps[:, None])
-        dest = jnp.where(place, qsl[:-1, None] + offs, t)
-        input_ids = plan.prefill_tokens.at[dest.reshape(-1)].set(dec_tokens.reshape(-1), mode="drop")
-        seq_lens = jnp.where(active, num_cached + q_len, 0)
-        batch = RaggedBatch(input_ids, qsl, seq_lens, plan.block_tables)
+        with jax.named_scope("pack"):
+            q_len = jnp.where(is_prefill, plan.prefill_len, jnp.where(is_decode, 1 + caps, 0))
+            qsl = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_len, dtype=jnp.int32)])
+            dec_tokens = jnp.concatenate([anchor[:, None], drafts], axis=1)
+            offs = jnp.arange(kd + 1, dtype=jnp.int32)[None, :]
+            place = is_decode[:, None] & (offs <= caps[:, None])
+            dest = jnp.where(place, qsl[:-1, None] + offs, t)
+            input_ids = plan.prefill_tokens.at[dest.reshape(-1)].set(dec_tokens.reshape(-1), mode="drop")
+            seq_lens = jnp.where(active, num_cached + q_len, 0)
+            batch = RaggedBatch(input_ids, qsl, seq_lens, plan.block_tables)
 
         # ---- 3. verify
-        hidden, captured, cache = forward_ragged(tgt, state.cache, batch, capture_layers=capture,
-                                                 implementation=config.implementation, interpret=config.interpret,
-                                                 mesh=config.mesh)
-        samples_first = is_prefill & plan.prefill_last & (plan.resume_token < 0)
-        n_logit = jnp.where(is_decode, 1 + caps, jnp.where(samples_first, 1, 0))
-        lqsl = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(n_logit, dtype=jnp.int32)])
-        nl = config.num_logit_rows
-        lrow = token_to_request(lqsl, nl)
-        lr = jnp.maximum(lrow, 0)
-        li = jnp.arange(nl, dtype=jnp.int32) - lqsl[lr]
-        src = jnp.where(is_decode[lr], qsl[lr] + li, qsl[lr + 1] - 1)
-        src = jnp.clip(jnp.where(lrow >= 0, src, 0), 0, t - 1)
-        scores_prompt = sampled and plan.prompt_logprobs is not None
-        if scores_prompt:  # prompt-logprob rows after the sampler's (spec_decode.logprobs)
-            src, p_owner, p_offset = prompt_logit_rows(src, lqsl, qsl, is_prefill=is_prefill,
-                                                       prompt_logprobs=plan.prompt_logprobs,
-                                                       prefill_len=plan.prefill_len, prefill_last=plan.prefill_last)
-        logits = tgt.logits(hidden[src])  # [NL, V] float32
-        raw_logits = logits  # before the transforms: prompt log-probabilities read these (spec_decode.logprobs)
-        if sampled:  # greedy programs skip the transforms: their rows have none that changes an argmax
-            # verify row li of a decode row follows the anchor and drafts 1..li: its prefix, penalties included
-            row_t = safe_temp[lr]
-            before = jnp.where(is_decode[lr], jnp.maximum(li, 0), 0)
-            logits = transform(logits / row_t[:, None], lr, before, drafts[lr], row_t) * row_t[:, None]
+        with jax.named_scope("verify"):
+            hidden, captured, cache = forward_ragged(tgt, state.cache, batch, capture_layers=capture,
+                                                     implementation=config.implementation, interpret=config.interpret,
+                                                     mesh=config.mesh)
+            samples_first = is_prefill & plan.prefill_last & (plan.resume_token < 0)
+            n_logit = jnp.where(is_decode, 1 + caps, jnp.where(samples_first, 1, 0))
+            lqsl = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(n_logit, dtype=jnp.int32)])
+            nl = config.num_logit_rows
+            lrow = token_to_request(lqsl, nl)
+            lr = jnp.maximum(lrow, 0)
+            li = jnp.arange(nl, dtype=jnp.int32) - lqsl[lr]
+            src = jnp.where(is_decode[lr], qsl[lr] + li, qsl[lr + 1] - 1)
+            src = jnp.clip(jnp.where(lrow >= 0, src, 0), 0, t - 1)
+            scores_prompt = sampled and plan.prompt_logprobs is not None
+            if scores_prompt:  # prompt-logprob rows after the sampler's (spec_decode.logprobs)
+                src, p_owner, p_offset = prompt_logit_rows(src, lqsl, qsl, is_prefill=is_prefill,
+                                                           prompt_logprobs=plan.prompt_logprobs,
+                                                           prefill_len=plan.prefill_len, prefill_last=plan.prefill_last)
+            logits = tgt.logits(hidden[src])  # [NL, V] float32
+            raw_logits = logits  # before the transforms: prompt log-probabilities read these (spec_decode.logprobs)
+            if sampled:  # greedy programs skip the transforms: their rows have none that changes an argmax
+                # verify row li of a decode row follows the anchor and drafts 1..li: its prefix, penalties included
+                row_t = safe_temp[lr]
+                before = jnp.where(is_decode[lr], jnp.maximum(li, 0), 0)
+                logits = transform(logits / row_t[:, None], lr, before, drafts[lr], row_t) * row_t[:, None]
 
         # ---- 4. rejection sampling (prefill-final rows: zero drafts, the bonus is the first token)
-        anchor_pos = jnp.where(is_decode, num_cached, num_cached + plan.prefill_len - 1)
+        with jax.named_scope("rejection"):
+            anchor_pos = jnp.where(is_decode, num_cached, num_cached + plan.prefill_len - 1)
 
-        if synthetic and kd > 0:
-            rej = emulated_accept_packed(logits, lqsl, drafts, profiles[:, :kd], plan.seed, anchor_pos,
-                                         temperature=plan.temperature if sampled else 0.0, row_mask=n_logit > 0,
-                                         mesh=config.mesh)
-        else:  # on a mesh: on the vocabulary shards the LM head left the logits on (docs/PARALLELISM.md)
-            rej = rejection_sample_packed(logits, lqsl, drafts, draft_probs, plan.seed, anchor_pos,
-                                          temperature=plan.temperature if sampled else 0.0, row_mask=n_logit > 0,
-                                          mesh=config.mesh)
-        num_acc = jnp.where(is_decode, rej.num_accepted, 0)
+            if synthetic and kd > 0:
+                rej = emulated_accept_packed(logits, lqsl, drafts, profiles[:, :kd], plan.seed, anchor_pos,
+                                             temperature=plan.temperature if sampled else 0.0, row_mask=n_logit > 0,
+                                             mesh=config.mesh)
+            else:  # on a mesh: on the vocabulary shards the LM head left the logits on (docs/PARALLELISM.md)
+                rej = rejection_sample_packed(logits, lqsl, drafts, draft_probs, plan.seed, anchor_pos,
+                                              temperature=plan.temperature if sampled else 0.0, row_mask=n_logit > 0,
+                                              mesh=config.mesh)
+            num_acc = jnp.where(is_decode, rej.num_accepted, 0)
 
         # ---- 5. stop (outputs padded to the engine's K + 1 columns whatever K_d)
-        out_tokens = jnp.pad(rej.output_tokens, ((0, 0), (0, k - kd)), constant_values=-1)
-        count, finished = _stop(out_tokens, rej.num_emitted, plan.stop_ids, max_emit)
-        finished = finished & active
-        col = jnp.arange(out_tokens.shape[1], dtype=jnp.int32)[None, :]
-        tokens = jnp.where(col < count[:, None], out_tokens, -1)
+        with jax.named_scope("bookkeeping"):
+            out_tokens = jnp.pad(rej.output_tokens, ((0, 0), (0, k - kd)), constant_values=-1)
+            count, finished = _stop(out_tokens, rej.num_emitted, plan.stop_ids, max_emit)
+            finished = finished & active
+            col = jnp.arange(out_tokens.shape[1], dtype=jnp.int32)[None, :]
+            tokens = jnp.where(col < count[:, None], out_tokens, -1)
 
-        # ---- 6. commit
-        commit = plan.commit & active
-        new_cached = jnp.where(is_decode, num_cached + 1 + num_acc, num_cached + plan.prefill_len)
-        resumes = is_prefill & plan.prefill_last & (plan.resume_token >= 0)
-        last = jnp.take_along_axis(rej.output_tokens, jnp.maximum(rej.num_emitted - 1, 0)[:, None], axis=1)[:, 0]
-        last = jnp.where(resumes, plan.resume_token, last)
-        new_state = dict(
-            cache=cache,
-            num_cached=_scatter(state.num_cached, slot, new_cached, commit),
-            last_token=_scatter(state.last_token, slot, last, commit & ((rej.num_emitted > 0) | resumes)),
-            num_emitted=_scatter(state.num_emitted, slot, emitted + count, commit),
-            done=_scatter(state.done, slot, finished, commit),
-        )
-        if sampled and state.token_counts is not None:  # the emitted tokens join the history penalties read
-            new_state["token_counts"] = commit_counts(state.token_counts, slot, tokens,
-                                                      commit & (is_decode | samples_first))
-        if k > 0:
-            # positions past K_d were not drafted: they keep their last confidences (the next plan's input)
-            conf = jnp.concatenate([conf, state.prev_confidences[slot, kd:k]], axis=1)
-            prev_conf = jnp.where(is_decode[:, None], conf, 1.0)  # a row that just prefilled starts at 1.0
-            new_state["prev_confidences"] = _scatter(state.prev_confidences, slot, prev_conf,
-                                                     commit & (is_decode | (is_prefill & plan.prefill_last)))
-            # drafter context: the anchor and accepted drafts of decode rows, the whole chunk of prefill rows
-            feats = list(captured)
-            if embed_feature:
-                emb = jnp.where((token_to_request(qsl, t) >= 0)[:, None], tgt.embed(input_ids), 0)
-                feats = [emb if i < 0 else feats.pop(0) for i in config.capture_layers]
-            features_cat = jnp.concatenate(feats, axis=-1).astype(drafter.dtype)
-            num_new = jnp.where(is_decode, 1 + num_acc, jnp.where(is_prefill, plan.prefill_len, 0))
-            num_new = jnp.where(commit, num_new, 0)
-            treq = token_to_request(qsl, t)
-            tr = jnp.maximum(treq, 0)
-            ti = jnp.arange(t, dtype=jnp.int32) - qsl[tr]
-            write = (treq >= 0) & (ti < num_new[tr])
-            lengths = _scatter(dc.lengths, slot, num_cached + num_new, commit)
-            new_state["draft_cache"] = drafter.write_context(dc, features_cat, jnp.where(write, slot[tr], -1),
-                                                             num_cached[tr] + ti, lengths)
-            if online:
-                if features is None:  # K_d = 0: nothing verified, nothing to learn
-                    features = jnp.zeros((r, 0), jnp.float32)
-                est = update(state.estimator, _pad_positions(features, k), num_acc,
-                             jnp.where(commit & is_decode, caps, 0))
-                # a timing run (commit False) leaves the estimator untouched (not even its step counter)
-                new_state["estimator"] = jax.tree.map(lambda a, b: jnp.where(plan.commit, a, b), est,
-                                                      state.estimator)
-        state = dataclasses.replace(state, **new_state)
-        logprobs = None
-        if sampled:  # the target's log-probabilities at the verify positions (and prompt rows)
-            if not scores_prompt:
-                p_owner = p_offset = jnp.full((nl,), -1, jnp.int32)
-            logprobs = step_logprobs(raw_logits, logits, temperature=plan.temperature, lr=lr, lqsl=lqsl,
-                                     out_tokens=out_tokens, prompt_owner=p_owner, prompt_offset=p_offset,
-                                     prefill_tokens=input_ids, qsl=qsl, prefill_len=plan.prefill_len,
-                                     next_prompt_token=(plan.next_prompt_token if scores_prompt
-                                                        else jnp.zeros((r,), jnp.int32)), mesh=config.mesh)
+            # ---- 6. commit
+            commit = plan.commit & active
+            new_cached = jnp.where(is_decode, num_cached + 1 + num_acc, num_cached + plan.prefill_len)
+            resumes = is_prefill & plan.prefill_last & (plan.resume_token >= 0)
+            last = jnp.take_along_axis(rej.output_tokens, jnp.maximum(rej.num_emitted - 1, 0)[:, None], axis=1)[:, 0]
+            last = jnp.where(resumes, plan.resume_token, last)
+            new_state = dict(
+                cache=cache,
+                num_cached=_scatter(state.num_cached, slot, new_cached, commit),
+                last_token=_scatter(state.last_token, slot, last, commit & ((rej.num_emitted > 0) | resumes)),
+                num_emitted=_scatter(state.num_emitted, slot, emitted + count, commit),
+                done=_scatter(state.done, slot, finished, commit),
+            )
+            if sampled and state.token_counts is not None:  # the emitted tokens join the history penalties read
+                new_state["token_counts"] = commit_counts(state.token_counts, slot, tokens,
+                                                          commit & (is_decode | samples_first))
+            if k > 0:
+                # positions past K_d were not drafted: they keep their last confidences (the next plan's input)
+                conf = jnp.concatenate([conf, state.prev_confidences[slot, kd:k]], axis=1)
+                prev_conf = jnp.where(is_decode[:, None], conf, 1.0)  # a row that just prefilled starts at 1.0
+                new_state["prev_confidences"] = _scatter(state.prev_confidences, slot, prev_conf,
+                                                         commit & (is_decode | (is_prefill & plan.prefill_last)))
+                # drafter context: the anchor and accepted drafts of decode rows, the whole chunk of prefill rows
+                feats = list(captured)
+                if embed_feature:
+                    emb = jnp.where((token_to_request(qsl, t) >= 0)[:, None], tgt.embed(input_ids), 0)
+                    feats = [emb if i < 0 else feats.pop(0) for i in config.capture_layers]
+                features_cat = jnp.concatenate(feats, axis=-1).astype(drafter.dtype)
+                num_new = jnp.where(is_decode, 1 + num_acc, jnp.where(is_prefill, plan.prefill_len, 0))
+                num_new = jnp.where(commit, num_new, 0)
+                treq = token_to_request(qsl, t)
+                tr = jnp.maximum(treq, 0)
+                ti = jnp.arange(t, dtype=jnp.int32) - qsl[tr]
+                write = (treq >= 0) & (ti < num_new[tr])
+                lengths = _scatter(dc.lengths, slot, num_cached + num_new, commit)
+                new_state["draft_cache"] = drafter.write_context(dc, features_cat, jnp.where(write, slot[tr], -1),
+                                                                 num_cached[tr] + ti, lengths)
+                if online:
+                    if features is None:  # K_d = 0: nothing verified, nothing to learn
+                        features = jnp.zeros((r, 0), jnp.float32)
+                    est = update(state.estimator, _pad_positions(features, k), num_acc,
+                                 jnp.where(commit & is_decode, caps, 0))
+                    # a timing run (commit False) leaves the estimator untouched (not even its step counter)
+                    new_state["estimator"] = jax.tree.map(lambda a, b: jnp.where(plan.commit, a, b), est,
+                                                          state.estimator)
+            state = dataclasses.replace(state, **new_state)
+        with jax.named_scope("logprobs"):
+            logprobs = None
+            if sampled:  # the target's log-probabilities at the verify positions (and prompt rows)
+                if not scores_prompt:
+                    p_owner = p_offset = jnp.full((nl,), -1, jnp.int32)
+                logprobs = step_logprobs(raw_logits, logits, temperature=plan.temperature, lr=lr, lqsl=lqsl,
+                                         out_tokens=out_tokens, prompt_owner=p_owner, prompt_offset=p_offset,
+                                         prefill_tokens=input_ids, qsl=qsl, prefill_len=plan.prefill_len,
+                                         next_prompt_token=(plan.next_prompt_token if scores_prompt
+                                                            else jnp.zeros((r,), jnp.int32)), mesh=config.mesh)
         out = StepOutput(tokens=tokens, num_emitted=count, num_accepted=num_acc, num_verified=caps,
                          confidences=conf, finished=finished, logprobs=logprobs)
         return state, out
