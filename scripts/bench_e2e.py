@@ -190,7 +190,8 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
     eng = Engine(target, drafter if settings["verification"] != "none" else None,
                  num_speculative_tokens=settings["num_speculative_tokens"], verification=settings["verification"],
                  max_num_seqs=n, max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                 min_token_bucket=args.min_token_bucket, tokenizer=tokenizer,
+                 min_token_bucket=args.min_token_bucket,
+                 tokenizer=tokenizer if args.model == "default" else None,  # the slice's vocabulary is M3's
                  enable_prefix_caching=args.prefix_caching or args.shared_prefix > 0,
                  implementation=args.implementation,
                  device_loop=any(loop_and_steps(lp, args) != ("host", 1) for lp in loops),

@@ -51,6 +51,11 @@ summary) and, inside ``draft`` and ``verify``, the drafter's and the target's op
 scope claims inside a part (the allocation in ``draft``, the logit-row gather in ``verify``) is the part's own
 row.
 
+**CUDA graphs.** XLA runs a GPU program's kernels as command buffers (CUDA graphs), which the trace shows as one
+``command_buffer`` op: the profiler turns them off (``--xla_gpu_enable_command_buffer=`` in ``XLA_FLAGS``, set
+before JAX starts, unless ``XLA_FLAGS`` already names the option or ``--keep-command-buffers`` is given), so
+the whole-step times are without graphs too (the engine runs with them: compare with its own timings).
+
 **Timing.** Whole steps: ``--warmup`` calls, then the median of ``--iters`` calls, each synchronised
 (``scripts/bench_common.time_calls``; a donated cache is fed back as the engine does). Per op: the mean over
 ``--trace-calls`` traced calls. ``dispatch_ms`` (an empty jitted op) is the per-call host floor.
@@ -73,9 +78,15 @@ import dataclasses
 import gc
 import json
 import math
+import os
 import sys
 import time
 import warnings
+
+if "--keep-command-buffers" not in sys.argv and "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
+    # A CUDA graph (XLA command buffer) shows in the trace as one op, its kernels unattributed: the per-op
+    # attribution needs them off (set before JAX starts); the whole step is then timed without them as well
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
 
 import jax
 import jax.numpy as jnp
@@ -1258,6 +1269,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=None, help="warm-up calls per step (default 2; tiny 1)")
     p.add_argument("--iters", type=int, default=None, help="timed calls per step (default 10; tiny 2)")
     p.add_argument("--trace-calls", type=int, default=None, help="traced calls per step (default 5; tiny 2)")
+    p.add_argument("--keep-command-buffers", action="store_true",
+                   help="leave XLA's CUDA graphs on (the per-op rows are then one unattributed command buffer)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the JSON here")
     return p
