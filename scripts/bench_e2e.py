@@ -322,6 +322,17 @@ def run_sweep(args, pair, rows: list[dict], rows_path: str, t_start: float, writ
                 write_outputs()
 
 
+# Named emulated-acceptance profiles: the unconditional rates P(the first k drafts are accepted), k = 1..7.
+ACCEPTANCE_PROFILES = {
+    # observed for the embedded default's drafter on 64 held-out code windows (greedy, full verification, 2,409
+    # verify steps: docs/BENCHMARKS.md "Reliability of the confidence head", calibration_default_cpu_f32.json)
+    "default": (0.8796, 0.5832, 0.3831, 0.2399, 0.1706, 0.1017, 0.0722),
+    # flatter: every draft survives its predecessor with probability 0.57 (acceptance length 2.30, what the
+    # seed's run at concurrency 512 saw)
+    "flat": tuple(round(0.57 ** k, 4) for k in range(1, 8)),
+}
+
+
 def load_pair(args):
     """The embedded default, or (``--model m3-slice``) a few MiniMax-M3 layers at the real widths with random
     weights and a DSpark drafter at M3 width (``--m3-tiny``: the same structure at test widths), with the default's
@@ -632,7 +643,15 @@ def parse_args(argv=None):
                          "included; fixed K < 7 takes the first K of the 7 rates")
     ap.add_argument("--synthetic-acceptance-rates", type=float, nargs="+", default=None,
                     help="emulated acceptance: 7 unconditional rates P(the first k drafts are accepted)")
+    ap.add_argument("--synthetic-acceptance-profile", choices=sorted(ACCEPTANCE_PROFILES), default=None,
+                    help="emulated acceptance from a named profile: 'default' (the embedded default's drafter on "
+                         "held-out code, acceptance length 3.43), 'flat' (a conditional rate of 0.57 everywhere, "
+                         "length 2.30)")
     ap.add_argument("--synthetic-confidence-noise", type=float, default=0.0)
+    ap.add_argument("--workload", choices=["heldout", "published"], default="heldout",
+                    help="'published': the seed's workload, 550-token prompts whose first 200 tokens every "
+                         "request shares (prefix caching on), 150 new tokens (sets --prompt-len, --shared-prefix, "
+                         "--max-new-tokens)")
     ap.add_argument("--tensor-parallel-size", type=int, default=None,
                     help="run on a mesh of this many devices (1: the sharded code on one device); default: no mesh")
     ap.add_argument("--shared-prefix", type=int, default=0,
@@ -663,6 +682,13 @@ def parse_args(argv=None):
             ap.error(str(e))
     if args.calibration_prompt_len is None:
         args.calibration_prompt_len = args.prompt_len
+    if args.workload == "published":
+        args.prompt_len, args.shared_prefix, args.max_new_tokens = 550, 200, 150
+    named = args.synthetic_acceptance_profile
+    if named is not None:
+        if args.synthetic_acceptance_length is not None or args.synthetic_acceptance_rates is not None:
+            ap.error("give one of --synthetic-acceptance-profile, -length, -rates")
+        args.synthetic_acceptance_rates = list(ACCEPTANCE_PROFILES[named][:args.k])
     args.synthetic_rates = None
     if args.synthetic_acceptance_length is not None or args.synthetic_acceptance_rates is not None:
         from spec_decode.synthetic import acceptance_rates

@@ -104,3 +104,21 @@ def test_m3_slice_with_emulated_acceptance_on_cpu(tmp_path):
     assert row["prefix_cache_tokens"] > 0
     with pytest.raises(SystemExit):  # random weights without emulated acceptance would measure noise
         bench_e2e.parse_args(["--out", str(out), "--model", "m3-slice"])
+
+
+def test_named_acceptance_profiles_and_the_published_workload(tmp_path):
+    """``--synthetic-acceptance-profile`` gives non-increasing rates whose acceptance length is the profile's
+    (3.43 for the default's measured one, 2.30 for the flat one); ``--workload published`` sets the seed's shape;
+    a profile beside explicit rates is refused."""
+    base = ["--out", str(tmp_path), "--model", "m3-slice"]
+    lengths = {}
+    for name in ("default", "flat"):
+        args = bench_e2e.parse_args(base + ["--synthetic-acceptance-profile", name])
+        rates = args.synthetic_rates
+        assert len(rates) == 7 and all(a >= b for a, b in zip(rates, rates[1:])) and 0 < rates[-1] <= rates[0] <= 1
+        lengths[name] = 1 + sum(rates)
+    assert lengths["default"] == pytest.approx(3.43, abs=0.01) and lengths["flat"] == pytest.approx(2.30, abs=0.01)
+    args = bench_e2e.parse_args(base + ["--synthetic-acceptance-profile", "flat", "--workload", "published"])
+    assert (args.prompt_len, args.shared_prefix, args.max_new_tokens) == (550, 200, 150)
+    with pytest.raises(SystemExit):
+        bench_e2e.parse_args(base + ["--synthetic-acceptance-profile", "flat", "--synthetic-acceptance-length", "3"])
