@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -196,9 +199,6 @@ def test_device_planner_gives_the_host_budgets():
     """``choose_budget_device`` (traced, float32, padding rows with no drafts) == ``choose_budget`` on 400 random
     cases: random confidences with exact 0s and 1s, random scheduled counts, staircases with 0..5 buckets, draft
     costs, logits caps, and both settings of the minimum gain."""
-    import jax
-    import jax.numpy as jnp
-
     from spec_decode.budget import choose_budget_device
     from spec_decode.cost_table import CostTableArrays
 
@@ -241,12 +241,19 @@ def test_planner_fast_path_is_choose_plan():
     rng = np.random.default_rng(7)
     k = 7
     lengths = (0, 1, 3, 7)
+    rows = 24  # the device planner sees every slot, as in the device loop: rows past r schedule nothing
+
+    @functools.partial(jax.jit, static_argnames=("token_buckets",))
+    def device_plan(conf, sched, r, n_samp, cap, table, *, token_buckets):
+        return choose_plan_device(conf, sched, num_rows=r, num_sampling_rows=n_samp, num_non_draft_tokens=r,
+                                  cost_table=table, max_total_logit_rows=cap, draft_lengths=lengths,
+                                  token_buckets=token_buckets)
+
     mismatches = 0
     for trial in range(150):
-        r = int(rng.integers(1, 24))
+        r = int(rng.integers(1, rows))
         union = [8, 16, 32, 64, 128, 256]
-        buckets = {0: (r if r > 8 else 8,), 1: (16, 32), 3: (32, 64), 7: tuple(union)}
-        buckets = {d: tuple(sorted({max(b, 8) for b in bs})) for d, bs in buckets.items()}
+        buckets = {0: (8 if r <= 8 else 16 if r <= 16 else 24,), 1: (16, 32), 3: (32, 64), 7: tuple(union)}
         verify = {t: float(s) for t, s in zip(union, np.cumsum(rng.uniform(0.0, 1.0, len(union))) + 1.0)}
         extra = {0: 0.0, 1: float(rng.uniform(0, 0.3)), 3: float(rng.uniform(0.3, 0.6)), 7: float(rng.uniform(0.6, 1))}
         table = CostTable.from_measurements(verify, draft_lengths=extra)
@@ -261,10 +268,12 @@ def test_planner_fast_path_is_choose_plan():
         want = choose_plan(conf, sched, num_sampling_rows=n_samp, num_non_draft_tokens=r, cost_table=table,
                            max_total_logit_rows=cap, draft_lengths=lengths, token_buckets=buckets)
         assert got == want, (trial, got, want)
-        b, i = choose_plan_device(jnp.asarray(np.nan_to_num(conf, nan=0.0)), jnp.asarray(sched, jnp.int32),
-                                  num_rows=r, num_sampling_rows=n_samp, num_non_draft_tokens=r,
-                                  cost_table=CostTableArrays.from_table(table), max_total_logit_rows=cap,
-                                  draft_lengths=lengths, token_buckets=tuple(buckets[d] for d in lengths))
+        padded_conf = np.zeros((rows, k), np.float32)
+        padded_conf[:r] = np.nan_to_num(conf, nan=0.0)
+        padded_sched = np.zeros(rows, np.int32)
+        padded_sched[:r] = sched
+        b, i = device_plan(padded_conf, padded_sched, np.int32(r), np.int32(n_samp), np.int32(cap),
+                           CostTableArrays.from_table(table), token_buckets=tuple(buckets[d] for d in lengths))
         mismatches += (int(b), lengths[int(i)]) != want
         planner.host_floor_s = 1e3
         assert planner.plan(conf, sched, num_sampling_rows=n_samp, num_non_draft_tokens=r) == (

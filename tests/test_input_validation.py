@@ -130,7 +130,7 @@ def test_cli_forward_runs(capsys):
 
 
 def test_cli_generate_on_the_embedded_default(capsys):
-    assert main(["generate", "def add(a, b):", "--max-new-tokens", "6", "--k", "3"]) == 0
+    assert main(["generate", "def add(a, b):", "--max-new-tokens", "6", "--k", "3", "--max-model-len", "64"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("def add(a, b):") and "verification adaptive, K = 3" in out
     assert "acceptance length" in out

@@ -81,10 +81,12 @@ def test_sampled_tokens_equal_one_step_at_a_time(target, drafter, prompts):
             kw.update(stop_token_ids=(int(rng.integers(3, 31)),), presence_penalty=0.3)
         params.append(SamplingParams(**kw))
     runs = []
-    for m in (1, 5):
-        eng = Engine(target, drafter, num_speculative_tokens=3, verification="fixed", cost_table=None,
-                     decode_steps_per_launch=m, **COMMON)
+    eng = Engine(target, drafter, num_speculative_tokens=3, verification="fixed", cost_table=None,
+                 decode_steps_per_launch=5, **COMMON)
+    for m in (1, 5):  # one engine (one compile), one step per launch first
+        eng.decode_steps_per_launch = m
         runs.append(eng.generate(prompts, sampling_params=params, progress=False))
+    assert runs[0].stats["multi_step_launches"] == 0
     assert runs[1].stats["multi_step_launches"] > 0
     assert [r.token_ids for r in runs[1]] == [r.token_ids for r in runs[0]]
     assert [r.finish_reason for r in runs[1]] == [r.finish_reason for r in runs[0]]
