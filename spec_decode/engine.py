@@ -52,7 +52,14 @@ from spec_decode import compilation_cache as persistent_cache
 from spec_decode.buckets import StepKey, default_draft_lengths, logit_rows, step_keys, token_bucket
 from spec_decode.cost_table import CostTable, CostTableArrays, load_cost_table, save_cost_table
 from spec_decode.device_loop import LoopConfig, fill_requests, logprobs_width, loop_inputs, make_loop_fn
-from spec_decode.executable_store import ExecutableStore, abstract, program_digest
+from spec_decode.executable_store import (
+    ExecutableStore,
+    abstract,
+    live_code,
+    program_digest,
+    recall,
+    remember,
+)
 from spec_decode.logprobs import ScoreResult
 from spec_decode.page_pool import PagePool
 from spec_decode.penalties import write_history
@@ -462,8 +469,9 @@ class Engine:
             if self._state.token_counts is not None and self._history_program is None:
                 names.append("history")
             names += [("loop",) + key for key in loops if key not in self._loop_programs]
-            # first from the executable store (no tracing), then lowered and compiled (and stored)
-            loaded, digests = self._load_executables(names)
+            # first from this process's programs or the executable store (no tracing), then lowered and compiled
+            digests, live = self._program_digests(names), live_code()
+            loaded = self._load_executables(digests, live)
             t_loaded = time.perf_counter()
             todo = [name for name in names if name not in loaded]
             todo.sort(key=_compile_order)
@@ -471,8 +479,9 @@ class Engine:
             done, lower_s = compile_in_pool(((name, self._lowering(name)) for name in todo), total=len(todo),
                                             progress=show, desc="compiling", seconds=seconds)
             t_compiled = time.perf_counter()
-            if digests:
-                for name, exe in done.items():
+            for name, exe in done.items():
+                remember(digests[name], live, exe)
+                if self._executables is not None:
                     self._executables.save(digests[name], exe)
             done.update(loaded)
             for key in loops:
@@ -512,17 +521,16 @@ class Engine:
                                   step=dataclasses.replace(self._step_config, sampling=sampling))
         return jax.jit(on_mesh(make_loop_fn(self.target, self.drafter, cfg), self.mesh), donate_argnums=(2,))
 
-    def _load_executables(self, names: list) -> tuple[dict, dict]:
-        """``({name: program}, {name: digest})``: the programs of ``names`` the executable store holds, and the
-        store's keys of the others (to store them once compiled); both empty without a store
-        (:mod:`spec_decode.executable_store`)."""
-        if self._executables is None or not names:
-            return {}, {}
+    def _program_digests(self, names: list) -> dict:
+        """``{name: key}``: each program's key in the executable store (:mod:`spec_decode.executable_store`): what
+        determines it before tracing."""
+        if not names:
+            return {}
         flat = self._programs.flat_params(self._target_params, self._drafter_params)
         common = (repr(nnx.graphdef(self.target)),
                   repr(nnx.graphdef(self.drafter)) if self.drafter is not None else None,
-                  abstract(flat), abstract(self._state), repr(self._step_config),
-                  repr(self.loop_config), self.max_num_seqs, self.num_stop_ids, self.max_model_len)
+                  abstract(flat), abstract(self._state), repr(self._step_config), repr(self.loop_config),
+                  self.max_num_seqs, self.num_stop_ids, self.max_model_len)
         digests = {}
         for name in names:
             if isinstance(name, StepKey):
@@ -532,12 +540,23 @@ class Engine:
             else:
                 parts = (repr(name), abstract(self._example_loop_inputs()))
             digests[name] = program_digest(common, parts)
-        # loading is mostly the runtime's work (reading and placing the kernels): in a thread pool
-        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 1, 16))) \
-                as pool:
-            found = dict(zip(names, pool.map(self._executables.load, [digests[n] for n in names])))
-        loaded = {name: exe for name, exe in found.items() if exe is not None}
-        return loaded, {name: d for name, d in digests.items() if name not in loaded}
+        return digests
+
+    def _load_executables(self, digests: dict, live: str) -> dict:
+        """``{name: program}`` of the programs already compiled in this process under the same key and code
+        (``live``), or held by the executable store on disk (loaded in a thread pool: mostly the runtime's work,
+        reading and placing the kernels)."""
+        loaded = {name: exe for name, d in digests.items() if (exe := recall(d, live)) is not None}
+        rest = [name for name in digests if name not in loaded]
+        if self._executables is not None and rest:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(rest), os.cpu_count() or 1, 16))) \
+                    as pool:
+                found = dict(zip(rest, pool.map(self._executables.load, [digests[n] for n in rest])))
+            for name, exe in found.items():
+                if exe is not None:
+                    loaded[name] = exe
+                    remember(digests[name], live, exe)
+        return loaded
 
     def _history_jit(self):
         """:func:`spec_decode.penalties.write_history` jitted for the engine's state (its two arrays donated)."""

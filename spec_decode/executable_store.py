@@ -15,7 +15,14 @@ each program by what determines it *before* tracing, and keeps the executable th
   configuration, and the program's key in the closed set.
 
 Any change to one of them gives another key, so a stale executable is never loaded; a file that fails to load is
-dropped and the program compiles as usual. The store lives beside the compilation cache
+dropped and the program compiles as usual.
+
+Within one process, engines with the same key also share their compiled programs (:func:`recall`,
+:func:`remember`: the last :data:`MEMORY_ENTRIES` programs, on every engine, the store on disk or not), so a
+second engine with the same settings, re-run notebook cells and tests start without compiling. A program holds
+no weights and no state (both are arguments), so sharing it is safe. Their key adds :func:`live_code`, the
+identity of every function, class and module-level value of the three packages as they are *now*, so code
+replaced at run time (a test's monkeypatch) is traced anew; the store on disk cannot see such replacements. The store lives beside the compilation cache
 (``$MINIMAX_JAX_CACHE_DIR/../executables``, by default ``~/.cache/minimax-jax/executables``), is least-recently-used
 trimmed to :data:`MAX_BYTES`, and is off with the compilation cache (``MINIMAX_JAX_COMPILATION_CACHE=0``,
 ``Engine(compilation_cache=False)``). Programs placed on a multi-device mesh are not stored (they compile, through
@@ -24,19 +31,26 @@ the compilation cache).
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import os
 import pickle
+import sys
 import tempfile
+import threading
 import warnings
 
 import jax
 
 from spec_decode import compilation_cache
 
-__all__ = ["MAX_BYTES", "ExecutableStore", "abstract", "program_digest", "source_digest"]
+__all__ = ["MAX_BYTES", "MEMORY_ENTRIES", "ExecutableStore", "abstract", "live_code", "program_digest", "recall",
+           "remember", "source_digest"]
 
 MAX_BYTES = 8 << 30  # the store's size on disk, kept by removing the least recently used executables
+MEMORY_ENTRIES = 128  # programs kept in this process for other engines with the same key (least recently used out)
+_memory: collections.OrderedDict = collections.OrderedDict()
+_memory_lock = threading.Lock()
 _PACKAGES = ("pallas_kernels", "minimax_jax", "spec_decode")
 _JAX_OPTIONS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_prng_impl", "jax_threefry_partitionable",
                 "jax_numpy_rank_promotion", "jax_pallas_use_mosaic_gpu")
@@ -89,6 +103,41 @@ def abstract(tree) -> tuple:
 def program_digest(*parts) -> str:
     """The store's key of one program: the software and machine (see the module docstring) and ``parts``."""
     return hashlib.sha256(repr((_environment(),) + parts).encode()).hexdigest()
+
+
+def live_code() -> str:
+    """A digest of what this process's modules of the three packages hold now: the identity of each module
+    attribute and class attribute (and the value of simple constants). Replacing one at run time changes it."""
+    h = hashlib.sha256()
+    for name in sorted(n for n in sys.modules if n.split(".")[0] in _PACKAGES):
+        module = sys.modules[name]
+        for attr, value in sorted(getattr(module, "__dict__", {}).items()):
+            h.update(f"{name}.{attr}:{id(value)}".encode())
+            if isinstance(value, (bool, int, float, str)):
+                h.update(repr(value).encode())
+            elif isinstance(value, type) and value.__module__ == name:
+                for cattr, cvalue in sorted(vars(value).items()):
+                    h.update(f"{cattr}:{id(cvalue)}".encode())
+    return h.hexdigest()
+
+
+def recall(digest: str, live: str):
+    """The program compiled (or loaded) under ``digest`` earlier in this process with the code as ``live``
+    (:func:`live_code`), or None."""
+    with _memory_lock:
+        exe = _memory.get((digest, live))
+        if exe is not None:
+            _memory.move_to_end((digest, live))
+        return exe
+
+
+def remember(digest: str, live: str, compiled) -> None:
+    """Keep ``compiled`` for later engines of this process with the same key and code."""
+    with _memory_lock:
+        _memory[(digest, live)] = compiled
+        _memory.move_to_end((digest, live))
+        while len(_memory) > MEMORY_ENTRIES:
+            _memory.popitem(last=False)
 
 
 class ExecutableStore:

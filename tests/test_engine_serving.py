@@ -6,7 +6,6 @@ compiles nothing). CPU, f32, reference kernels."""
 import os
 import subprocess
 import sys
-import tempfile
 import textwrap
 
 import numpy as np
@@ -182,18 +181,31 @@ def test_a_second_process_loads_every_program_as_an_executable(tmp_path):
     assert any(cache.iterdir()) and len(list((tmp_path / "executables").iterdir())) == programs  # stored again
 
 
+def test_engines_with_the_same_settings_share_their_programs(target, drafter):
+    """A second engine with the same settings, over another target of the same config (other weights), compiles
+    nothing: it reuses the first one's programs (weights are arguments, not part of a program), and generates that
+    target's own greedy tokens."""
+    kw = dict(num_speculative_tokens=3, verification="fixed", precompile=True, **GREEDY)
+    first = Engine(target, drafter, **kw)
+    other = damped_target(damping=0.5, seed=4)
+    prompts = random_prompts(2, [11, 17], seed=21)
+    with compile_counter() as compiled:
+        second = Engine(other, bigram_drafter(other, block_size=7), **kw)
+        res = second.generate(prompts, max_new_tokens=8, progress=False)
+    assert compiled == [] and second.warmup_report.loaded == second.warmup_report.programs == \
+        first.warmup_report.programs
+    assert [r.token_ids for r in res] == [greedy_reference(other, p, 8) for p in prompts]
+
+
 def test_the_executable_store_keys_change_with_the_engine(target, drafter):
     """A program's key in the executable store covers the engine's settings: the same engine gives the same keys,
     another model length or another drafter config other keys (the weights are arguments: not in a key)."""
-    from spec_decode import executable_store
-
     def keys(**kw):
         eng = Engine(target, kw.pop("drafter", drafter), num_speculative_tokens=3, verification="fixed",
                      **{**GREEDY, **kw})
         names = list(eng._programs.missing) + [("loop", False, None)]
         eng._state = eng._init_state()
-        eng._executables = executable_store.ExecutableStore(tempfile.mkdtemp())
-        return eng._load_executables(names)[1]
+        return eng._program_digests(names)
 
     base = keys()
     assert keys() == base and len(set(base.values())) == len(base)
