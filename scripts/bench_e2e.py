@@ -229,8 +229,10 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
         if base == "host":
             eng.decode_steps_per_launch = steps_per_launch
         eng.generate(warm_prompts, loop=base, **kw)
+        eng.record_launches = bool(args.launch_timeline)  # the timed calls' launch timeline (host loop)
         with compile_counter() as compiled:
             runs = [eng.generate(prompts, loop=base, **kw) for prompts in timed_sets]
+        eng.record_launches = False
         res = runs[0]
         st = res.stats
         wall = sum(r.stats["wall_time_s"] for r in runs)
@@ -262,7 +264,8 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
             "host_time_per_step_s": st["host_time_per_step_s"],
             **{key: st[key] for key in ("host_schedule_ms_per_step", "host_dispatch_ms_per_step",
                                         "host_commit_ms_per_step", "multi_step_launches",
-                                        "steps_in_multi_step_launches", "empty_launches") if key in st},
+                                        "steps_in_multi_step_launches", "empty_launches", "launch_timeline")
+                         if key in st},
             "decode_steps_per_launch": steps_per_launch if base == "host" else None,
             "prefix_cache_tokens": st["prefix_cache_tokens"], "preemptions": st["preemptions"],
             "token_digests": [digest(r.token_ids) for r in res],
@@ -660,6 +663,8 @@ def parse_args(argv=None):
                     help="compile the sampling programs too (the sweep is greedy: Engine(sampling=False) by default)")
     ap.add_argument("--decode-steps-per-launch", type=int, default=16,
                     help="the host loop's multi-step launches (Engine(decode_steps_per_launch=...)); 1: off")
+    ap.add_argument("--launch-timeline", action="store_true",
+                    help="host-loop rows carry each launch's times (Engine.record_launches): launch_timeline")
     ap.add_argument("--time-budget-s", type=float, default=None)
     ap.add_argument("--resume", default=None, help="rows to resume from (default: OUT/bench_e2e.jsonl if present)")
     ap.add_argument("--fresh", action="store_true", help="start a new OUT/bench_e2e.jsonl (ignore recorded rows)")

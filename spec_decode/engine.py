@@ -274,6 +274,9 @@ class Engine:
                                     max_num_seqs)
         self._burst_costs = None  # (the planner's table, as the device loop reads it)
         self._burst_run = 0  # multi-step launches since the last single step
+        # diagnostics: with record_launches, a host-loop run's results.stats["launch_timeline"] lists each launch's
+        # times (planned and submitted, launch start and end on the launcher thread, read back, committed)
+        self.record_launches = False
         self._target_params = nnx.state(target)
         self._drafter_params = nnx.state(self.drafter) if self.drafter is not None else None
         self._state: DecodeState | None = None
@@ -865,7 +868,7 @@ class Engine:
             raise RuntimeError("not launched: an earlier step of this run failed to launch") from after.exception()
         t = time.perf_counter()
         out = self._launch(step, packed)
-        return out, time.perf_counter() - t
+        return out, t, time.perf_counter()
 
     def _launcher(self) -> concurrent.futures.ThreadPoolExecutor:
         """The thread that launches the host loop's steps (created on first use). Launching a step program is
@@ -916,6 +919,7 @@ class Engine:
         # async, where it overlaps the main thread's schedule and commit)
         host = {"schedule": 0.0, "dispatch": 0.0, "commit": 0.0}
         launches = {"multi_step": 0, "steps_in_multi_step": 0, "empty": 0}
+        timeline = [] if self.record_launches else None
         t0 = time.perf_counter()
         with compile_counter() as compiled:
             try:
@@ -931,7 +935,7 @@ class Engine:
                         else:
                             launch = concurrent.futures.Future()
                             launch.set_result(self._launch_timed(step, packed))
-                        in_flight.append((step, launch))
+                        in_flight.append((step, launch, time.perf_counter()))
                         steps += isinstance(step, ScheduledStep)  # a multi-step launch counts its steps when read
                     elif not in_flight:
                         raise RuntimeError("the scheduler could not place any work (page pool too small?)")
@@ -939,8 +943,9 @@ class Engine:
                     host["schedule"] += h2 - h0
                     launch_s = 0.0
                     while in_flight and (len(in_flight) > depth or step is None):
-                        done, launch = in_flight.popleft()
-                        out, launch_s = launch.result()
+                        done, launch, submitted = in_flight.popleft()
+                        out, started, ended = launch.result()
+                        launch_s = ended - started
                         host["dispatch"] += launch_s
                         out = jax.device_get(out)  # waits for that step only
                         h3 = time.perf_counter()
@@ -959,6 +964,12 @@ class Engine:
                         if not events and (isinstance(done, ScheduledBurst) or done.num_decode):
                             launches["empty"] += 1  # a decode launch whose requests had all finished
                         commit_s += time.perf_counter() - h3
+                        if timeline is not None:  # seconds from the run's start
+                            timeline.append({
+                                "kind": "multi_step" if isinstance(done, ScheduledBurst) else "step",
+                                "steps": int(out.steps) if isinstance(done, ScheduledBurst) else 1,
+                                "submitted": submitted - t0, "launch_start": started - t0, "launch_end": ended - t0,
+                                "ready": h3 - t0, "committed": time.perf_counter() - t0})
                         for req, new in events:
                             yield req.index, new
                     host["commit"] += commit_s
@@ -970,7 +981,7 @@ class Engine:
                         p = self.planner
                         p.host_floor_s = it if p.host_floor_s == 0.0 else 0.9 * p.host_floor_s + 0.1 * it
             except BaseException as e:
-                for _, launch in in_flight:  # let launched steps finish before the state is inspected
+                for _, launch, _ in in_flight:  # let launched steps finish before the state is inspected
                     concurrent.futures.wait([launch])
                 # a closed stream leaves every planned step launched; anything else may have registered prefix
                 # pages whose writes never ran
@@ -989,6 +1000,7 @@ class Engine:
                                        multi_step_launches=launches["multi_step"],
                                        steps_in_multi_step_launches=launches["steps_in_multi_step"],
                                        empty_launches=launches["empty"],
+                                       **({} if timeline is None else {"launch_timeline": timeline}),
                                        **host_ms))
 
     def _recover(self, sched: Scheduler, *, forget_prefixes: bool = True) -> None:

@@ -110,9 +110,19 @@ def test_no_launch_after_the_last_when_drafts_are_accepted(monkeypatch):
     eng = Engine(target, drafter, num_speculative_tokens=7, verification="fixed", cost_table=None,
                  decode_steps_per_launch=4, sampling=False, enable_prefix_caching=False, **COMMON)
     params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    eng.record_launches = True
     res = eng.generate(prompts, sampling_params=params, progress=False)
     assert res.stats["mean_acceptance_length"] > 4 and res.stats["multi_step_launches"] > 0
     assert res.stats["empty_launches"] == 0
+    timeline = res.stats["launch_timeline"]  # one record per launch, in order, its times in order
+    bursts = [t for t in timeline if t["kind"] == "multi_step"]
+    assert len(bursts) == res.stats["multi_step_launches"]
+    assert sum(t["steps"] for t in bursts) == res.stats["steps_in_multi_step_launches"]
+    assert len(timeline) - len(bursts) + res.stats["steps_in_multi_step_launches"] == res.stats["steps"]
+    for t in timeline:
+        assert 0 <= t["launch_start"] <= t["launch_end"] <= t["ready"] <= t["committed"]
+    assert all(a["launch_end"] <= b["launch_start"] for a, b in zip(timeline, timeline[1:]))  # one launcher
+    eng.record_launches = False
     monkeypatch.setattr(Scheduler, "expects_in_flight_to_finish", lambda self: False)
     control = eng.generate(prompts, sampling_params=params, progress=False)
     assert control.stats["empty_launches"] >= 1
