@@ -109,14 +109,14 @@ def live_code() -> str:
     """A digest of what this process's modules of the three packages hold now: the identity of each module
     attribute and class attribute (and the value of simple constants). Replacing one at run time changes it."""
     h = hashlib.sha256()
-    for name in sorted(n for n in sys.modules if n.split(".")[0] in _PACKAGES):
-        module = sys.modules[name]
-        for attr, value in sorted(getattr(module, "__dict__", {}).items()):
+    modules = dict(sys.modules)  # a copy: another thread may import meanwhile
+    for name in sorted(n for n in modules if n.split(".")[0] in _PACKAGES):
+        for attr, value in sorted(dict(getattr(modules[name], "__dict__", {})).items(), key=lambda kv: kv[0]):
             h.update(f"{name}.{attr}:{id(value)}".encode())
             if isinstance(value, (bool, int, float, str)):
                 h.update(repr(value).encode())
             elif isinstance(value, type) and value.__module__ == name:
-                for cattr, cvalue in sorted(vars(value).items()):
+                for cattr, cvalue in sorted(dict(vars(value)).items(), key=lambda kv: kv[0]):
                     h.update(f"{cattr}:{id(cvalue)}".encode())
     return h.hexdigest()
 
