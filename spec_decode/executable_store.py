@@ -18,8 +18,10 @@ Any change to one of them gives another key, so a stale executable is never load
 dropped and the program compiles as usual.
 
 Within one process, engines with the same key also share their compiled programs (:func:`recall`,
-:func:`remember`: the last :data:`MEMORY_ENTRIES` programs, on every engine, the store on disk or not), so a
-second engine with the same settings, re-run notebook cells and tests start without compiling. A program holds
+:func:`remember`, on every engine, the store on disk or not) while an engine holds them: programs are kept by weak
+reference, so they go when the last engine using them goes (on a CPU every live executable holds memory maps of
+its code, and a process may map only so many). A second engine with the same settings, a notebook cell re-run
+while its engine is alive, or a test beside a fixture's engine starts without compiling. A program holds
 no weights and no state (both are arguments), so sharing it is safe. Their key adds :func:`live_code`, the
 identity of every function, class and module-level value of the three packages as they are *now*, so code
 replaced at run time (a test's monkeypatch) is traced anew; the store on disk cannot see such replacements. The store lives beside the compilation cache
@@ -31,7 +33,6 @@ the compilation cache).
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import os
 import pickle
@@ -39,17 +40,18 @@ import sys
 import tempfile
 import threading
 import warnings
+import weakref
 
 import jax
 
 from spec_decode import compilation_cache
 
-__all__ = ["MAX_BYTES", "MEMORY_ENTRIES", "ExecutableStore", "abstract", "live_code", "program_digest", "recall",
-           "remember", "source_digest"]
+__all__ = ["MAX_BYTES", "ExecutableStore", "abstract", "live_code", "program_digest", "recall", "remember",
+           "source_digest"]
 
 MAX_BYTES = 8 << 30  # the store's size on disk, kept by removing the least recently used executables
-MEMORY_ENTRIES = 128  # programs kept in this process for other engines with the same key (least recently used out)
-_memory: collections.OrderedDict = collections.OrderedDict()
+# (key, live code) -> a program some engine of this process holds (weakly: it goes with the last engine)
+_memory: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _memory_lock = threading.Lock()
 _PACKAGES = ("pallas_kernels", "minimax_jax", "spec_decode")
 _JAX_OPTIONS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_prng_impl", "jax_threefry_partitionable",
@@ -125,19 +127,13 @@ def recall(digest: str, live: str):
     """The program compiled (or loaded) under ``digest`` earlier in this process with the code as ``live``
     (:func:`live_code`), or None."""
     with _memory_lock:
-        exe = _memory.get((digest, live))
-        if exe is not None:
-            _memory.move_to_end((digest, live))
-        return exe
+        return _memory.get((digest, live))
 
 
 def remember(digest: str, live: str, compiled) -> None:
-    """Keep ``compiled`` for later engines of this process with the same key and code."""
+    """Offer ``compiled`` to later engines of this process with the same key and code, while it lives."""
     with _memory_lock:
         _memory[(digest, live)] = compiled
-        _memory.move_to_end((digest, live))
-        while len(_memory) > MEMORY_ENTRIES:
-            _memory.popitem(last=False)
 
 
 class ExecutableStore:
