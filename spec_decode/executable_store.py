@@ -43,6 +43,7 @@ import warnings
 import weakref
 
 import jax
+import numpy as np
 
 from spec_decode import compilation_cache
 
@@ -91,13 +92,22 @@ def _environment() -> tuple:
 
 
 def abstract(tree) -> tuple:
-    """What a program sees of ``tree``: its structure and each leaf's shape, dtype and placement (not the values)."""
+    """What a program sees of ``tree``: its structure and each leaf's shape, dtype and placement (the sharding and
+    its devices; not the values)."""
     leaves, treedef = jax.tree.flatten(tree)
 
+    def placement(sharding) -> tuple:
+        # the repr of a NamedSharding names the mesh's axes, not its devices: their ids, in the mesh's order
+        if sharding is None:
+            return ()
+        devices = getattr(getattr(sharding, "mesh", None), "devices", None)
+        ids = ([int(d.id) for d in np.ravel(devices)] if devices is not None
+               else sorted(int(d.id) for d in sharding.device_set))
+        return repr(sharding), tuple(ids)
+
     def leaf(x):
-        sharding = getattr(x, "sharding", None)
         return (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x).__name__)),
-                repr(sharding) if sharding is not None else "")
+                placement(getattr(x, "sharding", None)))
 
     return repr(treedef), tuple(leaf(x) for x in leaves)
 
