@@ -268,6 +268,10 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
                          if key in st},
             "decode_steps_per_launch": steps_per_launch if base == "host" else None,
             "prefix_cache_tokens": st["prefix_cache_tokens"], "preemptions": st["preemptions"],
+            # the verify logits' bound: at most max_total_logit_rows rows of V float32 logits in any step
+            "max_total_logit_rows": eng.max_total_logit_rows,
+            "verify_logits_bytes_bound": 4 * eng.max_total_logit_rows * target.cfg.vocab_size,
+            "peak_device_bytes": device_peak_bytes(),
             "token_digests": [digest(r.token_ids) for r in res],
             "cost_table": eng.cost_table.to_dict() if eng.cost_table is not None else None,
         }
@@ -289,6 +293,13 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
         del res
     del eng
     gc.collect()
+
+
+def device_peak_bytes() -> int | None:
+    """The device's peak bytes in use so far in this process (None where the backend does not say: CPU)."""
+    import jax
+
+    return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
 
 
 def run_sweep(args, pair, rows: list[dict], rows_path: str, t_start: float, write_outputs) -> None:
