@@ -81,6 +81,10 @@ from spec_decode.synthetic import acceptance_rates, conditional_rates
 
 __all__ = ["Engine", "GenerationResult", "GenerationResults", "generate_offline"]
 
+# the cost table's profile: rounds over every program, and steps launched back to back per timed call
+PROFILE_REPEATS = 5
+PROFILE_STEPS_PER_CALL = 3
+
 
 def _compile_order(name) -> tuple:
     """Warm-up compiles the longest programs first (they start first and do not trail the rest): the device loops
@@ -243,9 +247,10 @@ class Engine:
                                    min_token_bucket=min_token_bucket, max_total_logit_rows=self.max_total_logit_rows,
                                    draft_lengths=self.draft_lengths, sampling=bool(sampling))
         self.sampling = bool(sampling)
+        # per draft length of the programs: the planner's lengths, and 0 for prefill-only steps (spec_decode.buckets)
         self.buckets_by_length = {d: tuple(sorted(key.tokens for key in self.step_keys
                                                   if key.draft_len == d and not key.sampling))
-                                  for d in self.draft_lengths}
+                                  for d in sorted({key.draft_len for key in self.step_keys})}
         self.planner = Planner(mode=verification, max_total_logit_rows=self.max_total_logit_rows,
                                cost_table=cost_table, num_speculative_tokens=k, draft_lengths=self.draft_lengths,
                                token_buckets=self.buckets_by_length)
@@ -603,15 +608,16 @@ class Engine:
             except (ValueError, KeyError, OSError) as e:  # a stale or damaged file: profile again
                 warnings.warn(f"ignoring the cached cost table {path}: {e}", stacklevel=3)
         t0 = time.perf_counter()
-        self._profile_costs(show)
-        print(f"minimax-jax: profiled the cost table of {sum(not key.sampling for key in self.step_keys)} step programs in "
-              f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        timed = self._profile_costs(show)
+        print(f"minimax-jax: profiled the cost table of {timed} step programs in {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr)
         if path is not None and self.planner.table is not None:
             save_cost_table(self.planner.table, path)
 
-    def _profile_costs(self, show: bool) -> None:
-        """Time every step program on every slot decoding (``commit=False``: lengths and tokens stay), at a context
-        of a quarter of ``max_model_len``; the planner keeps the table."""
+    def _profile_costs(self, show: bool) -> int:
+        """Time every step program of the planner's draft lengths on every slot decoding (``commit=False``: lengths
+        and tokens stay), at a context of a quarter of ``max_model_len``; the planner keeps the table. Returns how
+        many programs were timed."""
         r, k = self.max_num_seqs, self.k
         context = max(1, self.max_model_len // 4)
         nb = -(-(context + 1 + k) // self.page_size)
@@ -621,8 +627,9 @@ class Engine:
         if show:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=7, unit="round", desc="profiling", file=sys.stderr, leave=False)
-        by_shape = {(key.draft_len, key.tokens): key for key in self.step_keys if not key.sampling}
+            bar = tqdm(total=PROFILE_REPEATS, unit="round", desc="profiling", file=sys.stderr, leave=False)
+        by_shape = {(key.draft_len, key.tokens): key for key in self.step_keys
+                    if not key.sampling and key.draft_len in self.draft_lengths}
 
         def time_program(d: int, t: int) -> None:
             key = by_shape[d, t]
@@ -634,15 +641,18 @@ class Engine:
             plan.block_tables[:] = tables
             plan = dataclasses.replace(plan, budget=np.asarray(min(t - n, n * d), np.int32),
                                        commit=np.asarray(False))
-            self._state, out = self._programs.run(key, self._target_params, self._drafter_params, self._state,
-                                                  plan)
+            for _ in range(PROFILE_STEPS_PER_CALL):  # back to back, as a run launches them
+                self._state, out = self._programs.run(key, self._target_params, self._drafter_params,
+                                                      self._state, plan)
             jax.block_until_ready(out)
 
-        self.planner.profile(sorted(by_shape), time_program, repeats=7, progress=bar)
+        self.planner.profile(sorted(by_shape), time_program, repeats=PROFILE_REPEATS,
+                             steps_per_call=PROFILE_STEPS_PER_CALL, progress=bar)
         if bar is not None:
             bar.close()
         self._state = self._placed(_with_lengths(self._state, np.zeros(r, np.int32)))
         self.pool.clear_cache()  # the timing runs wrote pages: nothing cached survives them
+        return len(by_shape)
 
     # ------------------------------------------------------------------ one caller at a time
     @contextlib.contextmanager

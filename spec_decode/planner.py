@@ -139,10 +139,13 @@ class Planner:
 
     # ------------------------------------------------------------------ the table
     def profile(self, programs: Sequence[tuple[int, int]], time_program: Callable[[int, int], None], *,
-                repeats: int = 7, warmup: int = 1, progress=None) -> CostTable:
-        """Time one step of every ``(K_d, tokens)`` program and keep the table split into its two terms.
+                repeats: int = 7, warmup: int = 1, steps_per_call: int = 1, progress=None) -> CostTable:
+        """Time every ``(K_d, tokens)`` program and keep the table split into its two terms.
 
-        ``time_program(d, t)`` runs one step of that program and blocks until it is done. The programs are timed
+        ``time_program(d, t)`` runs ``steps_per_call`` steps of that program back to back and blocks until the last
+        is done: a step's cost is the call's time over its steps, so the host's launch of a step overlaps the
+        device's run of the one before it, as it does in a run (one step timed alone would also pay the launch
+        and the read-back, a fixed cost that makes large steps look cheaper than they are). The programs are timed
         in ``repeats`` interleaved rounds (a drift of the device's clocks spreads over all of them instead of
         biasing one); each keeps its median. The table's metadata holds the medians, each program's spread (min
         and max of its runs), and ``noise``: the median relative spread against the median relative gap between
@@ -156,7 +159,7 @@ class Planner:
             for p in programs:
                 t0 = time.perf_counter()
                 time_program(*p)
-                runs[p].append(time.perf_counter() - t0)
+                runs[p].append((time.perf_counter() - t0) / steps_per_call)
             if progress is not None:
                 progress.update(1)
         medians = {p: statistics.median(v) for p, v in runs.items()}
@@ -166,7 +169,8 @@ class Planner:
         for d in sorted({d for d, _ in programs}):
             ts = sorted(t for dd, t in programs if dd == d)
             gaps += [abs(medians[d, b] - medians[d, a]) / max(medians[d, a], 1e-12) for a, b in zip(ts, ts[1:])]
-        meta = {"source": "engine warm-up profile", "repeats": repeats, "spread_s": spread,
+        meta = {"source": "engine warm-up profile", "repeats": repeats, "steps_per_call": steps_per_call,
+                "spread_s": spread,
                 "median_s": {f"{d}/{t}": s for (d, t), s in medians.items()},
                 "noise": {"median_relative_spread": statistics.median(rel_spread),
                           "median_relative_gap": statistics.median(gaps) if gaps else None}}

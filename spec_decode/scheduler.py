@@ -316,9 +316,12 @@ class Scheduler:
         # logit rows of the prefill rows: the first token's, or every scored position's (the last one included)
         prefill_rows = sum(n if sc else int(ff) for (_, n), sc, ff in zip(prefill, scores, fresh_first))
         scheduled = np.asarray([s for _, s in decode], np.int64)
-        # no decode rows: the shortest length with a program for the chunks (the longest has them all)
+        # no decode rows: no drafts to verify, so the length whose program does the least for the chunks, counting
+        # the drafter's K_d positions of every slot beside the packed tokens (length 0 drafts nothing; the longest
+        # has every bucket)
         budget = 0
-        draft_len = next(d for d in sorted(self.token_buckets) if self.token_buckets[d][-1] >= n_pre)
+        draft_len = min((token_bucket(b, n_pre) + self.num_slots * d, d) for d, b in self.token_buckets.items()
+                        if b[-1] >= n_pre)[1]
         if k and decode:
             stale = self.stale_conf[[r.slot for r, _ in decode]][:, :k]
             budget, draft_len = self.planner.plan(stale, scheduled, num_sampling_rows=len(decode) + prefill_rows,

@@ -127,6 +127,28 @@ def test_adaptive_budget_trims_with_a_cost_table(target, drafters, prompts, refe
     assert res.stats["mean_verified_drafts_per_step"] < full.stats["mean_verified_drafts_per_step"]
 
 
+def test_prefill_only_steps_draft_nothing(target, drafters, prompts, references):
+    """A step without a decode row runs a length-0 program (no drafter forward over the slots, only its context
+    write), in fixed verification too; steps that decode draft K; the outputs stay the target's greedy ones."""
+    eng = engine_for(target, drafters[7], "fixed", 7)
+    launched = []
+    launch = eng._launch
+
+    def spy(step, packed=None):
+        launched.append((step.key.draft_len, step.num_decode, step.num_prefill_tokens))
+        return launch(step, packed)
+
+    eng._launch = spy
+    try:
+        res = eng.generate(prompts, sampling_params=greedy_params(MAX_NEW), progress=False)
+    finally:
+        del eng._launch
+    assert [r.token_ids for r in res] == references
+    prefill_only = [d for d, dec, pre in launched if dec == 0 and pre > 0]
+    assert prefill_only and set(prefill_only) == {0}, launched
+    assert {d for d, dec, _ in launched if dec > 0} == {7}, launched
+
+
 def test_no_recompilation_after_warm_up(target, drafters, prompts):
     eng = engine_for(target, drafters[7], "adaptive", 3)
     many = random_prompts(9, [13, 40, 17, 22, 14, 31, 19, 25, 16], seed=11)

@@ -67,7 +67,8 @@ class CurrentConfidenceBudget(Engine):
             tokens = np.zeros(t, np.int32)
             tokens[: step.num_prefill_tokens] = plan.prefill_tokens[: step.num_prefill_tokens]
             plan = dataclasses.replace(plan, budget=np.asarray(budget, np.int32), prefill_tokens=tokens)
-            key = next(key for key in self.step_keys if key.tokens == t and key.sampling == step.key.sampling)
+            key = next(key for key in self.step_keys if key.tokens == t and key.sampling == step.key.sampling
+                       and key.draft_len == step.key.draft_len)
             step = dataclasses.replace(step, plan=plan, budget=budget, key=key)
         return super()._launch(step)
 
