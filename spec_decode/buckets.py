@@ -19,8 +19,10 @@ compiles the whole list before the first request (``docs/ENGINE.md``, "The close
   ``length_buckets`` (2) largest buckets up to the one holding every slot's ``1 + K_d`` tokens: a plan that
   drafts less is for steps where many slots decode, and the smaller buckets would multiply the programs to compile
   for steps the longest length serves as well. The planner only chooses a length that has a bucket for the step.
-* **prefill-only steps draft nothing**: a speculative engine (``K > 0``) always has length ``0`` programs, and
-  these also take the bucket holding ``max_num_batched_tokens`` (a full prefill chunk). A step
+* **prefill-only steps draft nothing**: a speculative engine whose slots' draft positions reach half a prefill
+  chunk (``2 * max_num_seqs * K >= max_num_batched_tokens``) always has length ``0`` programs, and these also take
+  the bucket holding ``max_num_batched_tokens`` (a full prefill chunk). Below that, the drafter's work on a
+  prefill step is small beside the chunk's and the extra programs are not worth compiling. A step
   with no decode row (the device loop's prefill waves, a burst of admissions) then runs no drafter forward over
   its ``max_num_seqs`` rows: only the drafter's context write. When ``0`` is not one of the engine's draft lengths
   (fixed verification, or an adaptive engine given other lengths), these prefill buckets are its only ones and
@@ -95,8 +97,8 @@ def step_keys(*, max_num_seqs: int, num_speculative_tokens: int, max_num_batched
     """Every program of the host loop: greedy ones, then sampling ones (``sampling=False``: none), each by draft
     length, then tokens.
 
-    ``draft_lengths`` None: ``K`` alone (keys carry ``draft_len = K``), and, when ``K > 0``, length ``0`` for
-    prefill-only steps."""
+    ``draft_lengths`` None: ``K`` alone (keys carry ``draft_len = K``), and length ``0`` for prefill-only steps
+    where the module docstring says."""
     k = num_speculative_tokens
     lengths = (k,) if draft_lengths is None else tuple(sorted(set(draft_lengths)))
     if any(not 0 <= d <= k for d in lengths):
@@ -106,8 +108,10 @@ def step_keys(*, max_num_seqs: int, num_speculative_tokens: int, max_num_batched
         max_num_seqs=max_num_seqs, num_speculative_tokens=d, max_num_batched_tokens=max_num_batched_tokens,
         min_token_bucket=min_token_bucket)})
     plannable = set(lengths)
-    if k > 0:
-        lengths = tuple(sorted(plannable | {0}))  # prefill-only steps draft nothing
+    # prefill-only steps draft nothing, where the slots' draft positions would reach half a prefill chunk
+    prefill_zero = k > 0 and 2 * max_num_seqs * k >= max_num_batched_tokens
+    if prefill_zero:
+        lengths = tuple(sorted(plannable | {0}))
     prefill_top = next(t for t in union if t >= max_num_batched_tokens)
     prefill = [prefill_top]
     keys = []
@@ -119,7 +123,7 @@ def step_keys(*, max_num_seqs: int, num_speculative_tokens: int, max_num_batched
             else:
                 top = next(t for t in union if t >= max_num_seqs * (1 + d))
                 ts = [t for t in union if t <= top][-length_buckets:] if d in plannable else []
-                if d == 0:
+                if d == 0 and prefill_zero:
                     ts = sorted(set(ts) | set(prefill))
             keys += [StepKey(t, logit_rows(t, num_speculative_tokens=d, **kw), sample, d) for t in ts]
     return tuple(keys)
