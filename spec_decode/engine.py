@@ -33,6 +33,7 @@ import dataclasses
 import hashlib
 import math
 import os
+import statistics
 import sys
 import threading
 import time
@@ -63,7 +64,7 @@ from spec_decode.executable_store import (
 from spec_decode.logprobs import ScoreResult
 from spec_decode.page_pool import PagePool
 from spec_decode.penalties import write_history
-from spec_decode.planner import Planner
+from spec_decode.planner import DEVICE_LOOP_STEP_KEY, Planner
 from spec_decode.programs import (
     CompileReport,
     StepPrograms,
@@ -84,6 +85,10 @@ __all__ = ["Engine", "GenerationResult", "GenerationResults", "generate_offline"
 # the cost table's profile: rounds over every program, and steps launched back to back per timed call
 PROFILE_REPEATS = 5
 PROFILE_STEPS_PER_CALL = 3
+# the device loop's own cost per iteration: the greedy loop run for this many iterations, short and long
+LOOP_PROFILE_STEPS = (2, 8)
+# how the cost table is profiled (part of its cache key: a table profiled another way is profiled again)
+COST_PROFILE_VERSION = "profile 2: 3 steps per timed call, the device loop's own step"
 
 
 def _compile_order(name) -> tuple:
@@ -590,7 +595,7 @@ class Engine:
     def _cost_table_key(self) -> str:
         """What the profiled timings depend on: device, model and drafter shapes, dtypes, the engine's programs."""
         dev = jax.devices()[0]
-        parts = [dev.platform, getattr(dev, "device_kind", ""), jax.__version__, repr(self.target.cfg),
+        parts = [COST_PROFILE_VERSION, dev.platform, getattr(dev, "device_kind", ""), jax.__version__, repr(self.target.cfg),
                  repr(self.drafter.cfg) if self.drafter is not None else "", str(self.target.dtype),
                  str(jnp.dtype(self.cache_dtype)), repr(self._step_config), repr(self.step_keys), self.max_model_len,
                  self.num_pages]
@@ -609,8 +614,13 @@ class Engine:
                 warnings.warn(f"ignoring the cached cost table {path}: {e}", stacklevel=3)
         t0 = time.perf_counter()
         timed = self._profile_costs(show)
-        print(f"minimax-jax: profiled the cost table of {timed} step programs in {time.perf_counter() - t0:.1f} s",
-              file=sys.stderr)
+        loop_step = self._profile_loop_step()
+        if loop_step is not None:
+            self.planner.table = dataclasses.replace(self.planner.table, metadata={
+                **self.planner.table.metadata, DEVICE_LOOP_STEP_KEY: loop_step})
+        print(f"minimax-jax: profiled the cost table of {timed} step programs"
+              f"{'' if loop_step is None else f' and the device loop ({1e3 * loop_step:.2f} ms a step of its own)'}"
+              f" in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         if path is not None and self.planner.table is not None:
             save_cost_table(self.planner.table, path)
 
@@ -653,6 +663,70 @@ class Engine:
         self._state = self._placed(_with_lengths(self._state, np.zeros(r, np.int32)))
         self.pool.clear_cache()  # the timing runs wrote pages: nothing cached survives them
         return len(by_shape)
+
+    def _profile_loop_step(self) -> float | None:
+        """The greedy device loop's own seconds per iteration, beyond the step programs' costs in the table.
+
+        The table times host-launched step programs; an iteration of the loop also plans on the device, picks its
+        branch (a GPU reads the branch index back before it launches the branch) and tests its condition
+        (docs/ADAPTIVE_VERIFICATION.md "The device loop's own step"). The loop runs ``LOOP_PROFILE_STEPS``
+        iterations, short and long, from every slot decoding at the profile's context (3 rounds each, medians). The
+        difference per iteration, less the table's cost of the steps the long run added, is that cost (clipped at
+        0). None for an engine without an adaptive table or a greedy loop, or when ``max_model_len`` leaves no
+        room; the state is reset afterwards (and an online estimator keeps what it had learnt)."""
+        program = self._loop_programs.get((False, None))
+        table = self.planner.table
+        if program is None or table is None or table.is_flat or self.mode != "adaptive":
+            return None
+        r, k = self.max_num_seqs, self.k
+        context = max(1, self.max_model_len // 4)
+        short, long = LOOP_PROFILE_STEPS
+        long = min(long, (self.max_model_len - context - k - 1) // (1 + k))
+        if long <= short:
+            return None
+        limit = long * (1 + k)  # no row finishes before the long run's last iteration
+        nb = -(-(context + limit + k + 1) // self.page_size)
+        tables = ((np.arange(r)[:, None] * nb + np.arange(self.max_blocks)[None, :]) % self.num_pages).astype(np.int32)
+        base = dataclasses.replace(self._example_loop_inputs(), rows=np.arange(r, dtype=np.int32), block_tables=tables,
+                                   limit=np.full(r, limit, np.int32),
+                                   cost_table=self.planner.device_table(with_loop_step=False))
+        learnt = None if self._state.estimator is None else jax.tree.map(np.asarray, self._state.estimator)
+
+        def run(steps: int):
+            self._state = self._placed(_with_lengths(self._state, np.full(r, context, np.int32)))
+            inputs = self._programs.put(dataclasses.replace(base, max_steps=np.asarray(steps, np.int32)))
+            t0 = time.perf_counter()
+            self._state, out = program(self._target_params, self._drafter_params, self._state, inputs)
+            out = jax.device_get(out)
+            return time.perf_counter() - t0, out
+
+        run(long)  # warm: the first run pays one-off costs
+        times = {short: [], long: []}
+        out = None
+        for _ in range(3):
+            for steps in (short, long):
+                seconds, o = run(steps)
+                times[steps].append(seconds)
+                out = o if steps == long else out
+        self._state = self._placed(_with_lengths(self._state, np.zeros(r, np.int32)))
+        if learnt is not None:
+            self._state = dataclasses.replace(self._state, estimator=self._placed_tree(learnt))
+        self.pool.clear_cache()
+        if int(out.steps) != long:
+            return None
+        buckets = dict(zip(self.loop_config.draft_lengths, self.loop_config.token_buckets))
+        added = 0.0  # the table's seconds for the iterations the long run adds
+        for i in range(short, long):
+            d, n = int(out.draft_len_per_step[i]), int(out.live_per_step[i])
+            tokens = n + int(out.budget_per_step[i])
+            t = next((b for b in buckets[d] if b >= tokens), buckets[d][-1])
+            added += table.draft_cost(n) + table.draft_length_cost(d) + table.verify_cost(t)
+        per_iteration = (statistics.median(times[long]) - statistics.median(times[short])) / (long - short)
+        return max(0.0, per_iteration - added / (long - short))
+
+    def _placed_tree(self, tree):
+        """Host arrays of a state part back on the device (replicated over the engine's mesh, if any)."""
+        return jax.tree.map(jnp.asarray, tree) if self.mesh is None else self._programs.put(tree)
 
     # ------------------------------------------------------------------ one caller at a time
     @contextlib.contextmanager
@@ -1127,11 +1201,14 @@ def _keywords(args: dict) -> dict:
 
 @jax.jit
 def _with_lengths(state: DecodeState, lengths) -> DecodeState:
-    """The state with every slot's cached length (and the draft context's) set to ``lengths`` (profiling)."""
+    """The state with every slot's cached length (and the draft context's) set to ``lengths``, nothing emitted,
+    nothing finished, and the fresh slot's confidences (profiling)."""
     dc = state.draft_cache
     if dc is not None:
         dc = dataclasses.replace(dc, lengths=lengths)
-    return dataclasses.replace(state, num_cached=lengths, draft_cache=dc, done=jnp.zeros_like(state.done))
+    return dataclasses.replace(state, num_cached=lengths, draft_cache=dc, done=jnp.zeros_like(state.done),
+                               num_emitted=jnp.zeros_like(state.num_emitted),
+                               prev_confidences=jnp.ones_like(state.prev_confidences))
 
 
 def _check_drafter_fits(drafter, target) -> None:

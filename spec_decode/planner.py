@@ -12,7 +12,8 @@ One :class:`Planner` per engine owns
   (``K_d``, packed tokens) program timed, interleaved over several rounds, and split into the two terms
   (:func:`spec_decode.cost_table.split_step_costs`);
 * the **device form** of the same table (:meth:`Planner.device_table`), so the jitted device loop plans from the
-  very numbers the host loop plans from.
+  very numbers the host loop plans from, plus the loop's own cost per iteration (measured at warm-up, kept in
+  the table's metadata under :data:`DEVICE_LOOP_STEP_KEY`), which a host-launched step does not pay.
 
 The scheduler calls :meth:`Planner.budget` once per step; nothing else in the engine chooses a budget.
 """
@@ -28,7 +29,10 @@ import numpy as np
 from spec_decode.budget import DEFAULT_MIN_PREDICTED_GAIN, select_plan
 from spec_decode.cost_table import CostTable, CostTableArrays, split_step_costs
 
-__all__ = ["Planner"]
+__all__ = ["DEVICE_LOOP_STEP_KEY", "Planner"]
+
+# the cost table's metadata key for the device loop's own seconds per iteration (beyond its step programs')
+DEVICE_LOOP_STEP_KEY = "device_loop_step_s"
 
 
 class Planner:
@@ -178,13 +182,19 @@ class Planner:
         self.profile_pending = False
         return self.table
 
-    def device_table(self, buckets: Sequence[int] | None = None) -> CostTableArrays:
-        """The table as device arrays; with ``buckets``, restated at those buckets only (the device loop's)."""
+    def device_table(self, buckets: Sequence[int] | None = None, *, with_loop_step: bool = True) -> CostTableArrays:
+        """The table as device arrays, for the device loop; with ``buckets``, restated at those buckets only.
+
+        ``with_loop_step``: every step also pays the loop's own cost per iteration (the table's metadata
+        :data:`DEVICE_LOOP_STEP_KEY`, measured at warm-up; 0 when absent), added to each verify cost."""
         table = self.table
         if self.mode != "adaptive" or table is None:
             return CostTableArrays.from_table(None)
-        if buckets is not None:
+        extra = float(table.metadata.get(DEVICE_LOOP_STEP_KEY, 0.0)) if with_loop_step else 0.0
+        if buckets is not None or extra > 0:
+            at = table.verify_buckets if buckets is None else buckets
             table = CostTable.from_measurements(
-                {int(b): table.verify_cost(int(b)) for b in buckets},
+                {int(b): table.verify_cost(int(b)) + extra for b in at},
+                dict(zip(table.draft_buckets, table.draft_seconds)),
                 draft_lengths=dict(zip(table.draft_lengths, table.draft_length_seconds)), metadata=table.metadata)
         return CostTableArrays.from_table(table)

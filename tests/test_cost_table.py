@@ -160,3 +160,20 @@ def test_split_step_costs_recovers_an_additive_model():
         split_step_costs({(0, 8): 1.0, (7, 16): 2.0})
     # the JSON round trip keeps the draft lengths
     assert CostTable.from_dict(json.loads(json.dumps(table.to_dict()))).draft_lengths == (0, 1, 3, 7)
+
+
+def test_the_device_form_adds_the_loop_step():
+    """The device loop plans with its own cost per iteration added to every verify cost; the host's form, and the
+    draft terms, stay as profiled; a table without the measurement is unchanged."""
+    from spec_decode.planner import DEVICE_LOOP_STEP_KEY, Planner
+
+    table = CostTable.from_measurements({8: 1.0, 16: 2.0}, {4: 0.125}, draft_lengths={0: 0.0, 3: 0.5},
+                                        metadata={DEVICE_LOOP_STEP_KEY: 0.25})
+    planner = Planner(mode="adaptive", max_total_logit_rows=64, cost_table=table, num_speculative_tokens=3,
+                      draft_lengths=(0, 3))
+    dev, host = planner.device_table(), planner.device_table(with_loop_step=False)
+    assert dev.verify_seconds[:2].tolist() == [1.25, 2.25] and host.verify_seconds[:2].tolist() == [1.0, 2.0]
+    for form in (dev, host):
+        assert form.draft_seconds[:1].tolist() == [0.125] and form.draft_length_seconds[:2].tolist() == [0.0, 0.5]
+    planner.table = CostTable.from_measurements({8: 1.0, 16: 2.0}, draft_lengths={0: 0.0, 3: 0.5})
+    assert planner.device_table().verify_seconds[:2].tolist() == [1.0, 2.0]

@@ -2,10 +2,13 @@
 decoding, the device budget planner in situ, stochastic outputs identical to the engine's, nothing compiled after
 warm-up, waves that fit the page pool, the logits cap, the profiled cost table (CPU, f32, reference kernels)."""
 
+import jax
+import numpy as np
 import pytest
 
 from spec_decode import Engine, SamplingParams, generate_offline
 from spec_decode.cost_table import CostTable
+from spec_decode.planner import DEVICE_LOOP_STEP_KEY
 from spec_decode.programs import compile_counter
 from tests.engine_models import EOS, bigram_drafter, damped_target, greedy_reference, random_prompts
 
@@ -116,6 +119,28 @@ def test_profiled_cost_table_and_the_estimator(target, prompts, references):
     assert res.stats["token_buckets"] == [[8], [16, 32]]
     assert all(0 <= v <= b for v, b in zip(res.stats["verified_drafts_per_step"], res.stats["budget_per_step"]))
     assert set(res.stats["draft_length_per_step"]) <= {0, 3}
+
+
+def test_the_loop_step_is_profiled_and_its_timing_runs_leave_no_trace(target, prompts, references):
+    """Warm-up also times the greedy device loop's own cost per iteration (the table's metadata; the device loop
+    plans with it added to every verify cost, the host loop without), and those timing runs change nothing: the
+    online recalibration has learnt nothing from them, and both loops still give the target's tokens."""
+    drafter = bigram_drafter(target, block_size=4)
+    eng = Engine(target, drafter, num_speculative_tokens=3, verification="adaptive", confidence="calibrated",
+                 draft_lengths=(0, 3), sampling=False, **COMMON)
+    eng.warmup()
+    step = eng.cost_table.metadata[DEVICE_LOOP_STEP_KEY]
+    assert step >= 0.0
+    fresh = eng._init_state().estimator
+    for got, want in zip(jax.tree.leaves(eng._state.estimator), jax.tree.leaves(fresh), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with_step, without = eng.planner.device_table(), eng.planner.device_table(with_loop_step=False)
+    n = int(without.num_verify)
+    np.testing.assert_allclose(with_step.verify_seconds[:n] - without.verify_seconds[:n], step, rtol=1e-4,
+                               atol=1e-6)
+    params = [SamplingParams(max_new_tokens=m) for m in MAX_NEW[:3]]
+    for loop in ("device", "host"):
+        assert [r.token_ids for r in eng.generate(prompts[:3], sampling_params=params, loop=loop)] == references[:3]
 
 
 def test_draft_lengths_device_loop_is_the_engine_step_for_step(target, drafter, prompts, references):
