@@ -78,8 +78,13 @@ def test_adaptive_device_loop_is_the_engine_step_for_step(target, drafter, promp
 
 @pytest.mark.parametrize("mode, k", [("fixed", 3), ("none", 0)])
 def test_greedy_equals_target_only_decoding(target, drafter, prompts, references, mode, k):
-    eng = Engine(target, drafter, num_speculative_tokens=k, verification=mode, sampling=False, **COMMON)
-    res = eng.generate(prompts, sampling_params=[SamplingParams(max_new_tokens=m) for m in MAX_NEW], loop="device")
+    params = [SamplingParams(max_new_tokens=m) for m in MAX_NEW]
+    if mode == "none":  # the one-call form
+        res = generate_offline(target, None, prompts, sampling_params=params, num_speculative_tokens=k,
+                               verification=mode, sampling=False, **COMMON)
+    else:
+        eng = Engine(target, drafter, num_speculative_tokens=k, verification=mode, sampling=False, **COMMON)
+        res = eng.generate(prompts, sampling_params=params, loop="device")
     assert [r.token_ids for r in res] == references
     for r, ref in zip(res, references):
         s = r.stats
@@ -105,29 +110,16 @@ def test_greedy_equals_target_only_decoding(target, drafter, prompts, references
         assert [r.token_ids for r in again] == [greedy_reference(target, p, 10) for p in other]
 
 
-def test_profiled_cost_table_and_the_estimator(target, prompts, references):
+def test_profiled_cost_table_the_loop_step_and_the_estimator(target, prompts, references):
     """A drafter without a confidence head (the online estimator) and the default profiled table: the loop times
-    its own buckets, plans from them, and the greedy tokens are still the target's."""
+    its own buckets, plans from them, and the greedy tokens are still the target's. Warm-up also times the greedy
+    device loop's own cost per iteration (the table's metadata; the device loop plans with it added to every
+    verify cost, the host loop without), and those timing runs leave no trace: the estimator has learnt nothing
+    from them, and both loops give the target's tokens."""
     drafter = bigram_drafter(target, block_size=4, confidence=False)
     with pytest.warns(UserWarning, match="online acceptance estimator"):
-        res = generate_offline(target, drafter, prompts[:3], sampling_params=[SamplingParams(max_new_tokens=m)
-                                                                               for m in MAX_NEW[:3]],
-                               num_speculative_tokens=3, verification="adaptive", draft_lengths=(0, 3),
-                               sampling=False, **COMMON)
-    assert [r.token_ids for r in res] == references[:3]
-    # per draft length, the largest 2 decode buckets of the closed set (0 drafts: the 8 rows fit the smallest)
-    assert res.stats["token_buckets"] == [[8], [16, 32]]
-    assert all(0 <= v <= b for v, b in zip(res.stats["verified_drafts_per_step"], res.stats["budget_per_step"]))
-    assert set(res.stats["draft_length_per_step"]) <= {0, 3}
-
-
-def test_the_loop_step_is_profiled_and_its_timing_runs_leave_no_trace(target, prompts, references):
-    """Warm-up also times the greedy device loop's own cost per iteration (the table's metadata; the device loop
-    plans with it added to every verify cost, the host loop without), and those timing runs change nothing: the
-    online recalibration has learnt nothing from them, and both loops still give the target's tokens."""
-    drafter = bigram_drafter(target, block_size=4)
-    eng = Engine(target, drafter, num_speculative_tokens=3, verification="adaptive", confidence="calibrated",
-                 draft_lengths=(0, 3), sampling=False, **COMMON)
+        eng = Engine(target, drafter, num_speculative_tokens=3, verification="adaptive", draft_lengths=(0, 3),
+                     sampling=False, **COMMON)
     eng.warmup()
     step = eng.cost_table.metadata[DEVICE_LOOP_STEP_KEY]
     assert step >= 0.0
@@ -139,8 +131,13 @@ def test_the_loop_step_is_profiled_and_its_timing_runs_leave_no_trace(target, pr
     np.testing.assert_allclose(with_step.verify_seconds[:n] - without.verify_seconds[:n], step, rtol=1e-4,
                                atol=1e-6)
     params = [SamplingParams(max_new_tokens=m) for m in MAX_NEW[:3]]
-    for loop in ("device", "host"):
-        assert [r.token_ids for r in eng.generate(prompts[:3], sampling_params=params, loop=loop)] == references[:3]
+    res = eng.generate(prompts[:3], sampling_params=params, loop="device")
+    assert [r.token_ids for r in res] == references[:3]
+    # per draft length, the largest 2 decode buckets of the closed set (0 drafts: the 8 rows fit the smallest)
+    assert res.stats["token_buckets"] == [[8], [16, 32]]
+    assert all(0 <= v <= b for v, b in zip(res.stats["verified_drafts_per_step"], res.stats["budget_per_step"]))
+    assert set(res.stats["draft_length_per_step"]) <= {0, 3}
+    assert [r.token_ids for r in eng.generate(prompts[:3], sampling_params=params, loop="host")] == references[:3]
 
 
 def test_draft_lengths_device_loop_is_the_engine_step_for_step(target, drafter, prompts, references):
