@@ -31,6 +31,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
+import json
 import math
 import os
 import statistics
@@ -300,7 +301,8 @@ class Engine:
         # compiled programs on disk as executables (one process, one device: a mesh's programs compile)
         self._executables = (ExecutableStore.default() if compilation_cache and self.mesh is None
                              and jax.process_count() == 1 else None)
-        self._cache_costs = bool(compilation_cache) and persistent_cache.enabled()
+        # one process: processes may hold different cache files, and a profile runs on all of them together
+        self._cache_costs = bool(compilation_cache) and persistent_cache.enabled() and jax.process_count() == 1
         if precompile:
             self.warmup()
 
@@ -618,6 +620,7 @@ class Engine:
         if loop_step is not None:
             self.planner.table = dataclasses.replace(self.planner.table, metadata={
                 **self.planner.table.metadata, DEVICE_LOOP_STEP_KEY: loop_step})
+        self.planner.table = _same_on_every_process(self.planner.table)
         print(f"minimax-jax: profiled the cost table of {timed} step programs"
               f"{'' if loop_step is None else f' and the device loop ({1e3 * loop_step:.2f} ms a step of its own)'}"
               f" in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
@@ -1200,6 +1203,20 @@ def _keywords(args: dict) -> dict:
 
 
 @jax.jit
+def _same_on_every_process(table: CostTable | None) -> CostTable | None:
+    """Process 0's cost table on every process of a multi-process run: each process timed its own runs, and the
+    plans (so the programs every process launches together) must not differ between them."""
+    if jax.process_count() == 1 or table is None:
+        return table
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(table.to_dict(), sort_keys=True).encode(), np.uint8)
+    n = int(multihost_utils.broadcast_one_to_all(np.asarray(len(data), np.int32)))
+    buf = np.zeros(n, np.uint8)
+    buf[: min(n, len(data))] = data[:n]
+    return CostTable.from_dict(json.loads(np.asarray(multihost_utils.broadcast_one_to_all(buf)).tobytes().decode()))
+
+
 def _with_lengths(state: DecodeState, lengths) -> DecodeState:
     """The state with every slot's cached length (and the draft context's) set to ``lengths``, nothing emitted,
     nothing finished, and the fresh slot's confidences (profiling)."""

@@ -3,7 +3,8 @@ CPU devices each, run one engine at TP 4 over the four devices, then a data axis
 of a TP 2 engine, one per process: each runs its share of the prompts, the results are gathered in prompt order on
 both). Each rank is a subprocess with a timeout (a missing coordinator aborts its peers). Both ranks compute the
 same plans and give the same greedy outputs, in the host loop and the device loop and from the replicas, as a
-one-device engine in this process."""
+one-device engine in this process; the TP 4 engine is adaptive, on a cost table profiled across the processes
+(every rank plans from rank 0's timings)."""
 
 import json
 import os
@@ -38,12 +39,15 @@ RANK = textwrap.dedent("""
     from tests.test_multihost import COMMON, LENS, NEW, SHAPE
     assert len(jax.devices()) == 4 and len(jax.local_devices()) == 2
     target = damped_target(damping=0.3, **SHAPE)
-    eng = Engine(target, bigram_drafter(target, block_size=4), num_speculative_tokens=3, verification="fixed",
-                 tensor_parallel_size=4, **COMMON)
+    # adaptive on a table profiled here: each process times its own runs, and all of them plan from rank 0's
+    eng = Engine(target, bigram_drafter(target, block_size=4), num_speculative_tokens=3, verification="adaptive",
+                 tensor_parallel_size=4, **{**COMMON, "cost_table": "profile"})
+    eng.warmup()
     prompts = random_prompts(5, LENS, seed=3)
     params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in NEW]
     out = {loop: [r.token_ids for r in eng.generate(prompts, sampling_params=params, loop=loop, progress=False)]
            for loop in ("host", "device")}
+    out["table"] = eng.cost_table.to_dict()
     # a data axis across the processes: replica i on process i's two devices, its slice of the prompts
     from minimax_jax import sharding
     from spec_decode.replicas import ReplicatedEngine
@@ -91,3 +95,5 @@ def test_two_processes_give_one_device_outputs():
                 p.kill()
     for out in outs:
         assert out["host"] == want and out["device"] == want and out["replicas"] == want
+    assert outs[0]["table"] == outs[1]["table"]
+    assert outs[0]["table"]["metadata"]["source"] == "engine warm-up profile"
