@@ -616,11 +616,12 @@ class Engine:
                 warnings.warn(f"ignoring the cached cost table {path}: {e}", stacklevel=3)
         t0 = time.perf_counter()
         timed = self._profile_costs(show)
+        # every process plans from rank 0's timings (the loop's timing runs take the table as an input already)
+        self.planner.table = _same_on_every_process(self.planner.table)
         loop_step = self._profile_loop_step()
         if loop_step is not None:
-            self.planner.table = dataclasses.replace(self.planner.table, metadata={
-                **self.planner.table.metadata, DEVICE_LOOP_STEP_KEY: loop_step})
-        self.planner.table = _same_on_every_process(self.planner.table)
+            self.planner.table = _same_on_every_process(dataclasses.replace(self.planner.table, metadata={
+                **self.planner.table.metadata, DEVICE_LOOP_STEP_KEY: loop_step}))
         print(f"minimax-jax: profiled the cost table of {timed} step programs"
               f"{'' if loop_step is None else f' and the device loop ({1e3 * loop_step:.2f} ms a step of its own)'}"
               f" in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
@@ -1202,7 +1203,6 @@ def _keywords(args: dict) -> dict:
     return {k: args[k] for k in SAMPLING_KEYWORDS}
 
 
-@jax.jit
 def _same_on_every_process(table: CostTable | None) -> CostTable | None:
     """Process 0's cost table on every process of a multi-process run: each process timed its own runs, and the
     plans (so the programs every process launches together) must not differ between them."""
@@ -1217,6 +1217,7 @@ def _same_on_every_process(table: CostTable | None) -> CostTable | None:
     return CostTable.from_dict(json.loads(np.asarray(multihost_utils.broadcast_one_to_all(buf)).tobytes().decode()))
 
 
+@jax.jit
 def _with_lengths(state: DecodeState, lengths) -> DecodeState:
     """The state with every slot's cached length (and the draft context's) set to ``lengths``, nothing emitted,
     nothing finished, and the fresh slot's confidences (profiling)."""
