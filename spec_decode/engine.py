@@ -634,8 +634,7 @@ class Engine:
         many programs were timed."""
         r, k = self.max_num_seqs, self.k
         context = max(1, self.max_model_len // 4)
-        nb = -(-(context + 1 + k) // self.page_size)
-        tables = (np.arange(r)[:, None] * nb + np.arange(self.max_blocks)[None, :]) % self.num_pages
+        tables = self._profile_tables(context + 1 + k)
         self._state = self._placed(_with_lengths(self._state, np.full(r, context, np.int32)))
         bar = None
         if show:
@@ -689,8 +688,7 @@ class Engine:
         if long <= short:
             return None
         limit = long * (1 + k)  # no row finishes before the long run's last iteration
-        nb = -(-(context + limit + k + 1) // self.page_size)
-        tables = ((np.arange(r)[:, None] * nb + np.arange(self.max_blocks)[None, :]) % self.num_pages).astype(np.int32)
+        tables = self._profile_tables(context + limit + k + 1)
         base = dataclasses.replace(self._example_loop_inputs(), rows=np.arange(r, dtype=np.int32), block_tables=tables,
                                    limit=np.full(r, limit, np.int32),
                                    cost_table=self.planner.device_table(with_loop_step=False))
@@ -714,7 +712,7 @@ class Engine:
                 out = o if steps == long else out
         self._state = self._placed(_with_lengths(self._state, np.zeros(r, np.int32)))
         if learnt is not None:
-            self._state = dataclasses.replace(self._state, estimator=self._placed_tree(learnt))
+            self._state = dataclasses.replace(self._state, estimator=self._programs.put(learnt))
         self.pool.clear_cache()
         if int(out.steps) != long:
             return None
@@ -728,9 +726,12 @@ class Engine:
         per_iteration = (statistics.median(times[long]) - statistics.median(times[short])) / (long - short)
         return max(0.0, per_iteration - added / (long - short))
 
-    def _placed_tree(self, tree):
-        """Host arrays of a state part back on the device (replicated over the engine's mesh, if any)."""
-        return jax.tree.map(jnp.asarray, tree) if self.mesh is None else self._programs.put(tree)
+    def _profile_tables(self, tokens: int) -> np.ndarray:
+        """Block tables for the profiling runs: every slot's own ``tokens`` worth of pages (wrapping round the pool:
+        timing runs may share pages, and the pool's cache is cleared after them)."""
+        nb = -(-tokens // self.page_size)
+        r = self.max_num_seqs
+        return ((np.arange(r)[:, None] * nb + np.arange(self.max_blocks)[None, :]) % self.num_pages).astype(np.int32)
 
     # ------------------------------------------------------------------ one caller at a time
     @contextlib.contextmanager
