@@ -13,7 +13,10 @@ loops run on the same engine; ``match`` is the fraction of requests whose tokens
 **Start-up** (``--startup N ...``): construction plus ``warmup()`` of the adaptive engine at ``N`` slots, in a
 fresh process with an empty compilation cache (cold), then again in another fresh process on that cache (warm).
 Each row splits the warm-up into tracing + lowering (``lower_s``), compilation or cache loads (``compile_s``)
-and the rest (``warmup_other_s``: the cost table); ``--startup-profile`` adds a cProfile listing of the warm start-up.
+and the rest (``warmup_other_s``: the cost table). Each process then generates once on prompts the warm-up never
+saw, in both loops (``generate``: seconds, compilations counted by JAX's events, and a digest of the tokens, which
+must be the same cold and warm). ``XLA_FLAGS`` from the environment reach both processes and are recorded.
+``--startup-profile`` adds a cProfile listing of the warm start-up.
 
 **Prefix caching** (``--prefix``): 550-token prompts whose first 200 tokens are shared, one new token each (so
 the call is prefill), with the cache on and off: prefill seconds per request.
@@ -22,6 +25,7 @@ the call is prefill), with the cache on and off: prefill seconds per request.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -78,12 +82,25 @@ def startup_once(n: int, dtype_name: str, k: int, max_model_len: int, profile_to
         with open(profile_to, "w") as f:
             f.write(buf.getvalue())
     rep = eng.warmup_report
+    # then one generate on prompts the warm-up never saw, in both loops: on a warm start it runs the executables
+    # loaded from the store; it must compile nothing, and its tokens must equal the cold process's
+    from spec_decode.programs import compile_counter
+
+    prompts = heldout_windows(tokenizer, min(n, 8), 256, offset=3 * n, bos=tokenizer.bos_token_id)
+    gen = {}
+    for loop in ("host", "device"):
+        t = time.perf_counter()
+        with compile_counter() as compiled:
+            res = eng.generate(prompts, max_new_tokens=32, ignore_eos=True, loop=loop)
+        gen[loop] = {"seconds": time.perf_counter() - t, "compiles": len(compiled),
+                     "tokens_digest": hashlib.sha256(json.dumps([r.token_ids for r in res]).encode()).hexdigest()[:16]}
     # warm-up's parts: tracing + lowering (one thread), XLA compilation or cache loads (a thread pool), and the
     # rest (the cost table, profiled or loaded); construction is the remainder of startup_s
     return {"slots": n, "startup_s": total, "programs": rep.programs, "compiled": rep.compiled,
             "warmup_s": rep.seconds, "lower_s": rep.lower_seconds, "compile_s": rep.compile_seconds,
             "warmup_other_s": rep.seconds - rep.lower_seconds - rep.compile_seconds - rep.load_seconds,
-            "loaded": rep.loaded, "load_s": rep.load_seconds, "slowest_compiles": rep.slowest}
+            "loaded": rep.loaded, "load_s": rep.load_seconds, "slowest_compiles": rep.slowest,
+            "generate": gen, "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
 def run_startup(args, out_rows: list) -> None:
