@@ -147,21 +147,21 @@ def pack_plan(plan: StepPlan) -> np.ndarray:
     """Numpy side: the whole plan in one flat ``int32`` vector (one transfer per step): the per-row integer fields,
     the stop ids and the block table (``int32[R, C]``, row-major), the six float fields bit-cast (``[R, 6]``:
     temperature, top_p, min_p, the repetition, presence and frequency penalties), then the prefill tokens, the
-    budget and the commit flag (``T + 2``). A transform or log-probability field a plan leaves None packs as
-    off."""
+    budget, the commit flag and the closed-batch flag (``T + 3``). A transform or log-probability field a plan
+    leaves None packs as off (``closed`` as False)."""
     cols = [_row_field(plan, f, _INT_FILL.get(f), np.int32)[:, None] for f in _INT_FIELDS]
     ints = np.concatenate(cols + [np.asarray(plan.stop_ids, np.int32), np.asarray(plan.block_tables, np.int32)],
                           axis=1)
     floats = np.stack([_row_field(plan, f, fill, np.float32) for f, fill in _FLOAT_FIELDS], axis=1)
     return np.concatenate([ints.ravel(), floats.view(np.int32).ravel(), np.asarray(plan.prefill_tokens, np.int32),
-                           np.asarray([plan.budget, plan.commit], np.int32)])
+                           np.asarray([plan.budget, plan.commit, bool(plan.closed)], np.int32)])
 
 
 def unpack_plan(packed: jax.Array, *, num_rows: int, num_tokens: int, num_stop_ids: int) -> StepPlan:
     """Device side (traced): the :class:`StepPlan` of ``num_rows`` rows and ``num_tokens`` packed token slots back
     from :func:`pack_plan`'s vector, by static slicing."""
     n, nf = len(_INT_FIELDS), len(_FLOAT_FIELDS)
-    int_size = packed.shape[0] - nf * num_rows - num_tokens - 2
+    int_size = packed.shape[0] - nf * num_rows - num_tokens - 3
     if int_size <= 0 or int_size % num_rows:
         raise ValueError(f"a packed plan of {packed.shape[0]} values does not hold {num_rows} rows and "
                          f"{num_tokens} tokens")
@@ -174,7 +174,8 @@ def unpack_plan(packed: jax.Array, *, num_rows: int, num_tokens: int, num_stop_i
     f["prompt_logprobs"] = f["prompt_logprobs"] != 0
     f.update({name: floats[:, i] for i, (name, _) in enumerate(_FLOAT_FIELDS)})
     return StepPlan(**f, stop_ids=ints[:, n:n + num_stop_ids], block_tables=ints[:, n + num_stop_ids:],
-                    prefill_tokens=tail[:-2], budget=tail[-2], commit=tail[-1] != 0)
+                    prefill_tokens=tail[:-3], budget=tail[-3], commit=tail[-2] != 0,
+                    closed=tail[-1] != 0)
 
 
 def on_mesh(fn, mesh):

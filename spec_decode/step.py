@@ -12,7 +12,8 @@ bucket:
    *this* step's confidences. The budget itself was chosen from an *earlier* step's confidences (by the host
    planner, or by the device loop's planner), which is what keeps adaptive verification lossless: a confidence
    depends on the draft before it, so a budget from the current confidences would let a draft influence its own
-   admission;
+   admission. In a closed batch (``plan.closed``: no request waits for a slot) the rows with the most tokens left
+   win first (``priority``), since the batch ends with its slowest row;
 3. **pack** the ragged verify batch on the device: prefill rows first (their prompt chunks come packed from the
    host), then per decode row ``[anchor, d_1 .. d_caps[r]]``; zero-length padding rows last;
 4. **verify**: the target's paged forward over the packed tokens (``decode.forward_ragged``), capturing the
@@ -159,6 +160,9 @@ class StepPlan:
     prefill_emitted: jax.Array  # int32[R]  prefill rows: tokens the request emitted before (a preempted one's)
     stop_ids: jax.Array  # int32[R, M]     tokens that end the row (-1 padded)
     commit: jax.Array  # bool[]          False: a timing run that leaves lengths and tokens unchanged
+    # a closed batch: no request waits for a slot, so the budget goes to the rows with most tokens left first
+    # (spec_decode.allocator); None or False: by survival alone
+    closed: jax.Array | None = None  # bool[]
     # log-probabilities (spec_decode.logprobs; None: no prompt rows, as in the device loop)
     prompt_logprobs: jax.Array | None = None  # bool[R]  this prefill chunk scores its prompt positions
     next_prompt_token: jax.Array | None = None  # int32[R] the prompt token after the chunk (its last row's target)
@@ -380,7 +384,10 @@ def make_step_fn(target, drafter, config: StepConfig):
                 conf = jnp.where(is_decode[:, None], conf, 0.0)
                 sched = jnp.where(is_decode, jnp.clip(jnp.minimum(plan.scheduled, max_emit - 1), 0, kd), 0)
                 alloc_conf = conf if config.mode == "adaptive" else jnp.ones_like(conf)
-                caps = allocate_drafts(alloc_conf, sched, plan.budget)
+                priority = None
+                if config.mode == "adaptive" and plan.closed is not None:
+                    priority = jnp.where(plan.closed & is_decode, max_emit, 0)
+                caps = allocate_drafts(alloc_conf, sched, plan.budget, priority)
             else:
                 drafts = jnp.zeros((r, 0), jnp.int32)
                 draft_probs = jnp.zeros((r, 0, vocab), jnp.float32) if sampled else None  # no drafts: plain sampling

@@ -20,19 +20,21 @@ _DYADIC = [0.0, 0.25, 0.5, 0.75, 1.0]
 _SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def brute_force_caps(conf: np.ndarray, scheduled: np.ndarray, budget: int) -> np.ndarray:
-    """Python reference: enumerate every (request, position), sort by the total order, count winners."""
+def brute_force_caps(conf: np.ndarray, scheduled: np.ndarray, budget: int, priority=None) -> np.ndarray:
+    """Python reference: enumerate every (request, position), sort by the total order (priority descending,
+    survival descending, position, request), count winners."""
     r, k = conf.shape
+    priority = np.zeros(r, np.int64) if priority is None else np.asarray(priority)
     entries = []
     for i in range(r):
         a = 1.0
         for j in range(k):
             a = np.float32(a * np.float32(conf[i, j]))
             if j < scheduled[i]:
-                entries.append((-float(a), j, i))
+                entries.append((-int(priority[i]), -float(a), j, i))
     entries.sort()
     caps = np.zeros(r, np.int64)
-    for _, _, i in entries[: max(budget, 0)]:
+    for *_, i in entries[: max(budget, 0)]:
         caps[i] += 1
     return caps
 
@@ -58,6 +60,45 @@ def test_invariants_and_brute_force(problem):
     assert caps.sum() == min(max(budget, 0), int(sched.sum()))
     assert np.all(caps >= 0) and np.all(caps <= sched)
     np.testing.assert_array_equal(caps, brute_force_caps(conf, sched, budget))
+
+
+@_SETTINGS
+@given(allocation_problem(), st.data())
+def test_priority_orders_rows_first_and_matches_brute_force(problem, data):
+    """A closed batch's priority (tokens left per row): its rows' drafts win first, survival decides within equal
+    priority, and a row's winners are still a prefix; entries past a row's scheduled drafts take no budget, whatever
+    the row's priority."""
+    conf, sched, budget = problem
+    r, k = conf.shape
+    prio = np.asarray(data.draw(st.lists(st.integers(0, 3), min_size=r, max_size=r)), np.int32)
+    caps = np.asarray(allocate_drafts(jnp.asarray(conf), jnp.asarray(sched), jnp.int32(budget), jnp.asarray(prio)))
+    assert caps.sum() == min(max(budget, 0), int(sched.sum()))
+    assert np.all(caps >= 0) and np.all(caps <= sched)
+    np.testing.assert_array_equal(caps, brute_force_caps(conf, sched, budget, prio))
+    # no draft of a lower-priority row wins while a higher-priority row keeps an unverified scheduled draft
+    for i in range(r):
+        for j in range(r):
+            if prio[i] > prio[j] and caps[j] > 0:
+                assert caps[i] == sched[i]
+    # equal priorities everywhere: the plain survival order
+    same = np.asarray(allocate_drafts(jnp.asarray(conf), jnp.asarray(sched), jnp.int32(budget),
+                                      jnp.full((r,), 2, jnp.int32)))
+    np.testing.assert_array_equal(same, brute_force_caps(conf, sched, budget))
+
+
+def test_priority_goes_to_the_rows_behind():
+    # Survivals: row 0 .9 .81 .729, row 1 .5 .25 .125. By survival alone row 0 takes 3 of a budget of 3; with row
+    # 1 further behind (more tokens left) it takes all of its drafts first.
+    conf = np.array([[0.9, 0.9, 0.9], [0.5, 0.5, 0.5]], np.float32)
+    sched = np.array([3, 3], np.int32)
+    np.testing.assert_array_equal(allocate_drafts(conf, sched, jnp.int32(3)), [3, 0])
+    np.testing.assert_array_equal(allocate_drafts(conf, sched, jnp.int32(3), jnp.array([10, 12], jnp.int32)), [0, 3])
+    np.testing.assert_array_equal(allocate_drafts(conf, sched, jnp.int32(4), jnp.array([10, 12], jnp.int32)), [1, 3])
+    # a row of high priority with no scheduled drafts takes nothing
+    np.testing.assert_array_equal(
+        allocate_drafts(conf, np.array([3, 0], np.int32), jnp.int32(2), jnp.array([1, 99], jnp.int32)), [2, 0])
+    with pytest.raises(ValueError, match="priority"):
+        allocate_drafts(conf, sched, jnp.int32(1), jnp.ones((3,), jnp.int32))
 
 
 @_SETTINGS

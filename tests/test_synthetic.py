@@ -100,3 +100,35 @@ def test_bad_synthetic_settings_are_refused(pair):
             Engine(target, drafter, num_speculative_tokens=4, verification="fixed", cost_table=None, **kw, **COMMON)
     with pytest.raises(ValueError, match="drafts nothing"):
         Engine(target, None, verification="none", synthetic_acceptance_length=2.0, **COMMON)
+
+
+def test_a_closed_batch_verifies_the_rows_behind_first(pair, monkeypatch):
+    """A closed batch (as many requests as slots, nothing waiting) under a table that trims: with the rows' tokens
+    left as the allocation's priority the batch ends sooner than when survival alone ranks the drafts, because the
+    requests with low emulated rates are no longer the ones left without verified drafts on every step. Both
+    loops; the device loop's waves are closed too."""
+    import spec_decode.step as step_module
+
+    target, drafter = pair
+    # 8 rows: a 16-token step (8 drafts verified) pays, a 32-token one does not, so a third of the drafts is verified
+    table = CostTable.from_measurements({8: 1.0, 16: 1.3, 32: 2.6, 64: 5.2})
+    kw = dict(num_speculative_tokens=4, verification="adaptive", cost_table=table, synthetic_acceptance_rates=RATES,
+              synthetic_concentration=2.0, **{**COMMON, "device_loop": True, "min_token_bucket": 8})
+
+    def run(engine, loop):
+        return _run(engine, n=8, new=40) if loop == "host" else engine.generate(
+            random_prompts(8, [10 + i % 7 for i in range(8)], seed=9), loop="device",
+            sampling_params=[SamplingParams(max_new_tokens=40, ignore_eos=True, seed=100 + i) for i in range(8)])
+
+    with_priority = Engine(target, drafter, **kw)
+    steps = {loop: run(with_priority, loop).stats for loop in ("host", "device")}
+    del with_priority
+    plain = step_module.allocate_drafts
+    monkeypatch.setattr(step_module, "allocate_drafts", lambda c, s, b, priority=None: plain(c, s, b))
+    by_survival = Engine(target, drafter, **kw)
+    for loop in ("host", "device"):
+        alone = run(by_survival, loop).stats
+        print(loop, steps[loop]["verify_steps"], alone["verify_steps"], steps[loop]["mean_verified_drafts_per_step"],
+              alone["mean_verified_drafts_per_step"])
+        assert steps[loop]["verify_steps"] < alone["verify_steps"], (loop, steps[loop]["verify_steps"],
+                                                                      alone["verify_steps"])
