@@ -7,7 +7,7 @@ position first, the winners of every row form a prefix, so a per-row count descr
 
 **A closed batch** (no request waits for a slot, as in an offline batch or a device-loop wave) ends with its
 slowest request, so the tokens of rows that are ahead buy nothing until it does. There a ``priority`` per row (the
-tokens the row may still emit) orders the drafts first: the budget goes to the rows with the most tokens left, and
+steps' worth of tokens the row may still emit) orders the drafts first: the budget goes to the rows with the most tokens left, and
 by survival among rows with equal priority. Ranking by survival alone would give it to the same confident rows on
 every step and leave the rest decoding one token a step, which sets the batch's length
 (docs/ADAPTIVE_VERIFICATION.md, "Closed batches"). Within a row the priority is the same, so the winners still form a
@@ -79,7 +79,7 @@ def allocate_drafts(confidences: jax.Array, scheduled_drafts: jax.Array, budget:
       scheduled_drafts: ``int32[R]`` in ``[0, K]``: drafts produced for each request (values are clipped).
       budget: ``int32[]`` total number of drafts to verify (may be traced; negative counts as 0).
       priority: ``int32[R]`` or None (every row equal): the drafts of a row of higher priority win before any
-        draft of a row of lower priority. A closed batch passes the tokens each row may still emit.
+        draft of a row of lower priority. A closed batch passes the tokens each row may still emit, in whole steps.
 
     Returns:
       ``int32[R]`` caps with ``0 <= caps <= scheduled_drafts`` and ``sum(caps) == min(budget,

@@ -13,7 +13,7 @@ bucket:
    planner, or by the device loop's planner), which is what keeps adaptive verification lossless: a confidence
    depends on the draft before it, so a budget from the current confidences would let a draft influence its own
    admission. In a closed batch (``plan.closed``: no request waits for a slot) the rows with the most tokens left
-   win first (``priority``), since the batch ends with its slowest row;
+   (counted in steps of ``1 + K_d`` tokens) win first (``priority``), since the batch ends with its slowest row;
 3. **pack** the ragged verify batch on the device: prefill rows first (their prompt chunks come packed from the
    host), then per decode row ``[anchor, d_1 .. d_caps[r]]``; zero-length padding rows last;
 4. **verify**: the target's paged forward over the packed tokens (``decode.forward_ragged``), capturing the
@@ -386,7 +386,8 @@ def make_step_fn(target, drafter, config: StepConfig):
                 alloc_conf = conf if config.mode == "adaptive" else jnp.ones_like(conf)
                 priority = None
                 if config.mode == "adaptive" and plan.closed is not None:
-                    priority = jnp.where(plan.closed & is_decode, max_emit, 0)
+                    # tokens left, in whole steps of 1 + K_d: rows within a step of each other compete by survival
+                    priority = jnp.where(plan.closed & is_decode, max_emit // (1 + kd), 0)
                 caps = allocate_drafts(alloc_conf, sched, plan.budget, priority)
             else:
                 drafts = jnp.zeros((r, 0), jnp.int32)
