@@ -128,7 +128,5 @@ def test_a_closed_batch_verifies_the_rows_behind_first(pair, monkeypatch):
     by_survival = Engine(target, drafter, **kw)
     for loop in ("host", "device"):
         alone = run(by_survival, loop).stats
-        print(loop, steps[loop]["verify_steps"], alone["verify_steps"], steps[loop]["mean_verified_drafts_per_step"],
-              alone["mean_verified_drafts_per_step"])
         assert steps[loop]["verify_steps"] < alone["verify_steps"], (loop, steps[loop]["verify_steps"],
                                                                       alone["verify_steps"])
