@@ -15,18 +15,25 @@ quotes its output.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import numpy as np
 
-# the embedded default's per-position acceptance on held-out code (scripts/bench_e2e.py's "default" profile)
-RATES = np.array([0.880, 0.583, 0.383, 0.240, 0.171, 0.102, 0.072])
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scripts.bench_e2e import ACCEPTANCE_PROFILES  # noqa: E402
+from spec_decode.synthetic import conditional_rates  # noqa: E402
+
+# the embedded default's per-position acceptance on held-out code (bench_e2e's "default" profile)
+RATES = ACCEPTANCE_PROFILES["default"]
 CASES = ((1, 0.74), (3, 0.8), (3, 0.5), (7, 0.4))  # (K_d, verified fraction of the drafts)
 
 
 def batch_steps(rows: int, tokens: int, draft_len: int, fraction: float, rows_behind_first: bool, seed: int,
                 concentration: float = 10.0) -> int:
     rng = np.random.default_rng(seed)
-    cond = RATES / np.concatenate([[1.0], RATES[:-1]])
+    cond = conditional_rates(RATES)
     p = np.stack([rng.beta(concentration * c, concentration * (1 - c), size=rows) for c in cond[:draft_len]], 1)
     survival = np.cumprod(p, axis=1)
     left = np.full(rows, tokens)

@@ -6,12 +6,12 @@ largest survival over the whole batch. Survival never increases along ``j``; wit
 position first, the winners of every row form a prefix, so a per-row count describes them completely.
 
 **A closed batch** (no request waits for a slot, as in an offline batch or a device-loop wave) ends with its
-slowest request, so the tokens of rows that are ahead buy nothing until it does. There a ``priority`` per row (the
-steps' worth of tokens the row may still emit) orders the drafts first: the budget goes to the rows with the most tokens left, and
-by survival among rows with equal priority. Ranking by survival alone would give it to the same confident rows on
-every step and leave the rest decoding one token a step, which sets the batch's length
-(docs/ADAPTIVE_VERIFICATION.md, "Closed batches"). Within a row the priority is the same, so the winners still form a
-prefix.
+slowest request, so the tokens of rows that are ahead buy nothing until it does. There a ``priority`` per row
+(the tokens the row may still emit, in whole steps) orders the drafts first: the budget goes to the rows with the
+most left, and by survival among rows of equal priority. Ranking by survival alone would give it to the same
+confident rows on every step and leave the rest decoding one token a step, which sets the batch's length
+(docs/ADAPTIVE_VERIFICATION.md, "Closed batches"). Within a row the priority is the same, so the winners still
+form a prefix.
 
 Everything here is static-shape XLA: the budget ``B`` is a traced scalar, nothing syncs with the host, and the
 result is a pure function of its inputs (so every tensor-parallel rank computes the same caps).

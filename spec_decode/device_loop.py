@@ -232,9 +232,10 @@ def make_loop_fn(target, drafter, config: LoopConfig):
                             resume_token=jnp.full((r,), -1, jnp.int32), block_tables=inputs.block_tables,
                             scheduled=sched, budget=budget, temperature=inputs.temperature, top_k=inputs.top_k,
                             top_p=inputs.top_p, seed=inputs.seed, limit=inputs.limit, prefill_emitted=zeros_r,
-                            stop_ids=inputs.stop_ids, commit=jnp.asarray(True), closed=jnp.asarray(True),
-                            min_tokens=inputs.min_tokens,
-                            min_p=inputs.min_p, repetition_penalty=inputs.repetition_penalty,
+                            stop_ids=inputs.stop_ids, commit=jnp.asarray(True),
+                            closed=jnp.asarray(True),  # a wave admits nothing until it ends
+                            min_tokens=inputs.min_tokens, min_p=inputs.min_p,
+                            repetition_penalty=inputs.repetition_penalty,
                             presence_penalty=inputs.presence_penalty, frequency_penalty=inputs.frequency_penalty)
 
             def branch(fn, t):
