@@ -25,9 +25,10 @@ prompt + output + 64 rounded up to a page; ``warmup()`` compiles its closed prog
 table (``startup_s``, kept apart from the timed call). Per loop: one warm-up ``generate`` on ``n`` held-out prompts
 (``scripts/workloads.py``: windows of Python sources the default never saw, distinct prompts), then the timed
 ``generate`` on ``n`` *other* held-out prompts of the same shape (the same timed set for every mode and loop at
-that ``n``, so their tokens compare). Greedy, EOS ignored, prefix caching off (distinct prompts share nothing,
-and a loop must not reuse the pages the previous loop cached for the same prompts). Both loops run on one engine
-(host, then device). ``timed_compiles``: XLA compilations during the timed call (0: the closed set).
+that ``n``, so their tokens compare). Greedy, EOS ignored, prefix caching off unless asked for or a prefix is
+shared (``--workload published``). Both loops run on one engine (host, then device); each loop starts from an
+empty prefix cache (``Engine.reset_prefix_cache``), so it never reads the pages the previous loop cached for the
+same prompts. ``timed_compiles``: XLA compilations during the timed call (0: the closed set).
 
 **Row fields.** ``output_tokens_per_s`` (every request's tokens, the one sampled at prefill included, over the
 timed call's wall time); ``ms_per_output_token`` = wall / (output tokens / n): the per-request inter-token latency;
@@ -228,6 +229,10 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
         base, steps_per_launch = loop_and_steps(loop, args)
         if base == "host":
             eng.decode_steps_per_launch = steps_per_launch
+        # every loop starts from an empty prefix cache: the previous loop's timed call left these very prompts'
+        # pages cached, and a second loop reading them would skip their prefill (with a shared prefix, the
+        # timed call still shares it between its own requests)
+        eng.reset_prefix_cache()
         eng.generate(warm_prompts, loop=base, **kw)
         eng.record_launches = bool(args.launch_timeline)  # the timed calls' launch timeline (host loop)
         with compile_counter() as compiled:

@@ -860,6 +860,16 @@ class Engine:
                 bar.close()
             return GenerationResults([self._result(r) for r in requests], stats)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prompt page (vLLM's ``LLM.reset_prefix_cache``): later requests prefill their whole
+        prompts again. Returns the number of pages that were cached. For benchmarks that time the same prompts
+        twice (a second run would read the first one's pages), and after changing weights in place. Waits for a
+        running ``generate``; raises ``RuntimeError`` from the thread that holds an open stream."""
+        with self._exclusive():
+            cached = self.pool.num_evictable
+            self.pool.clear_cache()
+            return cached
+
     def score(self, prompts, continuations, *, progress: bool | None = None) -> list[ScoreResult]:
         """Log-likelihood of each continuation given its prompt, without generating (``docs/EVALUATION.md``).
 

@@ -89,19 +89,24 @@ def test_modes_and_tables():
 @pytest.mark.slow
 def test_m3_slice_with_emulated_acceptance_on_cpu(tmp_path):
     """``--model m3-slice --m3-tiny`` (the slice's structure at test widths, random weights) with an emulated
-    acceptance length of 3 (rates 1, 1, 0, ...), balanced routing and a shared prefix: rows say the acceptance was emulated, every
-    verify step emits 3 tokens, and the prefix cache served the shared tokens."""
+    acceptance length of 3 (rates 1, 1, 0, ...), balanced routing and a shared prefix, in both loops: rows say the
+    acceptance was emulated, every verify step emits 3 tokens, and the prefix cache served the shared tokens and
+    only those (the device loop, timed second on the same prompts, starts from an empty cache as the host did)."""
     out = tmp_path / "m3"
     bench_e2e.main(["--out", str(out), "--model", "m3-slice", "--m3-tiny", "--m3-layers", "3", "--dtype", "float32",
-                    "--requests", "2", "--modes", "fixed3", "--loops", "host", "--prompt-len", "48",
+                    "--requests", "2", "--modes", "fixed3", "--loops", "host", "device", "--prompt-len", "48",
                     "--max-new-tokens", "10", "--min-token-bucket", "32", "--max-num-batched-tokens", "48",
                     "--synthetic-acceptance-length", "3", "--shared-prefix", "16", "--timed-sets", "1",
                     "--implementation", "reference", "--balanced-routing"])
-    (row,) = [json.loads(line) for line in (out / "bench_e2e.jsonl").read_text().splitlines()]
-    assert row["model"] == "m3-slice" and row["acceptance"] == "emulated" and row["balanced_routing"]
-    assert row["synthetic_rates"] == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
-    assert row["mean_acceptance_length"] == pytest.approx(3.0)
-    assert row["prefix_cache_tokens"] > 0
+    rows = [json.loads(line) for line in (out / "bench_e2e.jsonl").read_text().splitlines()]
+    assert [r["loop"] for r in rows] == ["host", "device"]
+    for row in rows:
+        assert row["model"] == "m3-slice" and row["acceptance"] == "emulated" and row["balanced_routing"]
+        assert row["synthetic_rates"] == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+        assert row["mean_acceptance_length"] == pytest.approx(3.0)
+    # the second request reads the first one's 16 shared tokens, and nothing of the previous loop's prompts
+    page = rows[0]["prefix_cache_tokens"]
+    assert 0 < page <= 16 and rows[1]["prefix_cache_tokens"] == page
     with pytest.raises(SystemExit):  # random weights without emulated acceptance would measure noise
         bench_e2e.parse_args(["--out", str(out), "--model", "m3-slice"])
 

@@ -126,10 +126,22 @@ def test_prefix_caching_shares_pages_and_changes_no_output(target, drafter, monk
     # a second call on the same engine hits the pages the first one left cached (they outlive the run); the
     # cache-on engine serves, its cache emptied first (as a fresh engine's)
     eng = engines["on"]
-    eng.pool.clear_cache()
+    assert eng.reset_prefix_cache() > 0  # the earlier call's prompt pages
     eng.generate(prompts[:1], sampling_params=params[:1], progress=False)
     again = eng.generate(prompts[1:2], sampling_params=params[1:2], progress=False)
     assert again.stats["prefix_cache_tokens"] == 40 and again[0].token_ids == refs[1]
+    # reset_prefix_cache: the next call prefills its whole prompt, with the same tokens; refused while a stream
+    # of this thread holds the engine, which it leaves serving
+    stream = eng.stream(prompts[:1], max_new_tokens=2)
+    next(stream)
+    with pytest.raises(RuntimeError, match="already running"):
+        eng.reset_prefix_cache()
+    stream.close()
+    eng.generate(prompts[:1], sampling_params=params[:1], progress=False)  # caches the shared prefix again
+    assert eng.reset_prefix_cache() > 0
+    assert eng.reset_prefix_cache() == 0
+    fresh = eng.generate(prompts[1:2], sampling_params=params[1:2], progress=False)
+    assert fresh.stats["prefix_cache_tokens"] == 0 and fresh[0].token_ids == refs[1]
 
 
 def test_a_second_process_loads_every_program_as_an_executable(tmp_path):
