@@ -79,6 +79,10 @@ class ReplicatedEngine:
     def warmup(self):
         return [e.warmup() for e in self.engines]
 
+    def reset_prefix_cache(self) -> int:
+        """:meth:`Engine.reset_prefix_cache` on every replica this process runs: the pages they had cached."""
+        return sum(e.reset_prefix_cache() for e in self.engines)
+
     def generate(self, prompts, *, sampling_params=None, seed: int | None = None, **kwargs) -> GenerationResults:
         """:meth:`Engine.generate` over the replicas: the prompts split, the results in prompt order
         (``results.stats["replicas"]``: each replica's run statistics; ``output_tokens_per_s`` over the call). In

@@ -119,6 +119,8 @@ SCRIPT = textwrap.dedent("""
     assert [r.token_ids for r in got] == want
     assert len(got.stats["replicas"]) == 4 and [len(e.mesh.devices.flat) for e in rep.engines] == [2] * 4
     assert len({d for e in rep.engines for d in e.mesh.devices.flat}) == 8
+    cached = sum(e.pool.num_evictable for e in rep.engines)  # the prompts' full pages, left cached
+    assert cached > 0 and rep.reset_prefix_cache() == cached and all(e.pool.num_evictable == 0 for e in rep.engines)
     print("replicas", got.stats["output_tokens"])
 """)
 
