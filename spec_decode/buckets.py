@@ -27,6 +27,10 @@ compiles the whole list before the first request (``docs/ENGINE.md``, "The close
   its ``max_num_seqs`` rows: only the drafter's context write. When ``0`` is not one of the engine's draft lengths
   (fixed verification, or an adaptive engine given other lengths), these prefill buckets are its only ones and
   the planner never chooses it for a step that decodes.
+* **a closed call's prefill drafts nothing either**: an adaptive engine that plans length ``0`` also has it at the
+  bucket holding ``max_num_seqs + max_num_batched_tokens``, a full chunk beside every slot decoding one token.
+  While every request of a call has a slot and some are still prefilling, the scheduler gives such steps length
+  ``0`` (:meth:`spec_decode.scheduler.Scheduler.schedule`, ``docs/ADAPTIVE_VERIFICATION.md``).
 
 Per-row sampling settings, stop ids and lengths are plan arrays, so no setting or arrival order can reach a
 shape that was not compiled.
@@ -114,6 +118,8 @@ def step_keys(*, max_num_seqs: int, num_speculative_tokens: int, max_num_batched
         lengths = tuple(sorted(plannable | {0}))
     prefill_top = next(t for t in union if t >= max_num_batched_tokens)
     prefill = [prefill_top]
+    if 0 in plannable and prefill_zero:  # a full chunk beside every slot decoding one token (a closed call's prefill)
+        prefill.append(next(t for t in union if t >= max_num_seqs + max_num_batched_tokens))
     keys = []
     for sample in (False, True) if sampling else (False,):
         for d in lengths:

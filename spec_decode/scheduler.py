@@ -322,7 +322,13 @@ class Scheduler:
         budget = 0
         draft_len = min((token_bucket(b, n_pre) + self.num_slots * d, d) for d, b in self.token_buckets.items()
                         if b[-1] >= n_pre)[1]
-        if k and decode:
+        if k and decode and prefill and self._prefill_sets_the_end(decode, n_pre):
+            # every request has a slot and the last ones are still prefilling: their decode, after this chunk,
+            # sets when the call ends, and the rows decoding now are ahead of them, so the step drafts nothing
+            # and costs what plain decoding's does (docs/ADAPTIVE_VERIFICATION.md, "Closed batches")
+            budget, draft_len = 0, 0
+            decode = [(r, 0) for r, _ in decode]
+        elif k and decode:
             stale = self.stale_conf[[r.slot for r, _ in decode]][:, :k]
             budget, draft_len = self.planner.plan(stale, scheduled, num_sampling_rows=len(decode) + prefill_rows,
                                                   num_non_draft_tokens=n_pre + len(decode))
@@ -357,6 +363,19 @@ class Scheduler:
         for req, s in decode:
             self._push(req, _InFlight(1 + s, 1, decode_steps=1, emit_max=1 + s))
         return step
+
+    def _prefill_sets_the_end(self, decode: list[tuple[Request, int]], num_prefill_tokens: int) -> bool:
+        """Whether a step that carries prefill chunks beside ``decode`` should draft nothing: an adaptive plan
+        with a length-0 program for it, no request waiting for a slot to free (those left waiting fit the free
+        slots), and no decode row with more tokens left to emit (at most) than a request still prefilling or
+        waiting has. The call then ends when those finish, whatever the rows ahead emit now."""
+        lengths = self.token_buckets.get(0)
+        if (self.planner.mode != "adaptive" or 0 not in self.planner.draft_lengths or not lengths
+                or lengths[-1] < num_prefill_tokens + len(decode) or len(self.waiting) > len(self.free_slots)):
+            return False
+        behind = [r.limit - len(r.output) for r in self.running.values() if r.status is RequestStatus.PREFILL]
+        behind += [r.limit - len(r.output) for r in self.waiting]
+        return bool(behind) and all(r.limit - self._emitted_lower(r) <= max(behind) for r, _ in decode)
 
     def schedule_burst(self, max_steps: int, *, min_rows: int = 1) -> ScheduledBurst | None:
         """Plan ``max_steps`` decode steps of every running request as one launch, or None when one step at a

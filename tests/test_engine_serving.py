@@ -144,6 +144,48 @@ def test_prefix_caching_shares_pages_and_changes_no_output(target, drafter, monk
     assert fresh.stats["prefix_cache_tokens"] == 0 and fresh[0].token_ids == refs[1]
 
 
+def test_a_closed_calls_prefill_drafts_nothing(target, drafter, monkeypatch):
+    """Adaptive steps that carry a prefill chunk draft nothing while every request of the call has a slot and no
+    decode row has more tokens left than a request still prefilling (those requests set when the call ends); they
+    plan as usual when requests wait for slots to free, or when a decode row is the one behind. The tokens are
+    target-only greedy decoding's in every case."""
+    from spec_decode.cost_table import CostTable
+
+    # verification is free and drafting nearly so: the planner drafts all 3 positions wherever it plans
+    table = CostTable.from_measurements({8: 1.0, 16: 1.0, 32: 1.0}, draft_lengths={0: 0.0, 1: 0.001, 3: 0.002})
+    eng = Engine(target, drafter, num_speculative_tokens=3, verification="adaptive", cost_table=table,
+                 draft_lengths=(0, 1, 3), **{**GREEDY, "max_num_seqs": 4, "device_loop": False, "min_token_bucket": 8})
+    assert 32 in eng.buckets_by_length[0]  # a full 16-token chunk beside 4 decode rows
+    seen = []
+    schedule = Scheduler.schedule
+
+    def recorded(self, **kw):
+        step = schedule(self, **kw)
+        if step is not None:
+            seen.append((step.num_prefill_tokens, step.num_decode, step.key.draft_len))
+        return step
+
+    monkeypatch.setattr(Scheduler, "schedule", recorded)
+
+    def run(lengths, new, seed):
+        seen.clear()
+        prompts = random_prompts(len(lengths), lengths, seed=seed)
+        res = eng.generate(prompts, sampling_params=[SamplingParams(max_new_tokens=m, ignore_eos=True) for m in new],
+                           progress=False)
+        assert [r.token_ids for r in res] == [greedy_reference(target, p, m, stop=()) for p, m in zip(prompts, new)]
+        mixed = [d for pre, dec, d in seen if pre and dec]
+        decode_only = [d for pre, dec, d in seen if dec and not pre]
+        assert mixed and decode_only, seen
+        return mixed, decode_only
+
+    mixed, decode_only = run([20, 18, 22, 19], [8] * 4, seed=21)  # 4 requests, 4 slots
+    assert set(mixed) == {0} and 3 in decode_only, (mixed, decode_only)
+    mixed, _ = run([20, 18, 22, 19, 17, 21], [8] * 6, seed=22)  # 2 requests wait for a slot to free
+    assert 3 in mixed, mixed
+    mixed, _ = run([20, 18, 22, 19], [40, 4, 4, 4], seed=23)  # the first request is the one behind
+    assert 3 in mixed, mixed
+
+
 def test_a_second_process_loads_every_program_as_an_executable(tmp_path):
     """A fresh process with the same engine loads every program from the executable store (no tracing, no
     compilation) and generates the same tokens; with the stored files damaged, they are dropped (a warning) and the
