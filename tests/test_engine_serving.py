@@ -86,9 +86,10 @@ def test_async_and_sync_scheduling_give_the_same_greedy_tokens(target, drafter):
     max_new = [12, 9, 16, 5, 14, 11]
     refs = [greedy_reference(target, p, n) for p, n in zip(prompts, max_new)]
     params = [SamplingParams(max_new_tokens=m) for m in max_new]
+    engines = []  # both alive: the second engine (same programs) reuses the first one's instead of compiling
     for async_scheduling in (True, False):
-        eng = Engine(target, drafter, num_speculative_tokens=3, verification="adaptive", cost_table=None,
-                     async_scheduling=async_scheduling, num_pages=16, **GREEDY)
+        engines.append(eng := Engine(target, drafter, num_speculative_tokens=3, verification="adaptive", cost_table=None,
+                     async_scheduling=async_scheduling, num_pages=16, **GREEDY))
         res = eng.generate(prompts, sampling_params=params, progress=False)
         assert [r.token_ids for r in res] == refs, f"async_scheduling={async_scheduling}"
         assert res.stats["preemptions"] > 0 and res.stats["async_scheduling"] == async_scheduling
