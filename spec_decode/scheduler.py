@@ -26,7 +26,9 @@ Policy, step by step:
    admitted request first takes the cached pages of its longest cached prompt prefix (:mod:`spec_decode.page_pool`)
    and prefills only the rest. Admitted work that does not fit waits; nothing crashes.
 3. **Plan**: the :class:`~spec_decode.planner.Planner` chooses how many positions the step drafts (``K_d``) and
-   how many drafts it verifies, from the confidences of an earlier step (lossless).
+   how many drafts it verifies, from the confidences of an earlier step (lossless). A step that carries a
+   prefill chunk while every request has a slot drafts nothing instead, unless a decode row is the one behind
+   (``docs/ADAPTIVE_VERIFICATION.md``, "Closed batches").
 4. **Shape**: rows are always the engine's slots; the packed tokens go to the smallest bucket of the closed set
    (:mod:`spec_decode.buckets`).
 5. **Prefix caching**: every full page of a prefill chunk is registered in the pool once the step is built, so
