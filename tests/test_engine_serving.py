@@ -88,8 +88,9 @@ def test_async_and_sync_scheduling_give_the_same_greedy_tokens(target, drafter):
     params = [SamplingParams(max_new_tokens=m) for m in max_new]
     engines = []  # both alive: the second engine (same programs) reuses the first one's instead of compiling
     for async_scheduling in (True, False):
-        engines.append(eng := Engine(target, drafter, num_speculative_tokens=3, verification="adaptive", cost_table=None,
-                     async_scheduling=async_scheduling, num_pages=16, **GREEDY))
+        eng = Engine(target, drafter, num_speculative_tokens=3, verification="adaptive", cost_table=None,
+                     async_scheduling=async_scheduling, num_pages=16, **GREEDY)
+        engines.append(eng)
         res = eng.generate(prompts, sampling_params=params, progress=False)
         assert [r.token_ids for r in res] == refs, f"async_scheduling={async_scheduling}"
         assert res.stats["preemptions"] > 0 and res.stats["async_scheduling"] == async_scheduling
