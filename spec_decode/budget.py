@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_decode.allocator import survival
-from spec_decode.cost_table import CostTable, CostTableArrays, draft_length_cost_device, lookup_device
+from spec_decode.cost_table import CostTable, CostTableArrays, lookup_device, step_cost_device
 
 __all__ = ["DEFAULT_MIN_PREDICTED_GAIN", "TIE_RTOL", "budget_values", "choose_budget", "choose_budget_device",
            "choose_plan", "choose_plan_device", "select_plan"]
@@ -98,15 +98,13 @@ def budget_values(
     ``token_buckets``: the packed-token sizes compiled for this length: a step pays the smallest one holding it,
     and one larger than all of them is infeasible (value ``-inf``)."""
     conf, sched = _validated(stale_confidences, scheduled_drafts)
-    extra = 0.0
     if draft_len is not None:
         sched = np.minimum(sched, int(draft_len))
-        extra = cost_table.draft_length_cost(int(draft_len))
     max_b = _max_budget(sched, max_total_logit_rows)
     scores = _sorted_scores(conf, sched)[:max_b]
     gain = num_sampling_rows + np.concatenate([[0.0], np.cumsum(scores)])  # [maxB + 1]
     r = conf.shape[0]
-    draft = cost_table.draft_cost(r) + extra
+    draft = cost_table.draft_cost(r)
     tokens = num_non_draft_tokens + np.arange(max_b + 1)
     feasible = np.ones(tokens.shape, bool)
     if token_buckets is not None and len(token_buckets):
@@ -114,7 +112,7 @@ def budget_values(
         idx = np.searchsorted(tb, tokens, side="left")
         feasible = idx < len(tb)
         tokens = np.where(feasible, tb[np.minimum(idx, len(tb) - 1)], tokens)
-    cost = draft + cost_table.verify_costs(tokens)
+    cost = draft + cost_table.step_costs(tokens, None if draft_len is None else int(draft_len))
     return np.where(feasible, gain / np.maximum(cost, 1e-12), -np.inf)
 
 
@@ -215,7 +213,8 @@ def choose_plan(
     kw = dict(num_sampling_rows=num_sampling_rows, num_non_draft_tokens=num_non_draft_tokens,
               cost_table=cost_table, max_total_logit_rows=max_total_logit_rows)
     full_len = lengths[-1] if lengths else k
-    if len(lengths) < 2 or cost_table is None or cost_table.is_flat or not cost_table.draft_lengths:
+    if len(lengths) < 2 or cost_table is None or cost_table.is_flat or not cost_table.draft_lengths:  # (a
+        # per-length table lists its lengths as draft_lengths)
         sched_full = np.minimum(sched, full_len)
         return choose_budget(conf, sched_full, min_predicted_gain=min_predicted_gain, **kw), full_len
     _check_scalars(num_sampling_rows, num_non_draft_tokens, max_total_logit_rows, min_predicted_gain)
@@ -284,7 +283,6 @@ def _budget_and_values_device(stale_confidences, scheduled_drafts, *, num_rows, 
     r, k = conf.shape
     max_b = _max_budget_device(sched, num_rows, max_total_logit_rows)
     t = cost_table
-    extra = draft_length_cost_device(t, draft_len) if draft_len is not None else 0.0
 
     def bucketed(tokens):
         """(the size paid, feasible) of ``tokens`` packed tokens."""
@@ -296,8 +294,8 @@ def _budget_and_values_device(stale_confidences, scheduled_drafts, *, num_rows, 
 
     if k == 0 or r == 0:
         tokens, ok = bucketed(jnp.asarray(num_non_draft_tokens, jnp.int32))
-        cost = (lookup_device(t.draft_buckets, t.draft_seconds, t.num_draft, num_rows) + extra
-                + lookup_device(t.verify_buckets, t.verify_seconds, t.num_verify, tokens))
+        cost = (lookup_device(t.draft_buckets, t.draft_seconds, t.num_draft, num_rows)
+                + step_cost_device(t, draft_len, tokens))
         value = jnp.where(ok, jnp.asarray(num_sampling_rows, jnp.float32) / jnp.maximum(cost, 1e-12), -jnp.inf)
         return jnp.zeros((), jnp.int32), value, value
     a = survival(conf, sched).reshape(-1)  # -inf outside each row's scheduled drafts
@@ -307,8 +305,8 @@ def _budget_and_values_device(stale_confidences, scheduled_drafts, *, num_rows, 
     gain = jnp.asarray(num_sampling_rows, jnp.float32) + jnp.concatenate(
         [jnp.zeros((1,), jnp.float32), jnp.cumsum(scores)])
     tokens, ok = bucketed(num_non_draft_tokens + b)
-    cost = (lookup_device(t.draft_buckets, t.draft_seconds, t.num_draft, num_rows) + extra
-            + lookup_device(t.verify_buckets, t.verify_seconds, t.num_verify, tokens))
+    cost = (lookup_device(t.draft_buckets, t.draft_seconds, t.num_draft, num_rows)
+            + step_cost_device(t, draft_len, tokens))
     values = jnp.where((b <= max_b) & ok, gain / jnp.maximum(cost, 1e-12), -jnp.inf)
     best = jnp.max(values)
     chosen = jnp.argmax(values >= best - _TIE_RTOL_F32 * jnp.abs(best)).astype(jnp.int32)  # first near-best
@@ -369,7 +367,7 @@ def choose_plan_device(
         best_i = jnp.where(keep_full, last, best_i)
     one = choose_budget_device(stale_confidences, jnp.minimum(sched, lengths[-1]),
                                **{**kw, "min_predicted_gain": min_predicted_gain})
-    no_lengths = cost_table.flat | (cost_table.num_draft_lengths == 0)
+    no_lengths = cost_table.flat | ((cost_table.num_draft_lengths == 0) & (cost_table.num_lengths == 0))
     return (jnp.where(no_lengths, one, best_b).astype(jnp.int32),
             jnp.where(no_lengths, last, best_i).astype(jnp.int32))
 

@@ -5,12 +5,17 @@ A :class:`CostTable` holds seconds per call of the engine's compiled steps at th
 * the verify step, keyed by the total number of verify tokens (anchors plus verified drafts) it was compiled for;
 * the draft step, keyed by the number of request rows;
 * the draft length: the extra seconds a step pays for drafting ``K_d`` positions per row, keyed by ``K_d``
-  (0 for ``K_d = 0``, or for a table without draft lengths: then the verify costs include the drafting).
+  (0 for ``K_d = 0``, or for a table without draft lengths: then the verify costs include the drafting);
+* or, in place of the last two, **whole steps per draft length** (:attr:`CostTable.per_length`): for each
+  ``K_d``, the seconds of a step by packed tokens, as timed, with no model in between.
 
 A step that drafts ``K_d`` positions and verifies ``T`` packed tokens at ``R`` rows costs
-``draft_cost(R) + draft_length_cost(K_d) + verify_cost(T)``. The engine profiles its whole step programs at every
-(``K_d``, ``T``) of its closed set and splits them into the two terms (:func:`split_step_costs`): the drafter's
-work does not depend on ``T`` and the target's does not depend on ``K_d``.
+``draft_cost(R) + step_cost(T, K_d)``: ``draft_length_cost(K_d) + verify_cost(T)`` in the additive form, or the
+length's own entry at ``T`` in the per-length form. The engine times the device loop's branches in the loop
+itself and keeps them per length (:meth:`CostTable.from_step_times`): each length is compiled at its own few
+buckets, so no bucket need be shared between lengths. :func:`split_step_costs` fits the additive form to timings
+of a closed set whose longest length has every bucket (the host-launched profile of an engine without a device
+loop): the drafter's work does not depend on ``T`` and the target's does not depend on ``K_d``.
 
 :class:`CostTableArrays` is the same table as fixed-size device arrays and :func:`lookup_device` its lookup in
 jnp, for the planner that runs inside the jitted offline loop (``spec_decode.device_loop``).
@@ -18,7 +23,7 @@ jnp, for the planner that runs inside the jitted offline loop (``spec_decode.dev
 Lookups behave like the engine: a step with ``n`` tokens runs the smallest compiled bucket ``>= n`` and pays its
 time (a step function inside the buckets). Times are made non-decreasing with a running max, because a larger
 bucket can never be cheaper to run than padding up to it; beyond the largest bucket the cost is extrapolated
-linearly. A missing table, or one whose verify costs are all equal, is *flat*: it carries no trade-off, and the
+linearly. A missing table, or one whose step costs are all equal, is *flat*: it carries no trade-off, and the
 planner then verifies everything.
 
 The table is saved as ``cost_table.json`` next to the model (:func:`save_cost_table`, :func:`load_cost_table`).
@@ -50,11 +55,12 @@ __all__ = [
     "profile_cost_table",
     "save_cost_table",
     "split_step_costs",
+    "step_cost_device",
     "time_callable",
 ]
 
 COST_TABLE_FILENAME = "cost_table.json"
-_FORMAT_VERSION = 2  # 2 added the draft lengths; version 1 files (none) still load
+_FORMAT_VERSION = 3  # 2 added the draft lengths, 3 the per-length steps; version 1 and 2 files still load
 
 
 def _normalise(name: str, keys: Sequence[int], seconds: Sequence[float], *, minimum: int = 1,
@@ -107,7 +113,9 @@ class CostTable:
 
     Construction sorts the buckets and forces the timings non-decreasing (running max); the raw measurements
     are kept in ``metadata`` by the profiler if wanted. ``draft_lengths`` are the ``K_d`` a planner may choose
-    from (empty: only the engine's K, whose drafting the verify costs include).
+    from (empty: only the engine's K, whose drafting the verify costs include). ``per_length`` holds whole step
+    costs per draft length instead (:meth:`from_step_times`); its lengths are then :attr:`draft_lengths`, at cost
+    0 (their steps hold their drafting).
     """
 
     verify_buckets: tuple[int, ...] = ()
@@ -117,6 +125,9 @@ class CostTable:
     metadata: Mapping[str, Any] = field(default_factory=dict)
     draft_lengths: tuple[int, ...] = ()
     draft_length_seconds: tuple[float, ...] = ()
+    # ((K_d, buckets, seconds), ...) ascending in K_d: whole steps per draft length (then the verify and
+    # draft-length terms are unused)
+    per_length: tuple[tuple[int, tuple[int, ...], tuple[float, ...]], ...] = ()
 
     def __post_init__(self):
         vb, vs = _normalise("verify", self.verify_buckets, self.verify_seconds)
@@ -129,6 +140,23 @@ class CostTable:
         object.__setattr__(self, "draft_lengths", dl)
         object.__setattr__(self, "draft_length_seconds", dls)
         object.__setattr__(self, "metadata", dict(self.metadata))
+        per = []
+        for d, buckets, seconds in self.per_length:
+            if isinstance(d, bool) or int(d) != d or int(d) < 0:
+                raise ValueError(f"per_length: draft lengths must be integers >= 0, got {d!r}")
+            if not len(buckets):
+                raise ValueError(f"per_length: draft length {d} has no buckets")
+            per.append((int(d),) + _normalise(f"per_length[{int(d)}]", buckets, seconds))
+        per.sort()
+        for (d0, *_), (d1, *_) in itertools.pairwise(per):
+            if d0 == d1:
+                raise ValueError(f"per_length: duplicate draft length {d0}")
+        object.__setattr__(self, "per_length", tuple(per))
+        if per:
+            if self.verify_buckets or self.draft_length_seconds and any(self.draft_length_seconds):
+                raise ValueError("a cost table holds per-length steps or verify and draft-length terms, not both")
+            object.__setattr__(self, "draft_lengths", tuple(d for d, _, _ in per))
+            object.__setattr__(self, "draft_length_seconds", (0.0,) * len(per))
 
     @classmethod
     def from_measurements(
@@ -144,6 +172,53 @@ class CostTable:
         lengths = draft_lengths or {}
         return cls(tuple(verify), tuple(verify.values()), tuple(draft), tuple(draft.values()), metadata or {},
                    tuple(lengths), tuple(lengths.values()))
+
+    @classmethod
+    def from_step_times(cls, steps: Mapping[tuple[int, int], float], draft: Mapping[int, float] | None = None, *,
+                        metadata: Mapping[str, Any] | None = None) -> CostTable:
+        """A per-length table from whole-step timings ``{(K_d, tokens): seconds}``."""
+        lengths = sorted({int(d) for d, _ in steps})
+        per = tuple((d, tuple(t for (dd, t) in steps if dd == d), tuple(s for (dd, _), s in steps.items() if dd == d))
+                    for d in lengths)
+        draft = draft or {}
+        return cls(draft_buckets=tuple(draft), draft_seconds=tuple(draft.values()), metadata=metadata or {},
+                   per_length=per)
+
+    def _length_entry(self, draft_len: int | None):
+        """The per-length entry a step of ``draft_len`` pays: the smallest tabled length ``>= draft_len`` (the
+        largest above them all, or for None)."""
+        if draft_len is None:
+            return self.per_length[-1]
+        return next((e for e in self.per_length if e[0] >= int(draft_len)), self.per_length[-1])
+
+    def step_costs(self, num_tokens, draft_len: int | None = None) -> np.ndarray:
+        """Seconds of a step over ``num_tokens`` packed tokens (any shape, ``float64``) that drafts ``draft_len``
+        positions per row, less the draft side's :meth:`draft_cost`: the length's own steps (per-length table),
+        else ``draft_length_cost(draft_len) + verify_cost(num_tokens)`` (None: the verify cost alone, or the
+        longest length's steps)."""
+        if self.per_length:
+            _, buckets, seconds = self._length_entry(draft_len)
+            return _lookup(buckets, seconds, num_tokens)
+        extra = 0.0 if draft_len is None else self.draft_length_cost(draft_len)
+        return extra + _lookup(self.verify_buckets, self.verify_seconds, num_tokens)
+
+    def step_cost(self, num_tokens: int, draft_len: int | None = None) -> float:
+        """Scalar :meth:`step_costs`."""
+        return float(self.step_costs(num_tokens, draft_len))
+
+    @property
+    def step_buckets(self) -> tuple[int, ...]:
+        """Every packed-token bucket the table holds (verify buckets, or every length's)."""
+        return tuple(sorted(set(self.verify_buckets).union(*(b for _, b, _ in self.per_length))))
+
+    def with_step_overhead(self, seconds: float) -> CostTable:
+        """The same table with ``seconds`` added to every step (each verify cost, or each per-length step)."""
+        if seconds == 0:
+            return self
+        return CostTable(self.verify_buckets, tuple(s + seconds for s in self.verify_seconds), self.draft_buckets,
+                         self.draft_seconds, self.metadata, () if self.per_length else self.draft_lengths,
+                         () if self.per_length else self.draft_length_seconds,
+                         tuple((d, b, tuple(x + seconds for x in ss)) for d, b, ss in self.per_length))
 
     def verify_cost(self, num_tokens: int) -> float:
         """Seconds of a verify step over ``num_tokens`` packed tokens."""
@@ -171,8 +246,8 @@ class CostTable:
 
     @property
     def is_flat(self) -> bool:
-        """True when the verify costs carry no trade-off (no timings, or all equal): verify everything."""
-        return len(set(self.verify_seconds)) < 2
+        """True when the step costs carry no trade-off (no timings, or all equal): verify everything."""
+        return len(set(self.verify_seconds).union(*(s for _, _, s in self.per_length))) < 2
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -180,6 +255,7 @@ class CostTable:
             "verify": {str(b): s for b, s in zip(self.verify_buckets, self.verify_seconds)},
             "draft": {str(b): s for b, s in zip(self.draft_buckets, self.draft_seconds)},
             "draft_lengths": {str(d): s for d, s in zip(self.draft_lengths, self.draft_length_seconds)},
+            "per_length": {str(d): {str(b): x for b, x in zip(bs, ss)} for d, bs, ss in self.per_length},
             "metadata": dict(self.metadata),
         }
 
@@ -188,13 +264,16 @@ class CostTable:
         if not isinstance(data, Mapping) or "verify" not in data:
             raise ValueError("cost table data must be a mapping with a 'verify' entry")
         version = data.get("format_version", _FORMAT_VERSION)
-        if version not in (1, _FORMAT_VERSION):
+        if version not in (1, 2, _FORMAT_VERSION):
             raise ValueError(
                 f"unsupported cost table format_version {version!r} (expected {_FORMAT_VERSION})"
             )
         verify = {int(k): float(v) for k, v in data["verify"].items()}
         draft = {int(k): float(v) for k, v in data.get("draft", {}).items()}
         lengths = {int(k): float(v) for k, v in data.get("draft_lengths", {}).items()}
+        per = {(int(d), int(b)): float(x) for d, row in data.get("per_length", {}).items() for b, x in row.items()}
+        if per:
+            return cls.from_step_times(per, draft, metadata=data.get("metadata", {}))
         return cls.from_measurements(verify, draft, draft_lengths=lengths, metadata=data.get("metadata", {}))
 
     def save(self, path: str | os.PathLike) -> str:
@@ -213,9 +292,11 @@ class CostTableArrays:
     """A :class:`CostTable` as fixed-size device arrays, for the budget planner inside a jitted loop.
 
     ``verify_buckets / verify_seconds [CAPACITY]`` hold the table's entries first (``num_verify`` of them), then
-    padding; the draft side likewise. Passing a table this way (an argument, not a constant) lets one compiled
-    program run with any table of up to :attr:`CAPACITY` entries. ``flat`` is :attr:`CostTable.is_flat` (or no
-    table at all): the planner then verifies everything.
+    padding; the draft side likewise; a per-length table fills ``length_ids [LENGTHS]`` and, per length, its
+    row of ``length_buckets / length_seconds [LENGTHS, CAPACITY]`` (``num_length_buckets`` entries each; the
+    additive form's arrays are then empty). Passing a table this way (an argument, not a constant) lets one
+    compiled program run with any table of up to :attr:`CAPACITY` entries. ``flat`` is :attr:`CostTable.is_flat`
+    (or no table at all): the planner then verifies everything.
     """
 
     verify_buckets: jax.Array  # int32[C]
@@ -228,29 +309,46 @@ class CostTableArrays:
     draft_lengths: jax.Array  # int32[C]
     draft_length_seconds: jax.Array  # f32[C]
     num_draft_lengths: jax.Array  # int32[]
+    length_ids: jax.Array  # int32[L]        the per-length table's K_d, ascending
+    length_buckets: jax.Array  # int32[L, C]
+    length_seconds: jax.Array  # f32[L, C]
+    num_length_buckets: jax.Array  # int32[L]
+    num_lengths: jax.Array  # int32[]         0: the additive form
 
     CAPACITY = 32
+    LENGTHS = 8
 
     @classmethod
     def from_table(cls, table: CostTable | None) -> CostTableArrays:
         """Host-side conversion (numpy leaves; ``jax.device_put`` them or pass them to a jitted function)."""
-        c = cls.CAPACITY
+        c, nl = cls.CAPACITY, cls.LENGTHS
         vb, vs = (table.verify_buckets, table.verify_seconds) if table is not None else ((), ())
         db, ds = (table.draft_buckets, table.draft_seconds) if table is not None else ((), ())
-        dl, dls = (table.draft_lengths, table.draft_length_seconds) if table is not None else ((), ())
-        if len(vb) > c or len(db) > c or len(dl) > c:
+        per = table.per_length if table is not None else ()
+        dl, dls = ((table.draft_lengths, table.draft_length_seconds) if table is not None and not per else ((), ()))
+        if len(vb) > c or len(db) > c or len(dl) > c or any(len(b) > c for _, b, _ in per):
             raise ValueError(f"a cost table for the device loop holds at most {c} buckets per side, got "
                              f"{len(vb)} verify and {len(db)} draft buckets")
+        if len(per) > nl:
+            raise ValueError(f"a cost table for the device loop holds at most {nl} draft lengths, got {len(per)}")
 
         def pad(values, dtype):
             out = np.zeros(c, dtype)
             out[: len(values)] = values
             return out
 
+        ids = np.zeros(nl, np.int32)
+        ids[: len(per)] = [d for d, _, _ in per]
+        rows_b = np.zeros((nl, c), np.int32)
+        rows_s = np.zeros((nl, c), np.float32)
+        counts = np.zeros(nl, np.int32)
+        for i, (_, b, sec) in enumerate(per):
+            rows_b[i], rows_s[i], counts[i] = pad(b, np.int32), pad(sec, np.float32), len(b)
         return cls(pad(vb, np.int32), pad(vs, np.float32), np.asarray(len(vb), np.int32),
                    pad(db, np.int32), pad(ds, np.float32), np.asarray(len(db), np.int32),
                    np.asarray(table is None or table.is_flat),
-                   pad(dl, np.int32), pad(dls, np.float32), np.asarray(len(dl), np.int32))
+                   pad(dl, np.int32), pad(dls, np.float32), np.asarray(len(dl), np.int32),
+                   ids, rows_b, rows_s, counts, np.asarray(len(per), np.int32))
 
 
 def lookup_device(buckets: jax.Array, seconds: jax.Array, count: jax.Array, n: jax.Array) -> jax.Array:
@@ -267,6 +365,21 @@ def lookup_device(buckets: jax.Array, seconds: jax.Array, count: jax.Array, n: j
     slope = jnp.where(count >= 2, two, s_last / jnp.maximum(b_last, 1.0))
     above = s_last + slope * (n.astype(jnp.float32) - b_last)
     return jnp.where(count == 0, 0.0, jnp.where(idx < count, inside, above))
+
+
+def step_cost_device(table: CostTableArrays, draft_len: int | None, tokens) -> jax.Array:
+    """jnp twin of :meth:`CostTable.step_costs` (float32; ``draft_len`` static, ``tokens`` any shape)."""
+    count = table.num_lengths
+    valid = jnp.arange(table.length_ids.shape[0], dtype=jnp.int32) < count
+    last = jnp.maximum(count - 1, 0)
+    if draft_len is None:
+        i = last
+    else:
+        i = jnp.minimum(jnp.sum((valid & (table.length_ids < int(draft_len))).astype(jnp.int32)), last)
+    per = lookup_device(table.length_buckets[i], table.length_seconds[i], table.num_length_buckets[i], tokens)
+    extra = 0.0 if draft_len is None else draft_length_cost_device(table, draft_len)
+    additive = extra + lookup_device(table.verify_buckets, table.verify_seconds, table.num_verify, tokens)
+    return jnp.where(count > 0, per, additive)
 
 
 def draft_length_cost_device(table: CostTableArrays, draft_len) -> jax.Array:

@@ -112,6 +112,11 @@ class LoopInputs:
     # bool[]: stop before the next iteration once any row of the call has finished (the host loop's multi-step
     # launches set it while requests wait for a slot, so a freed slot is refilled after this launch)
     end_on_finish: jax.Array
+    # int32[]: -1 plans each iteration; b >= 0 is a timing run (the engine's warm-up profile): every iteration
+    # runs branch b (the b-th (draft length, bucket) of LoopConfig, in order) with ``timing_budget`` drafts and
+    # commits nothing, so each repeats the same step on the same state until ``max_steps``
+    timing_branch: jax.Array
+    timing_budget: jax.Array  # int32[]
 
 
 @jax.tree_util.register_dataclass
@@ -171,6 +176,7 @@ def make_loop_fn(target, drafter, config: LoopConfig):
         branches += [(make_step_fn(target, drafter, dataclasses.replace(step_cfg, num_logit_rows=nl, draft_len=d)), t)
                      for t, nl in zip(buckets, rows)]
     offsets_arr = np.asarray(offsets, np.int32)
+    branch_length = np.asarray([i for i, b in enumerate(config.token_buckets) for _ in b], np.int32)
     counts_arr = np.asarray([len(b) for b in config.token_buckets], np.int32)
     sizes_arr = np.asarray([t for _, t in branches], np.int32)
     lengths_arr = np.asarray(lengths, np.int32)
@@ -219,6 +225,10 @@ def make_loop_fn(target, drafter, config: LoopConfig):
                 budget, li = jnp.maximum(0, jnp.minimum(jnp.sum(sched), cap - n_live)), last_length
             else:
                 budget, li = jnp.zeros((), jnp.int32), last_length
+            timing = inputs.timing_branch >= 0  # a timing run: the branch and budget are given
+            forced = jnp.clip(inputs.timing_branch, 0, len(branches) - 1)
+            li = jnp.where(timing, jnp.asarray(branch_length)[forced], li)
+            budget = jnp.where(timing, inputs.timing_budget, budget)
             draft_len = jnp.asarray(lengths_arr)[li]
             sched = jnp.minimum(sched, draft_len)
             budget = jnp.minimum(budget, jnp.sum(sched))
@@ -227,12 +237,13 @@ def make_loop_fn(target, drafter, config: LoopConfig):
             idx = jnp.arange(len(branches), dtype=jnp.int32)
             fits = (idx >= first) & (idx < first + count) & (jnp.asarray(sizes_arr) >= n_live + budget)
             bucket = jnp.where(jnp.any(fits), jnp.argmax(fits), first + count - 1).astype(jnp.int32)
+            bucket = jnp.where(timing, forced, bucket)
             plan = StepPlan(rows=jnp.where(live, inputs.rows, -1), prefill_tokens=None, prefill_len=zeros_r,
                             prefill_start=zeros_r, prefill_last=jnp.zeros((r,), bool),
                             resume_token=jnp.full((r,), -1, jnp.int32), block_tables=inputs.block_tables,
                             scheduled=sched, budget=budget, temperature=inputs.temperature, top_k=inputs.top_k,
                             top_p=inputs.top_p, seed=inputs.seed, limit=inputs.limit, prefill_emitted=zeros_r,
-                            stop_ids=inputs.stop_ids, commit=jnp.asarray(True),
+                            stop_ids=inputs.stop_ids, commit=~timing,
                             closed=jnp.asarray(True),  # a wave admits nothing until it ends
                             min_tokens=inputs.min_tokens, min_p=inputs.min_p,
                             repetition_penalty=inputs.repetition_penalty,
@@ -298,7 +309,8 @@ def make_loop_fn(target, drafter, config: LoopConfig):
 
 def loop_inputs(requests, *, config: LoopConfig, block_tables: np.ndarray, cost_table: CostTableArrays,
                 max_steps: int, end_on_finish: bool = False) -> LoopInputs:
-    """The wave's per-row settings (numpy): row ``s`` is the request in slot ``s``; other rows are -1."""
+    """The wave's per-row settings (numpy): row ``s`` is the request in slot ``s``; other rows are -1. Not a
+    timing run (the engine's profile sets ``timing_branch`` itself)."""
     r = config.rows
     rows = np.full(r, -1, np.int32)
     limit = np.zeros(r, np.int32)
@@ -324,7 +336,8 @@ def loop_inputs(requests, *, config: LoopConfig, block_tables: np.ndarray, cost_
                       top_p=top_p, seed=seed, stop_ids=stop_ids, max_steps=np.asarray(max_steps, np.int32),
                       cost_table=cost_table, min_tokens=min_tokens, min_p=min_p, repetition_penalty=repetition,
                       presence_penalty=presence, frequency_penalty=frequency,
-                      end_on_finish=np.asarray(bool(end_on_finish)))
+                      end_on_finish=np.asarray(bool(end_on_finish)), timing_branch=np.asarray(-1, np.int32),
+                      timing_budget=np.asarray(0, np.int32))
 
 
 def fill_requests(requests, out: LoopOutputs, k: int) -> None:

@@ -34,7 +34,6 @@ import hashlib
 import json
 import math
 import os
-import statistics
 import sys
 import threading
 import time
@@ -65,7 +64,7 @@ from spec_decode.executable_store import (
 from spec_decode.logprobs import ScoreResult
 from spec_decode.page_pool import PagePool
 from spec_decode.penalties import write_history
-from spec_decode.planner import DEVICE_LOOP_STEP_KEY, Planner
+from spec_decode.planner import Planner
 from spec_decode.programs import (
     CompileReport,
     StepPrograms,
@@ -83,13 +82,16 @@ from spec_decode.synthetic import acceptance_rates, conditional_rates
 
 __all__ = ["Engine", "GenerationResult", "GenerationResults", "generate_offline"]
 
-# the cost table's profile: rounds over every program, and steps launched back to back per timed call
+# the cost table's profile: rounds over every program
 PROFILE_REPEATS = 5
+# inside the device loop: a timed branch runs 1 and 1 + n iterations, n the smallest that fills this many
+# seconds (from a first estimate of the largest branch), within PROFILE_LOOP_STEPS
+PROFILE_LOOP_SECONDS = 0.02
+PROFILE_LOOP_STEPS = (4, 32)
+# an engine without a device loop: host-launched steps back to back per timed call
 PROFILE_STEPS_PER_CALL = 3
-# the device loop's own cost per iteration: the greedy loop run for this many iterations, short and long
-LOOP_PROFILE_STEPS = (2, 8)
 # how the cost table is profiled (part of its cache key: a table profiled another way is profiled again)
-COST_PROFILE_VERSION = "profile 2: 3 steps per timed call, the device loop's own step"
+COST_PROFILE_VERSION = "profile 3: the device loop's branches timed inside the loop"
 
 
 def _compile_order(name) -> tuple:
@@ -615,36 +617,89 @@ class Engine:
             except (ValueError, KeyError, OSError) as e:  # a stale or damaged file: profile again
                 warnings.warn(f"ignoring the cached cost table {path}: {e}", stacklevel=3)
         t0 = time.perf_counter()
-        timed = self._profile_costs(show)
-        # every process plans from rank 0's timings (the loop's timing runs take the table as an input already)
-        self.planner.table = _same_on_every_process(self.planner.table)
-        loop_step = self._profile_loop_step()
-        if loop_step is not None:
-            self.planner.table = _same_on_every_process(dataclasses.replace(self.planner.table, metadata={
-                **self.planner.table.metadata, DEVICE_LOOP_STEP_KEY: loop_step}))
-        print(f"minimax-jax: profiled the cost table of {timed} step programs"
-              f"{'' if loop_step is None else f' and the device loop ({1e3 * loop_step:.2f} ms a step of its own)'}"
-              f" in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-        if path is not None and self.planner.table is not None:
-            save_cost_table(self.planner.table, path)
-
-    def _profile_costs(self, show: bool) -> int:
-        """Time every step program of the planner's draft lengths on every slot decoding (``commit=False``: lengths
-        and tokens stay), at a context of a quarter of ``max_model_len``; the planner keeps the table. Returns how
-        many programs were timed."""
-        r, k = self.max_num_seqs, self.k
-        context = max(1, self.max_model_len // 4)
-        tables = self._profile_tables(context + 1 + k)
-        self._state = self._placed(_with_lengths(self._state, np.full(r, context, np.int32)))
         bar = None
         if show:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=PROFILE_REPEATS, unit="round", desc="profiling", file=sys.stderr, leave=False)
+        program = self._loop_programs.get((False, None))
+        r = self.max_num_seqs
+        try:
+            if program is not None:
+                timed, where = self._profile_loop_branches(program, bar), "device-loop branches"
+            else:
+                timed, where = self._profile_host_steps(bar), "host-launched step programs"
+        finally:
+            if bar is not None:
+                bar.close()
+            self._state = self._placed(_with_lengths(self._state, np.zeros(r, np.int32)))
+            self.pool.clear_cache()  # the timing runs wrote pages: nothing cached survives them
+        # every process plans from rank 0's timings (the loop's timing runs take the table as an input already)
+        self.planner.table = _same_on_every_process(self.planner.table)
+        print(f"minimax-jax: profiled the cost table of {timed} {where} in {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr)
+        if path is not None and self.planner.table is not None:
+            save_cost_table(self.planner.table, path)
+
+    def _profile_loop_branches(self, program, bar) -> int:
+        """Time every branch of the greedy device loop inside the loop (device time: no host launch enters it)
+        and keep them per draft length (docs/ADAPTIVE_VERIFICATION.md, "The cost table"); returns how many.
+
+        A timing run (``LoopInputs.timing_branch``) runs one branch every iteration on the same state, committing
+        nothing: ``min(R, T)`` slots decode at a context of a quarter of ``max_model_len`` and verify ``T - R``
+        drafts (at most ``K_d`` each). A branch's step is the difference between a run of ``1 + n`` iterations
+        and one of 1, over ``n``: the launch and the read-back cancel, the loop's own planning and branch choice
+        stay in, as in a decode wave."""
+        cfg, r = self.loop_config, self.max_num_seqs
+        branches = [(d, t) for d, buckets in zip(cfg.draft_lengths, cfg.token_buckets) for t in buckets]
+        index = {p: i for i, p in enumerate(branches)}
+        context = max(1, self.max_model_len // 4)
+        self._state = self._placed(_with_lengths(self._state, np.full(r, context, np.int32)))
+        base = dataclasses.replace(self._example_loop_inputs(), block_tables=self._profile_tables(context + 1 + self.k),
+                                   limit=np.full(r, self.max_model_len, np.int32),
+                                   cost_table=self.planner.device_table())
+
+        def run(d: int, t: int, steps: int) -> float:
+            n = min(r, t)
+            rows = np.where(np.arange(r) < n, np.arange(r), -1).astype(np.int32)
+            inputs = self._programs.put(dataclasses.replace(
+                base, rows=rows, max_steps=np.asarray(steps, np.int32),
+                timing_branch=np.asarray(index[d, t], np.int32), timing_budget=np.asarray(min(t - n, n * d), np.int32)))
+            t0 = time.perf_counter()
+            self._state, out = program(self._target_params, self._drafter_params, self._state, inputs)
+            ran = int(jax.device_get(out.steps))
+            if ran != steps:
+                raise RuntimeError(f"the profile's timing run of branch {d}/{t} ran {ran} of {steps} iterations")
+            return time.perf_counter() - t0
+
+        lo, hi = PROFILE_LOOP_STEPS
+        hi = max(1, min(hi, cfg.output_len - 1))
+        run(*branches[-1], 1)  # one-off costs
+        estimate = run(*branches[-1], 1 + lo) / (1 + lo)  # an upper bound on the largest branch's step
+        n = int(min(hi, max(min(lo, hi), math.ceil(PROFILE_LOOP_SECONDS / max(estimate, 1e-9)))))
+
+        def time_branch(d: int, t: int) -> float:
+            return (run(d, t, 1 + n) - run(d, t, 1)) / n
+
+        self.planner.profile(branches, time_branch, repeats=PROFILE_REPEATS, per_length=True, progress=bar,
+                             source="engine warm-up profile: the device loop's branches, timed inside the loop",
+                             metadata={"loop_iterations": [1, 1 + n], "context": context})
+        return len(branches)
+
+    def _profile_host_steps(self, bar) -> int:
+        """Time every step program of the planner's draft lengths, host-launched back to back, on every slot
+        decoding (``commit=False``: lengths and tokens stay) at a context of a quarter of ``max_model_len``; the
+        planner splits them into draft-length and verify terms. For an engine without a device loop (a launch
+        outlasts a small model's step, so this measures the host where the loop measures the device). Returns how
+        many programs were timed."""
+        r, k = self.max_num_seqs, self.k
+        context = max(1, self.max_model_len // 4)
+        tables = self._profile_tables(context + 1 + k)
+        self._state = self._placed(_with_lengths(self._state, np.full(r, context, np.int32)))
         by_shape = {(key.draft_len, key.tokens): key for key in self.step_keys
                     if not key.sampling and key.draft_len in self.draft_lengths}
 
-        def time_program(d: int, t: int) -> None:
+        def time_program(d: int, t: int) -> float:
             key = by_shape[d, t]
             n = min(r, t)
             plan = self._example_plan(key)
@@ -654,77 +709,16 @@ class Engine:
             plan.block_tables[:] = tables
             plan = dataclasses.replace(plan, budget=np.asarray(min(t - n, n * d), np.int32),
                                        commit=np.asarray(False))
+            t0 = time.perf_counter()
             for _ in range(PROFILE_STEPS_PER_CALL):  # back to back, as a run launches them
                 self._state, out = self._programs.run(key, self._target_params, self._drafter_params,
                                                       self._state, plan)
             jax.block_until_ready(out)
+            return (time.perf_counter() - t0) / PROFILE_STEPS_PER_CALL
 
-        self.planner.profile(sorted(by_shape), time_program, repeats=PROFILE_REPEATS,
-                             steps_per_call=PROFILE_STEPS_PER_CALL, progress=bar)
-        if bar is not None:
-            bar.close()
-        self._state = self._placed(_with_lengths(self._state, np.zeros(r, np.int32)))
-        self.pool.clear_cache()  # the timing runs wrote pages: nothing cached survives them
+        self.planner.profile(sorted(by_shape), time_program, repeats=PROFILE_REPEATS, progress=bar,
+                             metadata={"steps_per_call": PROFILE_STEPS_PER_CALL, "context": context})
         return len(by_shape)
-
-    def _profile_loop_step(self) -> float | None:
-        """The greedy device loop's own seconds per iteration, beyond the step programs' costs in the table.
-
-        The table times host-launched step programs; an iteration of the loop also plans on the device, picks its
-        branch (a GPU reads the branch index back before it launches the branch) and tests its condition
-        (docs/ADAPTIVE_VERIFICATION.md "The device loop's own step"). The loop runs ``LOOP_PROFILE_STEPS``
-        iterations, short and long, from every slot decoding at the profile's context (3 rounds each, medians). The
-        difference per iteration, less the table's cost of the steps the long run added, is that cost (clipped at
-        0). None for an engine without an adaptive table or a greedy loop, or when ``max_model_len`` leaves no
-        room; the state is reset afterwards (and an online estimator keeps what it had learnt)."""
-        program = self._loop_programs.get((False, None))
-        table = self.planner.table
-        if program is None or table is None or table.is_flat or self.mode != "adaptive":
-            return None
-        r, k = self.max_num_seqs, self.k
-        context = max(1, self.max_model_len // 4)
-        short, long = LOOP_PROFILE_STEPS
-        long = min(long, (self.max_model_len - context - k - 1) // (1 + k))
-        if long <= short:
-            return None
-        limit = long * (1 + k)  # no row finishes before the long run's last iteration
-        tables = self._profile_tables(context + limit + k + 1)
-        base = dataclasses.replace(self._example_loop_inputs(), rows=np.arange(r, dtype=np.int32), block_tables=tables,
-                                   limit=np.full(r, limit, np.int32),
-                                   cost_table=self.planner.device_table(with_loop_step=False))
-        learnt = None if self._state.estimator is None else jax.tree.map(np.asarray, self._state.estimator)
-
-        def run(steps: int):
-            self._state = self._placed(_with_lengths(self._state, np.full(r, context, np.int32)))
-            inputs = self._programs.put(dataclasses.replace(base, max_steps=np.asarray(steps, np.int32)))
-            t0 = time.perf_counter()
-            self._state, out = program(self._target_params, self._drafter_params, self._state, inputs)
-            out = jax.device_get(out)
-            return time.perf_counter() - t0, out
-
-        run(long)  # warm: the first run pays one-off costs
-        times = {short: [], long: []}
-        out = None
-        for _ in range(3):
-            for steps in (short, long):
-                seconds, o = run(steps)
-                times[steps].append(seconds)
-                out = o if steps == long else out
-        self._state = self._placed(_with_lengths(self._state, np.zeros(r, np.int32)))
-        if learnt is not None:
-            self._state = dataclasses.replace(self._state, estimator=self._programs.put(learnt))
-        self.pool.clear_cache()
-        if int(out.steps) != long:
-            return None
-        buckets = dict(zip(self.loop_config.draft_lengths, self.loop_config.token_buckets))
-        added = 0.0  # the table's seconds for the iterations the long run adds
-        for i in range(short, long):
-            d, n = int(out.draft_len_per_step[i]), int(out.live_per_step[i])
-            tokens = n + int(out.budget_per_step[i])
-            t = next((b for b in buckets[d] if b >= tokens), buckets[d][-1])
-            added += table.draft_cost(n) + table.draft_length_cost(d) + table.verify_cost(t)
-        per_iteration = (statistics.median(times[long]) - statistics.median(times[short])) / (long - short)
-        return max(0.0, per_iteration - added / (long - short))
 
     def _profile_tables(self, tokens: int) -> np.ndarray:
         """Block tables for the profiling runs: every slot's own ``tokens`` worth of pages (wrapping round the pool:

@@ -7,13 +7,15 @@ One :class:`Planner` per engine owns
   of step time, from the confidences of an earlier step: lossless) for the draft length ``K_d`` (one of the
   engine's compiled ``draft_lengths``) and the budget; ``"fixed"`` drafts ``K`` and verifies every scheduled
   draft (spread evenly by the allocator when the verify-logits bound binds); ``"none"`` drafts nothing;
-* the **cost table**: the draft-length and verify terms of a step's time over the closed program set, given by
-  the user or profiled once at warm-up (:meth:`Planner.profile`) on the engine's own compiled programs: every
-  (``K_d``, packed tokens) program timed, interleaved over several rounds, and split into the two terms
+* the **cost table**: a step's time over the closed program set by draft length and packed tokens, given by the
+  user or profiled once at warm-up (:meth:`Planner.profile`) on the engine's own compiled programs: every
+  (``K_d``, packed tokens) program timed, interleaved over several rounds. The engine times the device loop's
+  branches inside the loop (device time, whole steps per length); an engine without a device loop times
+  host-launched steps and splits them into draft-length and verify terms
   (:func:`spec_decode.cost_table.split_step_costs`);
 * the **device form** of the same table (:meth:`Planner.device_table`), so the jitted device loop plans from the
-  very numbers the host loop plans from, plus the loop's own cost per iteration (measured at warm-up, kept in
-  the table's metadata under :data:`DEVICE_LOOP_STEP_KEY`), which a host-launched step does not pay.
+  very numbers the host loop plans from (plus, for a table of host-launched steps, the loop's own cost per
+  iteration, measured at warm-up and kept in the table's metadata under :data:`DEVICE_LOOP_STEP_KEY`).
 
 The scheduler calls :meth:`Planner.budget` once per step; nothing else in the engine chooses a budget.
 """
@@ -21,7 +23,6 @@ The scheduler calls :meth:`Planner.budget` once per step; nothing else in the en
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -94,12 +95,12 @@ class Planner:
                                num_non_draft_tokens, cap)
 
     def _costs(self):
-        """Per draft length: (length, its cost, the verify cost paid at every packed-token count, feasible), from
-        the table and the closed set's buckets; computed once per table (the planner's hot path indexes them)."""
+        """Per draft length: (length, the step cost paid at every packed-token count, feasible), from the table
+        and the closed set's buckets; computed once per table (the planner's hot path indexes them)."""
         if self._cost_cache is not None and self._cost_cache[0] is self.table:
             return self._cost_cache[1]
         table, multi = self.table, len(self.draft_lengths) > 1
-        top = max([max(b) for b in self.token_buckets.values()] + list(table.verify_buckets) + [1])
+        top = max([max(b) for b in self.token_buckets.values()] + list(table.step_buckets) + [1])
         tokens = np.arange(2 * top + 1)
         out = []
         for d in self.draft_lengths:
@@ -110,8 +111,7 @@ class Planner:
                 idx = np.searchsorted(tb, tokens, side="left")
                 ok = idx < len(tb)
                 paid = np.where(ok, tb[np.minimum(idx, len(tb) - 1)], tokens)
-            extra = table.draft_length_cost(d) if multi else 0.0
-            out.append((d, extra, table.verify_costs(paid), ok))
+            out.append((d, table.step_costs(paid, d if multi else None), ok))
         self._cost_cache = (table, out)
         return out
 
@@ -127,12 +127,12 @@ class Planner:
         vals, at = a[valid][order], pos[valid][order]
         draft = self.table.draft_cost(n)
         curves = []
-        for d, extra, verify, ok in self._costs():
+        for d, step, ok in self._costs():
             v = vals[at < d] if d < k else vals
             max_b = max(0, min(len(v), cap - n))
             gain = num_sampling_rows + np.concatenate([[0.0], np.cumsum(v[:max_b])])
-            t = np.minimum(num_non_draft_tokens + np.arange(max_b + 1), len(verify) - 1)
-            cost = np.maximum((draft + extra) + verify[t], self.host_floor_s)
+            t = np.minimum(num_non_draft_tokens + np.arange(max_b + 1), len(step) - 1)
+            cost = np.maximum(draft + step[t], self.host_floor_s)
             curves.append((d, np.where(ok[t], gain / np.maximum(cost, 1e-12), -np.inf)))
         return select_plan(curves, min_predicted_gain=self.min_predicted_gain)
 
@@ -142,18 +142,19 @@ class Planner:
                          num_non_draft_tokens=num_non_draft_tokens)[0]
 
     # ------------------------------------------------------------------ the table
-    def profile(self, programs: Sequence[tuple[int, int]], time_program: Callable[[int, int], None], *,
-                repeats: int = 7, warmup: int = 1, steps_per_call: int = 1, progress=None) -> CostTable:
-        """Time every ``(K_d, tokens)`` program and keep the table split into its two terms.
+    def profile(self, programs: Sequence[tuple[int, int]], time_program: Callable[[int, int], float], *,
+                repeats: int = 7, warmup: int = 1, per_length: bool = False, source: str = "engine warm-up profile",
+                progress=None, metadata=None) -> CostTable:
+        """Time every ``(K_d, tokens)`` program and keep the table.
 
-        ``time_program(d, t)`` runs ``steps_per_call`` steps of that program back to back and blocks until the last
-        is done: a step's cost is the call's time over its steps, so the host's launch of a step overlaps the
-        device's run of the one before it, as it does in a run (one step timed alone would also pay the launch
-        and the read-back, a fixed cost that makes large steps look cheaper than they are). The programs are timed
-        in ``repeats`` interleaved rounds (a drift of the device's clocks spreads over all of them instead of
-        biasing one); each keeps its median. The table's metadata holds the medians, each program's spread (min
-        and max of its runs), and ``noise``: the median relative spread against the median relative gap between
-        neighbouring buckets (what the planner acts on)."""
+        ``time_program(d, t)`` returns the seconds of one step of that program (however it measures them: the
+        engine times the device loop's branches inside the loop, or host-launched steps back to back). The
+        programs are timed in ``repeats`` interleaved rounds (a drift of the device's clocks spreads over all of
+        them instead of biasing one); each keeps its median. ``per_length``: keep the medians as whole steps per
+        draft length (:meth:`CostTable.from_step_times`), else split them into the additive form
+        (:func:`~spec_decode.cost_table.split_step_costs`). The table's metadata holds the medians, each program's
+        spread (min and max of its runs), and ``noise``: the median relative spread against the median relative
+        gap between neighbouring buckets of a length (what the planner acts on)."""
         programs = [tuple(map(int, p)) for p in programs]
         for p in programs:
             for _ in range(warmup):
@@ -161,9 +162,7 @@ class Planner:
         runs = {p: [] for p in programs}
         for _ in range(repeats):
             for p in programs:
-                t0 = time.perf_counter()
-                time_program(*p)
-                runs[p].append((time.perf_counter() - t0) / steps_per_call)
+                runs[p].append(float(time_program(*p)))
             if progress is not None:
                 progress.update(1)
         medians = {p: statistics.median(v) for p, v in runs.items()}
@@ -173,28 +172,23 @@ class Planner:
         for d in sorted({d for d, _ in programs}):
             ts = sorted(t for dd, t in programs if dd == d)
             gaps += [abs(medians[d, b] - medians[d, a]) / max(medians[d, a], 1e-12) for a, b in zip(ts, ts[1:])]
-        meta = {"source": "engine warm-up profile", "repeats": repeats, "steps_per_call": steps_per_call,
-                "spread_s": spread,
+        meta = {**(metadata or {}), "source": source, "repeats": repeats, "spread_s": spread,
                 "median_s": {f"{d}/{t}": s for (d, t), s in medians.items()},
                 "noise": {"median_relative_spread": statistics.median(rel_spread),
                           "median_relative_gap": statistics.median(gaps) if gaps else None}}
-        self.table = split_step_costs(medians, metadata=meta)
+        self.table = (CostTable.from_step_times(medians, metadata=meta) if per_length
+                      else split_step_costs(medians, metadata=meta))
         self.profile_pending = False
         return self.table
 
-    def device_table(self, buckets: Sequence[int] | None = None, *, with_loop_step: bool = True) -> CostTableArrays:
-        """The table as device arrays, for the device loop; with ``buckets``, restated at those buckets only.
+    def device_table(self, *, with_loop_step: bool = True) -> CostTableArrays:
+        """The table as device arrays, for the device loop.
 
         ``with_loop_step``: every step also pays the loop's own cost per iteration (the table's metadata
-        :data:`DEVICE_LOOP_STEP_KEY`, measured at warm-up; 0 when absent), added to each verify cost."""
+        :data:`DEVICE_LOOP_STEP_KEY`, measured at warm-up for a table of host-launched steps; 0 when absent, as
+        for a table timed inside the loop, whose steps hold it already)."""
         table = self.table
         if self.mode != "adaptive" or table is None:
             return CostTableArrays.from_table(None)
         extra = float(table.metadata.get(DEVICE_LOOP_STEP_KEY, 0.0)) if with_loop_step else 0.0
-        if buckets is not None or extra > 0:
-            at = table.verify_buckets if buckets is None else buckets
-            table = CostTable.from_measurements(
-                {int(b): table.verify_cost(int(b)) + extra for b in at},
-                dict(zip(table.draft_buckets, table.draft_seconds)),
-                draft_lengths=dict(zip(table.draft_lengths, table.draft_length_seconds)), metadata=table.metadata)
-        return CostTableArrays.from_table(table)
+        return CostTableArrays.from_table(table.with_step_overhead(extra))

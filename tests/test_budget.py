@@ -231,7 +231,7 @@ def test_device_planner_gives_the_host_budgets():
 
 def test_planner_fast_path_is_choose_plan():
     """The engine's planner (precomputed cost arrays) gives choose_plan's plan on random confidences, schedules,
-    tables with draft lengths, per-length buckets and logit caps; and choose_plan_device agrees with the host up
+    tables with draft lengths (additive, or whole steps per length), per-length buckets and logit caps; and choose_plan_device agrees with the host up
     to float32 near-ties. A host floor above every step cost leaves only the gain: the longest length, all
     drafts."""
     from spec_decode.budget import choose_plan, choose_plan_device
@@ -257,6 +257,9 @@ def test_planner_fast_path_is_choose_plan():
         verify = {t: float(s) for t, s in zip(union, np.cumsum(rng.uniform(0.0, 1.0, len(union))) + 1.0)}
         extra = {0: 0.0, 1: float(rng.uniform(0, 0.3)), 3: float(rng.uniform(0.3, 0.6)), 7: float(rng.uniform(0.6, 1))}
         table = CostTable.from_measurements(verify, draft_lengths=extra)
+        if trial % 2:  # whole steps per length, as the engine's in-loop profile keeps them
+            table = CostTable.from_step_times({(d, t): float(s) for d in lengths for t, s in zip(
+                buckets[d], np.cumsum(rng.uniform(0.0, 1.0, len(buckets[d]))) + 1.0 + extra[d])})
         conf = rng.uniform(0, 1, (r, k)).astype(np.float32)
         conf[rng.uniform(size=(r, k)) < 0.05] = np.nan
         sched = rng.integers(0, k + 1, r)

@@ -13,6 +13,7 @@ import pytest
 from spec_decode.cost_table import (
     COST_TABLE_FILENAME,
     CostTable,
+    CostTableArrays,
     load_cost_table,
     profile_cost_table,
     save_cost_table,
@@ -177,3 +178,39 @@ def test_the_device_form_adds_the_loop_step():
         assert form.draft_seconds[:1].tolist() == [0.125] and form.draft_length_seconds[:2].tolist() == [0.0, 0.5]
     planner.table = CostTable.from_measurements({8: 1.0, 16: 2.0}, draft_lengths={0: 0.0, 3: 0.5})
     assert planner.device_table().verify_seconds[:2].tolist() == [1.0, 2.0]
+
+
+def test_a_per_length_table_keeps_each_lengths_steps():
+    """Whole steps per draft length: each length's own staircase (running max within the length), the smallest
+    tabled length >= the one asked (the longest above them all, or for None), the same lookups on the device, a
+    JSON round trip, the step overhead added to every step, and a table is flat only when every step costs the
+    same."""
+    from spec_decode.cost_table import step_cost_device
+
+    steps = {(0, 256): 1.0, (0, 512): 0.9, (3, 1536): 2.0, (3, 2048): 2.5, (7, 1536): 2.4, (7, 4096): 4.0}
+    t = CostTable.from_step_times(steps, {8: 0.125})
+    assert t.draft_lengths == (0, 3, 7) and t.draft_length_seconds == (0.0, 0.0, 0.0)
+    assert t.per_length[0] == (0, (256, 512), (1.0, 1.0))  # 0.9 lifted by the running max
+    assert t.step_cost(300, 0) == 1.0 and t.step_cost(1000, 3) == 2.0 and t.step_cost(2000, 3) == 2.5
+    assert t.step_cost(2000, 1) == 2.5  # no length 1: length 3's steps
+    assert t.step_cost(2000, 9) == t.step_cost(2000, None) == 4.0  # the longest
+    assert t.step_cost(5000, 7) == pytest.approx(4.0 + 1.6 / 2560 * 904)  # extrapolated from the last two
+    assert t.step_buckets == (256, 512, 1536, 2048, 4096) and not t.is_flat
+    arrays = CostTableArrays.from_table(t)
+    assert int(arrays.num_lengths) == 3 and int(arrays.num_draft_lengths) == 0 and int(arrays.num_verify) == 0
+    tokens = np.asarray([0, 1, 256, 257, 512, 513, 1536, 1537, 2048, 3000, 4096, 5000, 9000], np.int32)
+    for d in (None, 0, 1, 3, 5, 7, 8):
+        got = jax.jit(lambda a, n, d=d: step_cost_device(a, d, n))(arrays, tokens)
+        np.testing.assert_allclose(np.asarray(got), t.step_costs(tokens, d), rtol=1e-6)
+    back = CostTable.from_dict(json.loads(json.dumps(t.to_dict())))
+    assert back.per_length == t.per_length and back.draft_seconds == t.draft_seconds
+    slower = t.with_step_overhead(0.5)
+    assert slower.step_cost(300, 0) == 1.5 and slower.step_cost(2000, 3) == 3.0 and slower.draft_cost(8) == 0.125
+    assert CostTable.from_step_times({(0, 8): 1.0, (3, 8): 1.0, (3, 16): 1.0}).is_flat
+    assert CostTable.from_step_times({(0, 8): 1.0, (3, 16): 1.1}).draft_lengths == (0, 3)
+    with pytest.raises(ValueError, match="not both"):
+        CostTable(verify_buckets=(8,), verify_seconds=(1.0,), per_length=((0, (8,), (1.0,)),))
+    with pytest.raises(ValueError, match="no buckets"):
+        CostTable(per_length=((0, (), ()),))
+    with pytest.raises(ValueError, match="at most 8 draft lengths"):
+        CostTableArrays.from_table(CostTable.from_step_times({(d, 8): 1.0 + d for d in range(9)}))

@@ -2,12 +2,15 @@
 decoding, the device budget planner in situ, stochastic outputs identical to the engine's, nothing compiled after
 warm-up, waves that fit the page pool, the logits cap, the profiled cost table (CPU, f32, reference kernels)."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 
 from spec_decode import Engine, SamplingParams, generate_offline
 from spec_decode.cost_table import CostTable
+from spec_decode.engine import _with_lengths
 from spec_decode.planner import DEVICE_LOOP_STEP_KEY
 from spec_decode.programs import compile_counter
 from tests.engine_models import EOS, bigram_drafter, damped_target, greedy_reference, random_prompts
@@ -110,30 +113,50 @@ def test_greedy_equals_target_only_decoding(target, drafter, prompts, references
         assert [r.token_ids for r in again] == [greedy_reference(target, p, 10) for p in other]
 
 
-def test_profiled_cost_table_the_loop_step_and_the_estimator(target, prompts, references):
-    """A drafter without a confidence head (the online estimator) and the default profiled table: the loop times
-    its own buckets, plans from them, and the greedy tokens are still the target's. Warm-up also times the greedy
-    device loop's own cost per iteration (the table's metadata; the device loop plans with it added to every
-    verify cost, the host loop without), and those timing runs leave no trace: the estimator has learnt nothing
-    from them, and both loops give the target's tokens."""
+def test_profiled_cost_table_times_the_loop_branches_inside_the_loop(target, prompts, references):
+    """A drafter without a confidence head (the online estimator) and the default profiled table: warm-up times
+    every branch of the greedy device loop inside the loop and keeps whole steps per draft length (the loop's own
+    lengths and buckets, nothing added for the loop's own step: its timings hold it). A timing run repeats its
+    branch for exactly ``max_steps`` iterations at the given budget and commits nothing. The profile leaves no
+    trace: the estimator has learnt nothing, and both loops give the target's tokens from the table."""
     drafter = bigram_drafter(target, block_size=4, confidence=False)
     with pytest.warns(UserWarning, match="online acceptance estimator"):
         eng = Engine(target, drafter, num_speculative_tokens=3, verification="adaptive", draft_lengths=(0, 3),
                      sampling=False, **COMMON)
     eng.warmup()
-    step = eng.cost_table.metadata[DEVICE_LOOP_STEP_KEY]
-    assert step >= 0.0
+    table, cfg = eng.cost_table, eng.loop_config
+    # per draft length, the largest 2 decode buckets of the closed set (0 drafts: the 8 rows fit the smallest)
+    assert cfg.token_buckets == ((8,), (16, 32))
+    assert [(d, b) for d, b, _ in table.per_length] == list(zip(cfg.draft_lengths, cfg.token_buckets))
+    assert all(s > 0 for _, _, seconds in table.per_length for s in seconds)
+    meta = table.metadata
+    assert "inside the loop" in meta["source"] and DEVICE_LOOP_STEP_KEY not in meta
+    assert set(meta["median_s"]) == {"0/8", "3/16", "3/32"} and meta["loop_iterations"][0] == 1
     fresh = eng._init_state().estimator
     for got, want in zip(jax.tree.leaves(eng._state.estimator), jax.tree.leaves(fresh), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    with_step, without = eng.planner.device_table(), eng.planner.device_table(with_loop_step=False)
-    n = int(without.num_verify)
-    np.testing.assert_allclose(with_step.verify_seconds[:n] - without.verify_seconds[:n], step, rtol=1e-4,
-                               atol=1e-6)
+    np.testing.assert_array_equal(eng.planner.device_table().length_seconds,
+                                  eng.planner.device_table(with_loop_step=False).length_seconds)
+
+    # a timing run of branch 3/16 (index 1) on 8 decoding slots at context 20: 5 iterations, none committed
+    program, r = eng._loop_programs[(False, None)], eng.max_num_seqs
+    eng._state = eng._placed(_with_lengths(eng._state, np.full(r, 20, np.int32)))
+    inputs = dataclasses.replace(eng._example_loop_inputs(), rows=np.arange(r, dtype=np.int32),
+                                 block_tables=eng._profile_tables(24), limit=np.full(r, 50, np.int32),
+                                 max_steps=np.asarray(5, np.int32), timing_branch=np.asarray(1, np.int32),
+                                 timing_budget=np.asarray(8, np.int32), cost_table=eng.planner.device_table())
+    eng._state, out = program(eng._target_params, eng._drafter_params, eng._state, eng._programs.put(inputs))
+    out = jax.device_get(out)
+    assert int(out.steps) == 5 and out.draft_len_per_step[:5].tolist() == [3] * 5
+    assert out.budget_per_step[:5].tolist() == [8] * 5 and out.live_per_step[:5].tolist() == [8] * 5
+    assert np.asarray(eng._state.num_cached).tolist() == [20] * r
+    assert not np.asarray(eng._state.num_emitted).any() and not np.asarray(eng._state.done).any()
+    eng._state = eng._placed(_with_lengths(eng._state, np.zeros(r, np.int32)))
+    eng.pool.clear_cache()
+
     params = [SamplingParams(max_new_tokens=m) for m in MAX_NEW[:3]]
     res = eng.generate(prompts[:3], sampling_params=params, loop="device")
     assert [r.token_ids for r in res] == references[:3]
-    # per draft length, the largest 2 decode buckets of the closed set (0 drafts: the 8 rows fit the smallest)
     assert res.stats["token_buckets"] == [[8], [16, 32]]
     assert all(0 <= v <= b for v, b in zip(res.stats["verified_drafts_per_step"], res.stats["budget_per_step"]))
     assert set(res.stats["draft_length_per_step"]) <= {0, 3}

@@ -284,7 +284,7 @@ def test_a_profiled_cost_table_is_kept_and_loaded_by_the_next_engine(target, dra
     files = list((tmp_path / "cost_tables").iterdir())
     assert len(files) == 1 and first.cost_table is not None
     calls = []
-    monkeypatch.setattr(Engine, "_profile_costs", lambda self, show: calls.append(self))
+    monkeypatch.setattr(Engine, "_profile_host_steps", lambda self, bar: calls.append(self) or 0)
     second = Engine(target, drafter, **kw)
     assert calls == [] and second.cost_table.verify_seconds == first.cost_table.verify_seconds
     assert second.cost_table.draft_lengths == first.cost_table.draft_lengths == (0, 1, 3)
