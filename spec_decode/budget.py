@@ -18,10 +18,11 @@ the host plan while the device drafts). A missing or flat cost table means "veri
 
 **Draft length.** With a cost table that has draft lengths (:attr:`CostTable.draft_lengths`), the plan also
 chooses ``K_d`` among them: row ``r`` may then verify ``min(scheduled_drafts[r], K_d)`` drafts, and the step pays
-``draft_length_cost(K_d)`` on top:
+that length's step cost (``CostTable.step_costs``: ``draft_length_cost(K_d) + verify_cost(T)`` in the additive
+form, the length's own timed steps in the per-length one):
 
 ```
-value(d, b) = (num_sampling_rows + sum(scores_d[:b])) / (draft_cost[R] + draft_length_cost[d] + verify_cost[T + b])
+value(d, b) = (num_sampling_rows + sum(scores_d[:b])) / (draft_cost[R] + step_cost[d, T + b])
 (K_d, B)    = argmax over d and b <= maxB_d, the smallest d, then the smallest b, on ties
               unless it beats value(K, maxB_K) by min_predicted_gain: then (K, maxB_K)
 ```
@@ -265,56 +266,76 @@ def choose_budget_device(
     ``min_predicted_gain`` is static. Values are float32; budgets equal the host's except where two candidate
     values lie within float32 noise of each other (:data:`_TIE_RTOL_F32`).
     """
-    chosen, _, _ = _budget_and_values_device(stale_confidences, scheduled_drafts, num_rows=num_rows,
-                                             num_sampling_rows=num_sampling_rows,
-                                             num_non_draft_tokens=num_non_draft_tokens, cost_table=cost_table,
-                                             max_total_logit_rows=max_total_logit_rows,
-                                             min_predicted_gain=min_predicted_gain)
-    return chosen
-
-
-def _budget_and_values_device(stale_confidences, scheduled_drafts, *, num_rows, num_sampling_rows,
-                              num_non_draft_tokens, cost_table: CostTableArrays, max_total_logit_rows,
-                              min_predicted_gain: float, draft_len: int | None = None, token_buckets=None):
-    """``(B, value(B), value(maxB))`` of the one-length rule (``draft_len``: its cost added, sched pre-clipped;
-    ``token_buckets``: static sizes compiled for it, as in :func:`budget_values`)."""
-    conf = jnp.asarray(stale_confidences, jnp.float32)
     sched = jnp.asarray(scheduled_drafts, jnp.int32)
-    r, k = conf.shape
-    max_b = _max_budget_device(sched, num_rows, max_total_logit_rows)
+    curve = _curve_device(_sorted_survival_device(stale_confidences, sched), sched, None, num_rows=num_rows,
+                          num_sampling_rows=num_sampling_rows, num_non_draft_tokens=num_non_draft_tokens,
+                          cost_table=cost_table, max_total_logit_rows=max_total_logit_rows)
+    return _guarded(curve, cost_table, min_predicted_gain)
+
+
+def _sorted_survival_device(stale_confidences, scheduled_drafts):
+    """Every scheduled draft's survival, best first, with its position: ``(scores f32[N], pos int32[N], finite
+    bool[N])``, ``N = R * K``, unscheduled entries last (score 0, ``finite`` False). One sort serves every draft
+    length: a length ``d`` keeps the entries at ``pos < d`` in the same order (survival falls along a row)."""
+    a = survival(stale_confidences, scheduled_drafts)
+    r, k = a.shape
+    pos = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (r, k)).reshape(-1)
+    neg, pos = jax.lax.sort((-a.reshape(-1), pos), num_keys=1)
+    finite = ~jnp.isposinf(neg)
+    return jnp.where(finite, -neg, 0.0), pos, finite
+
+
+def _curve_device(ranked, sched, draft_len: int | None, *, num_rows, num_sampling_rows, num_non_draft_tokens,
+                  cost_table: CostTableArrays, max_total_logit_rows, token_buckets=None):
+    """The one-length rule's value curve at ``draft_len`` (None: the table's longest length, or the verify
+    costs alone) over the ranked survival of :func:`_sorted_survival_device`: ``(b, value(b), value(maxB),
+    maxB)`` with ``b`` the smallest near-best budget (no minimum gain applied). ``token_buckets``: static sizes
+    compiled for the length, as in :func:`budget_values`.
+
+    A candidate ``b`` is the count of the length's entries among the first ``j + 1`` ranked ones, at each ``j``
+    holding one of them (and ``b = 0``): the same prefix sums as sorting the length's entries alone."""
+    scores, pos, finite = ranked
     t = cost_table
+    mine = finite if draft_len is None else finite & (pos < draft_len)
+    clipped = sched if draft_len is None else jnp.minimum(sched, draft_len)
+    max_b = _max_budget_device(clipped, num_rows, max_total_logit_rows)
+    count = jnp.cumsum(mine.astype(jnp.int32))
+    gain = jnp.asarray(num_sampling_rows, jnp.float32) + jnp.cumsum(jnp.where(mine, scores, 0.0))
+    draft = lookup_device(t.draft_buckets, t.draft_seconds, t.num_draft, num_rows)
 
-    def bucketed(tokens):
-        """(the size paid, feasible) of ``tokens`` packed tokens."""
-        if not token_buckets:
-            return tokens, jnp.ones(jnp.shape(tokens), bool)
-        tb = jnp.asarray(sorted(token_buckets), jnp.int32)
-        idx = jnp.sum((tb < tokens[..., None]).astype(jnp.int32), axis=-1)
-        return jnp.where(idx < len(tb), tb[jnp.minimum(idx, len(tb) - 1)], tokens), idx < len(tb)
+    def value(b, g):
+        tokens, ok = num_non_draft_tokens + b, jnp.ones(jnp.shape(b), bool)
+        if token_buckets:
+            tb = jnp.asarray(sorted(token_buckets), jnp.int32)
+            idx = jnp.sum((tb < tokens[..., None]).astype(jnp.int32), axis=-1)
+            ok = idx < len(tb)
+            tokens = jnp.where(ok, tb[jnp.minimum(idx, len(tb) - 1)], tokens)
+        cost = draft + step_cost_device(t, draft_len, tokens)
+        return jnp.where(ok & (b <= max_b), g / jnp.maximum(cost, 1e-12), -jnp.inf)
 
-    if k == 0 or r == 0:
-        tokens, ok = bucketed(jnp.asarray(num_non_draft_tokens, jnp.int32))
-        cost = (lookup_device(t.draft_buckets, t.draft_seconds, t.num_draft, num_rows)
-                + step_cost_device(t, draft_len, tokens))
-        value = jnp.where(ok, jnp.asarray(num_sampling_rows, jnp.float32) / jnp.maximum(cost, 1e-12), -jnp.inf)
-        return jnp.zeros((), jnp.int32), value, value
-    a = survival(conf, sched).reshape(-1)  # -inf outside each row's scheduled drafts
-    scores = -jnp.sort(-a)  # descending; the -inf entries last (and never reached: b <= max_b <= their count)
-    scores = jnp.where(jnp.isneginf(scores), 0.0, scores)
-    b = jnp.arange(r * k + 1, dtype=jnp.int32)
-    gain = jnp.asarray(num_sampling_rows, jnp.float32) + jnp.concatenate(
-        [jnp.zeros((1,), jnp.float32), jnp.cumsum(scores)])
-    tokens, ok = bucketed(num_non_draft_tokens + b)
-    cost = (lookup_device(t.draft_buckets, t.draft_seconds, t.num_draft, num_rows)
-            + step_cost_device(t, draft_len, tokens))
-    values = jnp.where((b <= max_b) & ok, gain / jnp.maximum(cost, 1e-12), -jnp.inf)
-    best = jnp.max(values)
-    chosen = jnp.argmax(values >= best - _TIE_RTOL_F32 * jnp.abs(best)).astype(jnp.int32)  # first near-best
+    v0 = value(jnp.zeros((), jnp.int32), jnp.asarray(num_sampling_rows, jnp.float32))
+    if scores.shape[0] == 0:  # no drafts at all (K = 0 or no rows)
+        return jnp.zeros((), jnp.int32), v0, v0, max_b
+    vals = jnp.where(mine, value(count, gain), -jnp.inf)
+    best = jnp.maximum(v0, jnp.max(vals))
+    near = best - _TIE_RTOL_F32 * jnp.abs(best)
+    j = jnp.argmax(vals >= near)
+    at_zero = v0 >= near
+    b = jnp.where(at_zero, 0, count[j]).astype(jnp.int32)
+    v_b = jnp.where(at_zero, v0, vals[j])
+    full = jnp.argmax(mine & (count == max_b))
+    v_full = jnp.where(max_b == 0, v0, vals[full])
+    return b, v_b, v_full, max_b
+
+
+def _guarded(curve, cost_table: CostTableArrays, min_predicted_gain: float) -> jax.Array:
+    """The one-length budget of ``curve`` (:func:`_curve_device`): ``maxB`` unless the best trim beats it by
+    ``min_predicted_gain`` (static), and ``maxB`` for a flat table."""
+    b, v_b, v_full, max_b = curve
     if min_predicted_gain > 0:
-        trim_pays = values[chosen] >= (1.0 + min_predicted_gain) * values[max_b]
-        chosen = jnp.where((chosen < max_b) & ~trim_pays, max_b, chosen)
-    chosen = jnp.where(t.flat, max_b, chosen).astype(jnp.int32)
-    return chosen, values[chosen], values[max_b]
+        trim_pays = v_b >= (1.0 + min_predicted_gain) * v_full
+        b = jnp.where((b < max_b) & ~trim_pays, max_b, b)
+    return jnp.where(cost_table.flat, max_b, b).astype(jnp.int32)
 
 
 def choose_plan_device(
@@ -341,16 +362,16 @@ def choose_plan_device(
     per_length = tuple(token_buckets) if token_buckets is not None else (None,) * len(lengths)
     sched = jnp.asarray(scheduled_drafts, jnp.int32)
     kw = dict(num_rows=num_rows, num_sampling_rows=num_sampling_rows, num_non_draft_tokens=num_non_draft_tokens,
-              cost_table=cost_table, max_total_logit_rows=max_total_logit_rows, min_predicted_gain=0.0)
+              cost_table=cost_table, max_total_logit_rows=max_total_logit_rows)
     last = len(lengths) - 1
+    ranked = _sorted_survival_device(stale_confidences, sched)  # one sort for every length
     if len(lengths) == 1:
-        b = choose_budget_device(stale_confidences, jnp.minimum(sched, lengths[0]),
-                                 **{**kw, "min_predicted_gain": min_predicted_gain})
-        return b, jnp.asarray(last, jnp.int32)
-    best_value, best_b, best_i, full_value = None, None, None, None
+        one = _guarded(_curve_device(ranked, jnp.minimum(sched, lengths[0]), None, **kw), cost_table,
+                       min_predicted_gain)
+        return one, jnp.asarray(last, jnp.int32)
+    best_value, best_b, best_i = None, None, None
     for i, d in enumerate(lengths):
-        b, value, value_full = _budget_and_values_device(stale_confidences, jnp.minimum(sched, d), draft_len=d,
-                                                         token_buckets=per_length[i], **kw)
+        b, value, value_full, max_b = _curve_device(ranked, sched, d, token_buckets=per_length[i], **kw)
         if best_value is None:
             best_value, best_b, best_i = value, b, jnp.asarray(i, jnp.int32)
         else:
@@ -358,15 +379,14 @@ def choose_plan_device(
             best_value = jnp.where(better, value, best_value)
             best_b = jnp.where(better, b, best_b)
             best_i = jnp.where(better, i, best_i)
-        if i == last:
-            full_value, full_b = value_full, _max_budget_device(jnp.minimum(sched, d), num_rows,
-                                                                max_total_logit_rows)
+    full_value, full_b = value_full, max_b  # the last length's
     if min_predicted_gain > 0:
         keep_full = ((best_i != last) | (best_b != full_b)) & (best_value < (1.0 + min_predicted_gain) * full_value)
         best_b = jnp.where(keep_full, full_b, best_b)
         best_i = jnp.where(keep_full, last, best_i)
-    one = choose_budget_device(stale_confidences, jnp.minimum(sched, lengths[-1]),
-                               **{**kw, "min_predicted_gain": min_predicted_gain})
+    # a table without draft lengths, or a flat one: the one-length rule at the longest length (whose curve then
+    # carries no length cost: the verify costs alone, or no trade-off at all), without the compiled buckets
+    one = _guarded(_curve_device(ranked, sched, lengths[-1], **kw), cost_table, min_predicted_gain)
     no_lengths = cost_table.flat | ((cost_table.num_draft_lengths == 0) & (cost_table.num_lengths == 0))
     return (jnp.where(no_lengths, one, best_b).astype(jnp.int32),
             jnp.where(no_lengths, last, best_i).astype(jnp.int32))
