@@ -35,7 +35,11 @@ timed call's wall time); ``ms_per_output_token`` = wall / (output tokens / n): t
 ``mean_acceptance_length`` (tokens emitted per verify step, bonus included); ``mean_verified_drafts_per_step``
 (over the batch); ``mean_drafted_tokens_per_step`` / ``draft_length_per_step`` (None on an Engine that does not
 report them); ``per_position_acceptance`` / ``predicted_per_position_acceptance`` / ``calibration_error`` (observed
-vs predicted survival at the verified positions); ``host_time_per_step_s``; ``match_host`` (device rows: fraction of
+vs predicted survival at the verified positions); ``host_time_per_step_s`` (the first timed set's); ``wall_time_s``
+(every timed set's together) and ``per_set_wall_s``; ``per_set_decode_loop_s`` (device rows: the decode loop's
+seconds of each set, the rest being its prefill waves and host work; None on the host loop) and
+``decode_loop_tokens_per_s`` (the tokens the loop emitted, all but each request's first, over those seconds);
+``match_host`` (device rows: fraction of
 requests whose tokens equal the host loop's) and ``match_none`` (fraction equal to mode ``none``'s at the same
 ``n`` and loop; greedy, so every mode should give 1.0 in f32; bf16 near-ties can flip). Rows carry a digest per
 request's tokens so the matches survive split runs.
@@ -252,6 +256,11 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
             "confidence": getattr(eng, "confidence", None), "max_model_len": max_model_len,
             "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / wall if wall else 0.0,
             "per_set_tokens_per_s": [r.stats["output_tokens_per_s"] for r in runs],
+            # each set's wall and, on the device loop, its decode loop's seconds (the rest: the prefill waves and
+            # the host), and the loop's own tokens/s (every token but each request's first, which its prefill emits)
+            "per_set_wall_s": [r.stats["wall_time_s"] for r in runs],
+            "per_set_decode_loop_s": [r.stats.get("device_time_s") for r in runs],
+            "decode_loop_tokens_per_s": _loop_tokens_per_s(runs, n),
             "ms_per_output_token": 1e3 * wall / (out_tokens / n) if out_tokens else None,
             "mean_draft_length": st.get("mean_draft_length"),
             "lower_s": getattr(report, "lower_seconds", None), "compile_s": getattr(report, "compile_seconds", None),
@@ -723,6 +732,14 @@ def parse_args(argv=None):
         ap.error("--model m3-slice has random weights: give --synthetic-acceptance-length or -rates")
     return args
 
+
+
+def _loop_tokens_per_s(runs, n: int) -> float | None:
+    """Tokens the device loop emitted per second of the loop (None for host-loop runs)."""
+    loop_s = [r.stats.get("device_time_s") for r in runs]
+    if any(x is None for x in loop_s) or not sum(loop_s):
+        return None
+    return sum(r.stats["output_tokens"] - n for r in runs) / sum(loop_s)
 
 def main(argv=None) -> None:
     args = parse_args(argv)

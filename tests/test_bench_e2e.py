@@ -13,7 +13,7 @@ ROW_KEYS = {"n", "mode", "loop", "K", "draft_lengths", "output_tokens_per_s", "m
             "mean_acceptance_length", "mean_verified_drafts_per_step", "mean_drafted_tokens_per_step",
             "draft_length_per_step", "per_position_acceptance", "predicted_per_position_acceptance",
             "calibration_error", "timed_compiles", "startup_s", "host_time_per_step_s", "wall_time_s",
-            "match_none", "token_digests"}
+            "match_none", "token_digests", "per_set_wall_s", "per_set_decode_loop_s", "decode_loop_tokens_per_s"}
 
 TINY = ["--dtype", "float32", "--requests", "2", "--modes", "none", "fixed2", "adaptive", "--loops", "host",
         "device", "--prompt-len", "32", "--max-new-tokens", "8", "--min-token-bucket", "32",
@@ -39,6 +39,10 @@ def test_sweep_and_calibration_on_cpu(tmp_path, capsys):
         assert r["prefix_cache_tokens"] == 0
         if r["loop"] == "device":
             assert r["match_host"] == 1.0
+            assert 0 < r["per_set_decode_loop_s"][0] < r["per_set_wall_s"][0] and r["decode_loop_tokens_per_s"] > 0
+        else:
+            assert set(r["per_set_decode_loop_s"]) == {None} and r["decode_loop_tokens_per_s"] is None
+        assert sum(r["per_set_wall_s"]) == pytest.approx(r["wall_time_s"])
         assert r["K"] == {"none": 0, "fixed2": 2, "adaptive": 7}[r["mode"]]
         if r["mode"] != "none":
             assert r["mean_acceptance_length"] >= 1.0
