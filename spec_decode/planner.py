@@ -117,20 +117,25 @@ class Planner:
 
     def _plan_fast(self, conf, sched, num_sampling_rows: int, num_non_draft_tokens: int, cap: int):
         """:func:`spec_decode.budget.choose_plan` over precomputed cost arrays (the same values, bit for bit, and
-        the same plan; ``tests/test_budget.py`` checks it), with the host floor (:attr:`host_floor_s`)."""
+        the same plan; ``tests/test_budget.py`` checks it), with the host floor (:attr:`host_floor_s`).
+
+        Each length sorts its own drafts' survival, as the reference does: a value sort per length is several
+        times faster than one stable argsort carrying the positions (at 512 rows x 7, 4 sorts take about a
+        sixth of one stable argsort)."""
         n, k = conf.shape
-        conf = np.where(np.isnan(conf), 0.0, np.clip(conf.astype(np.float64), 0.0, 1.0))
-        a = np.cumprod(conf, axis=1)
-        pos = np.broadcast_to(np.arange(k), (n, k))
-        valid = pos < np.asarray(sched)[:, None]
-        order = np.argsort(-a[valid], kind="stable")
-        vals, at = a[valid][order], pos[valid][order]
+        conf = np.nan_to_num(conf.astype(np.float64), nan=0.0)
+        a = np.cumprod(np.clip(conf, 0.0, 1.0, out=conf), axis=1)
+        sched = np.asarray(sched)
+        cols = np.arange(k)
         draft = self.table.draft_cost(n)
         curves = []
         for d, step, ok in self._costs():
-            v = vals[at < d] if d < k else vals
+            v = -np.sort(-a[cols < np.minimum(sched, d)[:, None]])
             max_b = max(0, min(len(v), cap - n))
-            gain = num_sampling_rows + np.concatenate([[0.0], np.cumsum(v[:max_b])])
+            gain = np.empty(max_b + 1)
+            gain[0] = num_sampling_rows
+            np.cumsum(v[:max_b], out=gain[1:])
+            gain[1:] += num_sampling_rows
             t = np.minimum(num_non_draft_tokens + np.arange(max_b + 1), len(step) - 1)
             cost = np.maximum(draft + step[t], self.host_floor_s)
             curves.append((d, np.where(ok[t], gain / np.maximum(cost, 1e-12), -np.inf)))
