@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_decode.allocator import survival
-from spec_decode.cost_table import CostTable, CostTableArrays, lookup_device, step_cost_device
+from spec_decode.cost_table import CostTable, CostTableArrays, lookup_device, step_costs_device
 
 __all__ = ["DEFAULT_MIN_PREDICTED_GAIN", "TIE_RTOL", "budget_values", "choose_budget", "choose_budget_device",
            "choose_plan", "choose_plan_device", "select_plan"]
@@ -267,10 +267,10 @@ def choose_budget_device(
     values lie within float32 noise of each other (:data:`_TIE_RTOL_F32`).
     """
     sched = jnp.asarray(scheduled_drafts, jnp.int32)
-    curve = _curve_device(_sorted_survival_device(stale_confidences, sched), sched, None, num_rows=num_rows,
-                          num_sampling_rows=num_sampling_rows, num_non_draft_tokens=num_non_draft_tokens,
-                          cost_table=cost_table, max_total_logit_rows=max_total_logit_rows)
-    return _guarded(curve, cost_table, min_predicted_gain)
+    curves = _curves_device(_sorted_survival_device(stale_confidences, sched), sched, (None,), num_rows=num_rows,
+                            num_sampling_rows=num_sampling_rows, num_non_draft_tokens=num_non_draft_tokens,
+                            cost_table=cost_table, max_total_logit_rows=max_total_logit_rows)
+    return _guarded(curves, cost_table, min_predicted_gain)[0]
 
 
 def _sorted_survival_device(stale_confidences, scheduled_drafts):
@@ -285,53 +285,66 @@ def _sorted_survival_device(stale_confidences, scheduled_drafts):
     return jnp.where(finite, -neg, 0.0), pos, finite
 
 
-def _curve_device(ranked, sched, draft_len: int | None, *, num_rows, num_sampling_rows, num_non_draft_tokens,
-                  cost_table: CostTableArrays, max_total_logit_rows, token_buckets=None):
-    """The one-length rule's value curve at ``draft_len`` (None: the table's longest length, or the verify
-    costs alone) over the ranked survival of :func:`_sorted_survival_device`: ``(b, value(b), value(maxB),
-    maxB)`` with ``b`` the smallest near-best budget (no minimum gain applied). ``token_buckets``: static sizes
-    compiled for the length, as in :func:`budget_values`.
+def _curves_device(ranked, sched, draft_lens: tuple, *, num_rows, num_sampling_rows, num_non_draft_tokens,
+                   cost_table: CostTableArrays, max_total_logit_rows, token_buckets=None):
+    """The one-length rule's value curves at the static ``draft_lens`` (an entry None: every ranked draft, priced
+    at the table's longest length or its verify costs alone), all in one ``[N, L]`` pass over the ranked
+    survival of :func:`_sorted_survival_device`: ``(b, value(b), value(maxB), maxB)``, each ``[L]``, with ``b`` the
+    smallest near-best budget of each length (no minimum gain applied). ``token_buckets``: per length, the static
+    sizes compiled for it (None or empty: any size), as in :func:`budget_values`.
 
-    A candidate ``b`` is the count of the length's entries among the first ``j + 1`` ranked ones, at each ``j``
-    holding one of them (and ``b = 0``): the same prefix sums as sorting the length's entries alone."""
+    A candidate ``b`` of length ``d`` is the count of its entries among the first ``j + 1`` ranked ones, at each
+    ``j`` holding one of them (and ``b = 0``): the same prefix sums as sorting the length's entries alone. One pass
+    for every length keeps the device loop's body to a few kernels, where a pass per length took several each."""
     scores, pos, finite = ranked
     t = cost_table
-    mine = finite if draft_len is None else finite & (pos < draft_len)
-    clipped = sched if draft_len is None else jnp.minimum(sched, draft_len)
-    max_b = _max_budget_device(clipped, num_rows, max_total_logit_rows)
-    count = jnp.cumsum(mine.astype(jnp.int32))
-    gain = jnp.asarray(num_sampling_rows, jnp.float32) + jnp.cumsum(jnp.where(mine, scores, 0.0))
+    n_len = len(draft_lens)
+    cols = jnp.arange(n_len)
+    limit = jnp.asarray([np.iinfo(np.int32).max if d is None else int(d) for d in draft_lens], jnp.int32)
+    mine = finite[:, None] & (pos[:, None] < limit[None, :])  # [N, L]
+    clipped = jnp.minimum(jnp.asarray(sched, jnp.int32)[:, None], limit[None, :])
+    max_b = jnp.maximum(0, jnp.minimum(jnp.sum(clipped, axis=0),
+                                       jnp.asarray(max_total_logit_rows, jnp.int32) - num_rows))
     draft = lookup_device(t.draft_buckets, t.draft_seconds, t.num_draft, num_rows)
+    per_length = tuple(token_buckets) if token_buckets is not None else (None,) * n_len
+    sizes = [sorted(b) if b else [] for b in per_length]
+    width = max([len(b) for b in sizes] + [1])
+    tb = jnp.asarray([b + [np.iinfo(np.int32).max] * (width - len(b)) for b in sizes], jnp.int32)  # [L, W]
+    nb = jnp.asarray([len(b) for b in sizes], jnp.int32)
 
-    def value(b, g):
+    def value(b, g):  # [..., L]
         tokens, ok = num_non_draft_tokens + b, jnp.ones(jnp.shape(b), bool)
-        if token_buckets:
-            tb = jnp.asarray(sorted(token_buckets), jnp.int32)
+        if any(sizes):  # the length's smallest size holding the step; none holds it: infeasible
             idx = jnp.sum((tb < tokens[..., None]).astype(jnp.int32), axis=-1)
-            ok = idx < len(tb)
-            tokens = jnp.where(ok, tb[jnp.minimum(idx, len(tb) - 1)], tokens)
-        cost = draft + step_cost_device(t, draft_len, tokens)
+            fits = idx < nb
+            paid = jnp.where(fits, tb[cols, jnp.minimum(idx, jnp.maximum(nb - 1, 0))], tokens)
+            ok = jnp.where(nb > 0, fits, True)
+            tokens = jnp.where(nb > 0, paid, tokens)
+        cost = draft + step_costs_device(t, draft_lens, tokens)
         return jnp.where(ok & (b <= max_b), g / jnp.maximum(cost, 1e-12), -jnp.inf)
 
-    v0 = value(jnp.zeros((), jnp.int32), jnp.asarray(num_sampling_rows, jnp.float32))
+    s = jnp.asarray(num_sampling_rows, jnp.float32)
+    v0 = value(jnp.zeros((n_len,), jnp.int32), jnp.full((n_len,), s))
     if scores.shape[0] == 0:  # no drafts at all (K = 0 or no rows)
-        return jnp.zeros((), jnp.int32), v0, v0, max_b
+        return jnp.zeros((n_len,), jnp.int32), v0, v0, max_b
+    count = jnp.cumsum(mine.astype(jnp.int32), axis=0)
+    gain = s + jnp.cumsum(jnp.where(mine, scores[:, None], 0.0), axis=0)
     vals = jnp.where(mine, value(count, gain), -jnp.inf)
-    best = jnp.maximum(v0, jnp.max(vals))
+    best = jnp.maximum(v0, jnp.max(vals, axis=0))
     near = best - _TIE_RTOL_F32 * jnp.abs(best)
-    j = jnp.argmax(vals >= near)
+    j = jnp.argmax(vals >= near[None, :], axis=0)
     at_zero = v0 >= near
-    b = jnp.where(at_zero, 0, count[j]).astype(jnp.int32)
-    v_b = jnp.where(at_zero, v0, vals[j])
-    full = jnp.argmax(mine & (count == max_b))
-    v_full = jnp.where(max_b == 0, v0, vals[full])
+    b = jnp.where(at_zero, 0, count[j, cols]).astype(jnp.int32)
+    v_b = jnp.where(at_zero, v0, vals[j, cols])
+    full = jnp.argmax(mine & (count == max_b[None, :]), axis=0)
+    v_full = jnp.where(max_b == 0, v0, vals[full, cols])
     return b, v_b, v_full, max_b
 
 
-def _guarded(curve, cost_table: CostTableArrays, min_predicted_gain: float) -> jax.Array:
-    """The one-length budget of ``curve`` (:func:`_curve_device`): ``maxB`` unless the best trim beats it by
+def _guarded(curves, cost_table: CostTableArrays, min_predicted_gain: float) -> jax.Array:
+    """The one-length budgets of ``curves`` (:func:`_curves_device`): ``maxB`` unless the best trim beats it by
     ``min_predicted_gain`` (static), and ``maxB`` for a flat table."""
-    b, v_b, v_full, max_b = curve
+    b, v_b, v_full, max_b = curves
     if min_predicted_gain > 0:
         trim_pays = v_b >= (1.0 + min_predicted_gain) * v_full
         b = jnp.where((b < max_b) & ~trim_pays, max_b, b)
@@ -364,33 +377,26 @@ def choose_plan_device(
     kw = dict(num_rows=num_rows, num_sampling_rows=num_sampling_rows, num_non_draft_tokens=num_non_draft_tokens,
               cost_table=cost_table, max_total_logit_rows=max_total_logit_rows)
     last = len(lengths) - 1
-    ranked = _sorted_survival_device(stale_confidences, sched)  # one sort for every length
     if len(lengths) == 1:
-        one = _guarded(_curve_device(ranked, jnp.minimum(sched, lengths[0]), None, **kw), cost_table,
-                       min_predicted_gain)
-        return one, jnp.asarray(last, jnp.int32)
-    best_value, best_b, best_i = None, None, None
-    for i, d in enumerate(lengths):
-        b, value, value_full, max_b = _curve_device(ranked, sched, d, token_buckets=per_length[i], **kw)
-        if best_value is None:
-            best_value, best_b, best_i = value, b, jnp.asarray(i, jnp.int32)
-        else:
-            better = value > best_value * (1 + _TIE_RTOL_F32)  # ties keep the shorter length
-            best_value = jnp.where(better, value, best_value)
-            best_b = jnp.where(better, b, best_b)
-            best_i = jnp.where(better, i, best_i)
-    full_value, full_b = value_full, max_b  # the last length's
+        clipped = jnp.minimum(sched, lengths[0])
+        curves = _curves_device(_sorted_survival_device(stale_confidences, clipped), clipped, (None,), **kw)
+        return _guarded(curves, cost_table, min_predicted_gain)[0], jnp.asarray(last, jnp.int32)
+    # every length, and after them the table-less fallback (the longest length without its compiled buckets:
+    # a table without draft lengths, or a flat one, plans with the one-length rule), in one pass over one sort
+    b, value, value_full, max_b = _curves_device(_sorted_survival_device(stale_confidences, sched), sched,
+                                                 lengths + (lengths[-1],), token_buckets=per_length + (None,), **kw)
+    best_value, best_b, best_i = value[0], b[0], jnp.asarray(0, jnp.int32)
+    for i in range(1, len(lengths)):
+        better = value[i] > best_value * (1 + _TIE_RTOL_F32)  # ties keep the shorter length
+        best_value = jnp.where(better, value[i], best_value)
+        best_b = jnp.where(better, b[i], best_b)
+        best_i = jnp.where(better, i, best_i)
+    full_value, full_b = value_full[last], max_b[last]
     if min_predicted_gain > 0:
         keep_full = ((best_i != last) | (best_b != full_b)) & (best_value < (1.0 + min_predicted_gain) * full_value)
         best_b = jnp.where(keep_full, full_b, best_b)
         best_i = jnp.where(keep_full, last, best_i)
-    # a table without draft lengths, or a flat one: the one-length rule at the longest length (whose curve then
-    # carries no length cost: the verify costs alone, or no trade-off at all), without the compiled buckets
-    one = _guarded(_curve_device(ranked, sched, lengths[-1], **kw), cost_table, min_predicted_gain)
+    one = _guarded((b[-1:], value[-1:], value_full[-1:], max_b[-1:]), cost_table, min_predicted_gain)[0]
     no_lengths = cost_table.flat | ((cost_table.num_draft_lengths == 0) & (cost_table.num_lengths == 0))
     return (jnp.where(no_lengths, one, best_b).astype(jnp.int32),
             jnp.where(no_lengths, last, best_i).astype(jnp.int32))
-
-
-def _max_budget_device(sched, num_rows, max_total_logit_rows):
-    return jnp.maximum(0, jnp.minimum(jnp.sum(sched), jnp.asarray(max_total_logit_rows, jnp.int32) - num_rows))

@@ -56,6 +56,7 @@ __all__ = [
     "save_cost_table",
     "split_step_costs",
     "step_cost_device",
+    "step_costs_device",
     "time_callable",
 ]
 
@@ -367,19 +368,43 @@ def lookup_device(buckets: jax.Array, seconds: jax.Array, count: jax.Array, n: j
     return jnp.where(count == 0, 0.0, jnp.where(idx < count, inside, above))
 
 
-def step_cost_device(table: CostTableArrays, draft_len: int | None, tokens) -> jax.Array:
-    """jnp twin of :meth:`CostTable.step_costs` (float32; ``draft_len`` static, ``tokens`` any shape)."""
+def lookup_rows_device(buckets: jax.Array, seconds: jax.Array, count: jax.Array, n: jax.Array) -> jax.Array:
+    """:func:`lookup_device` per row: column ``l`` of ``n [..., L]`` looks up row ``l`` of ``buckets / seconds
+    [L, C]`` (its first ``count[l]`` entries); the same float32 operations, so the same values."""
+    n = jnp.maximum(jnp.asarray(n, jnp.int32), 0)
+    rows = jnp.arange(buckets.shape[0])
+    valid = jnp.arange(buckets.shape[1], dtype=jnp.int32)[None, :] < count[:, None]
+    idx = jnp.sum((valid & (buckets < n[..., None])).astype(jnp.int32), axis=-1)  # searchsorted 'left'
+    last = jnp.maximum(count - 1, 0)
+    inside = seconds[rows, jnp.minimum(idx, last)]
+    b_last, s_last = buckets[rows, last].astype(jnp.float32), seconds[rows, last]
+    prev = jnp.maximum(count - 2, 0)
+    two = (s_last - seconds[rows, prev]) / jnp.maximum(b_last - buckets[rows, prev].astype(jnp.float32), 1.0)
+    slope = jnp.where(count >= 2, two, s_last / jnp.maximum(b_last, 1.0))
+    above = s_last + slope * (n.astype(jnp.float32) - b_last)
+    return jnp.where(count == 0, 0.0, jnp.where(idx < count, inside, above))
+
+
+def step_costs_device(table: CostTableArrays, draft_lens: tuple, tokens) -> jax.Array:
+    """jnp twin of :meth:`CostTable.step_costs` for several draft lengths at once (float32): column ``l`` of
+    ``tokens [..., L]`` is priced at the static ``draft_lens[l]`` (None: the table's longest length, or the verify
+    costs alone). One pass for every length: fewer kernels in the device loop's body than a lookup per length."""
     count = table.num_lengths
     valid = jnp.arange(table.length_ids.shape[0], dtype=jnp.int32) < count
     last = jnp.maximum(count - 1, 0)
-    if draft_len is None:
-        i = last
-    else:
-        i = jnp.minimum(jnp.sum((valid & (table.length_ids < int(draft_len))).astype(jnp.int32)), last)
-    per = lookup_device(table.length_buckets[i], table.length_seconds[i], table.num_length_buckets[i], tokens)
-    extra = 0.0 if draft_len is None else draft_length_cost_device(table, draft_len)
+    i = jnp.stack([last if d is None else
+                   jnp.minimum(jnp.sum((valid & (table.length_ids < int(d))).astype(jnp.int32)), last)
+                   for d in draft_lens])
+    per = lookup_rows_device(table.length_buckets[i], table.length_seconds[i], table.num_length_buckets[i], tokens)
+    extra = jnp.stack([jnp.zeros((), jnp.float32) if d is None else draft_length_cost_device(table, d)
+                       for d in draft_lens])
     additive = extra + lookup_device(table.verify_buckets, table.verify_seconds, table.num_verify, tokens)
     return jnp.where(count > 0, per, additive)
+
+
+def step_cost_device(table: CostTableArrays, draft_len: int | None, tokens) -> jax.Array:
+    """jnp twin of :meth:`CostTable.step_costs` (float32; ``draft_len`` static, ``tokens`` any shape)."""
+    return step_costs_device(table, (draft_len,), jnp.asarray(tokens)[..., None])[..., 0]
 
 
 def draft_length_cost_device(table: CostTableArrays, draft_len) -> jax.Array:
