@@ -643,11 +643,11 @@ class Engine:
 
     def _profile_loop_branches(self, program, bar) -> int:
         """Time every branch of the greedy device loop inside the loop (device time: no host launch enters it)
-        and keep them per draft length (docs/ADAPTIVE_VERIFICATION.md, "The cost table"); returns how many.
+        and keep them per draft length (docs/ADAPTIVE_VERIFICATION.md, "Cost tables"); returns how many.
 
         A timing run (``LoopInputs.timing_branch``) runs one branch every iteration on the same state, committing
-        nothing: ``min(R, T)`` slots decode at a context of a quarter of ``max_model_len`` and verify ``T - R``
-        drafts (at most ``K_d`` each). A branch's step is the difference between a run of ``1 + n`` iterations
+        nothing: ``min(R, T)`` slots decode at a context of a quarter of ``max_model_len`` and verify
+        ``T - min(R, T)`` drafts (at most ``K_d`` each). A branch's step is the difference between a run of ``1 + n`` iterations
         and one of 1, over ``n``: the launch and the read-back cancel, the loop's own planning and branch choice
         stay in, as in a decode wave."""
         cfg, r = self.loop_config, self.max_num_seqs
