@@ -14,8 +14,8 @@ One :class:`Planner` per engine owns
   host-launched steps and splits them into draft-length and verify terms
   (:func:`spec_decode.cost_table.split_step_costs`);
 * the **device form** of the same table (:meth:`Planner.device_table`), so the jitted device loop plans from the
-  very numbers the host loop plans from (plus, for a table of host-launched steps, the loop's own cost per
-  iteration, measured at warm-up and kept in the table's metadata under :data:`DEVICE_LOOP_STEP_KEY`).
+  very numbers the host loop plans from (plus the loop's own cost per iteration, where a table carries it in its
+  metadata under :data:`DEVICE_LOOP_STEP_KEY`: a hand-built table, or one profiled by an earlier version).
 
 The scheduler calls :meth:`Planner.budget` once per step; nothing else in the engine chooses a budget.
 """
@@ -190,8 +190,8 @@ class Planner:
         """The table as device arrays, for the device loop.
 
         ``with_loop_step``: every step also pays the loop's own cost per iteration (the table's metadata
-        :data:`DEVICE_LOOP_STEP_KEY`, measured at warm-up for a table of host-launched steps; 0 when absent, as
-        for a table timed inside the loop, whose steps hold it already)."""
+        :data:`DEVICE_LOOP_STEP_KEY`; 0 when absent, as for a table timed inside the loop, whose steps hold it
+        already)."""
         table = self.table
         if self.mode != "adaptive" or table is None:
             return CostTableArrays.from_table(None)
