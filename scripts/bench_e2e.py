@@ -63,6 +63,7 @@ raw, per-bin counts / mean predicted / observed frequency; ``reliability.png``.
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import hashlib
 import inspect
@@ -242,6 +243,7 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
         with compile_counter() as compiled:
             runs = [eng.generate(prompts, loop=base, **kw) for prompts in timed_sets]
         eng.record_launches = False
+        profile = loop_profile(eng, timed_sets[0], kw) if args.trace_loop and base == "device" else None
         res = runs[0]
         st = res.stats
         wall = sum(r.stats["wall_time_s"] for r in runs)
@@ -288,6 +290,7 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
             "peak_device_bytes": device_peak_bytes(),
             "token_digests": [digest(r.token_ids) for r in res],
             "cost_table": eng.cost_table.to_dict() if eng.cost_table is not None else None,
+            "loop_profile": profile,
         }
         if loop != "host" and "host" in by_loop:
             row["match_host"] = matches(by_loop["host"]["token_digests"], row["token_digests"])
@@ -690,6 +693,9 @@ def parse_args(argv=None):
                     help="the host loop's multi-step launches (Engine(decode_steps_per_launch=...)); 1: off")
     ap.add_argument("--launch-timeline", action="store_true",
                     help="host-loop rows carry each launch's times (Engine.record_launches): launch_timeline")
+    ap.add_argument("--trace-loop", action="store_true",
+                    help="device loop: trace one more call and record the loop's kernels and time per iteration "
+                         "by scope (row field loop_profile)")
     ap.add_argument("--time-budget-s", type=float, default=None)
     ap.add_argument("--resume", default=None, help="rows to resume from (default: OUT/bench_e2e.jsonl if present)")
     ap.add_argument("--fresh", action="store_true", help="start a new OUT/bench_e2e.jsonl (ignore recorded rows)")
@@ -732,6 +738,51 @@ def parse_args(argv=None):
         ap.error("--model m3-slice has random weights: give --synthetic-acceptance-length or -rates")
     return args
 
+
+
+def loop_profile(eng, prompts, kw) -> dict:
+    """One more device-loop ``generate`` of ``prompts`` under the profiler (nothing compiles: the timed calls ran
+    these programs): the loop program's kernels per iteration, attributed to the loop's scopes (``plan``: the
+    device planner; ``step/...``: the step's phases, ``step/draft/allocate`` the per-request split), and the
+    loop's span against its busy time (the gap: device idle inside the loop, the host driving the while loop and
+    its switch). Milliseconds and kernels per loop iteration."""
+    from scripts import op_trace
+
+    program = eng._loop_programs.get((False, None))
+    if program is None or not hasattr(program, "as_text"):
+        return {"error": "no greedy loop program with HLO text"}
+    text = program.as_text()
+    box = {}
+
+    def run():
+        box["res"] = eng.generate(prompts, loop="device", **kw)
+        return 0
+
+    try:
+        events, platform = op_trace.trace(run, op_trace.module_name(text))
+        times = op_trace.attribute(events, op_trace.hlo_scopes(text), calls=1, platform=platform)
+    except Exception as e:  # noqa: BLE001  (profiling is optional: keep the timed rows)
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    iters = max(len(box["res"].stats.get("draft_length_per_step") or []), 1)
+
+    def group(scope):
+        depth = 3 if scope[:3] == ("step", "draft", "allocate") else 2 if scope[:1] == ("step",) else 1
+        return "/".join(scope[:depth])
+
+    ms, kernels = collections.defaultdict(float), collections.defaultdict(float)
+    for scope, sec in times.scopes.items():
+        ms[group(scope)] += 1e3 * sec / iters
+    for scope, cnt in times.kernels.items():
+        kernels[group(scope)] += cnt / iters
+    return {"platform": platform, "iterations": iters, "span_ms_per_iteration": 1e3 * times.span_s / iters,
+            "busy_ms_per_iteration": 1e3 * times.busy_s / iters,
+            "idle_ms_per_iteration": 1e3 * (times.span_s - times.busy_s) / iters,
+            "kernels_per_iteration": times.events_per_run / iters,
+            "scope_ms_per_iteration": dict(sorted(ms.items(), key=lambda kv: -kv[1])),
+            "scope_kernels_per_iteration": dict(sorted(kernels.items(), key=lambda kv: -kv[1])),
+            "unattributed_ops_ms_per_iteration": {op: 1e3 * sec / iters for op, sec in times.unattributed_ops.items()},
+            "decode_loop_s": box["res"].stats.get("device_time_s"),
+            "example_events": [[e.op, e.name[:80]] for e in events[:8]]}
 
 
 def _loop_tokens_per_s(runs, n: int) -> float | None:

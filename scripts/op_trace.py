@@ -261,7 +261,8 @@ def attribute(events: list[Event], scopes: dict[str, tuple[str, ...]], *, calls:
     for run in runs:
         shares = _shared_durations(run)
         for e, s in zip(run, shares):
-            scope = scopes.get(e.op) or scopes.get(_norm(e.op)) or ()
+            # a kernel a command buffer launched carries the buffer's thunk as its op: its own name is the fusion's
+            scope = scopes.get(e.op) or scopes.get(_norm(e.op)) or scopes.get(_norm(e.name)) or ()
             if not scope:
                 scope = (UNATTRIBUTED,)
                 missing[e.op] += s * 1e-9

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_decode.budget import DEFAULT_MIN_PREDICTED_GAIN, choose_plan_device
+from spec_decode.budget import DEFAULT_MIN_PREDICTED_GAIN, choose_plan_device, prepare_plan_device
 from spec_decode.cost_table import CostTableArrays
 from spec_decode.logprobs import MAX_LOGPROBS, token_logprobs
 from spec_decode.step import DecodeState, StepConfig, StepPlan, make_step_fn
@@ -204,6 +204,11 @@ def make_loop_fn(target, drafter, config: LoopConfig):
 
         given = inputs.rows >= 0
 
+        # the table's costs at the loop's sizes, once (the planner reads them in every iteration)
+        prepared = (prepare_plan_device(inputs.cost_table, draft_lengths=lengths,
+                                        token_buckets=tuple(config.token_buckets), max_rows=r)
+                    if mode == "adaptive" else None)
+
         def cond(c: _Carry):
             ended = inputs.end_on_finish & jnp.any(given & c.state.done[slot])
             return (c.step < max_steps) & jnp.any(live_rows(c.state)) & ~ended
@@ -216,11 +221,13 @@ def make_loop_fn(target, drafter, config: LoopConfig):
             cap = config.max_total_logit_rows
             last_length = jnp.asarray(len(lengths) - 1, jnp.int32)
             if mode == "adaptive":
-                budget, li = choose_plan_device(c.state.prev_confidences[slot, :k], sched, num_rows=n_live,
-                                                num_sampling_rows=n_live, num_non_draft_tokens=n_live,
-                                                cost_table=inputs.cost_table, max_total_logit_rows=cap,
-                                                draft_lengths=lengths, token_buckets=tuple(config.token_buckets),
-                                                min_predicted_gain=config.min_predicted_gain)
+                with jax.named_scope("plan"):
+                    budget, li = choose_plan_device(c.state.prev_confidences[slot, :k], sched, num_rows=n_live,
+                                                    num_sampling_rows=n_live, num_non_draft_tokens=n_live,
+                                                    cost_table=inputs.cost_table, max_total_logit_rows=cap,
+                                                    draft_lengths=lengths, token_buckets=tuple(config.token_buckets),
+                                                    min_predicted_gain=config.min_predicted_gain,
+                                                    prepared=prepared)
             elif mode == "fixed":
                 budget, li = jnp.maximum(0, jnp.minimum(jnp.sum(sched), cap - n_live)), last_length
             else:
@@ -262,7 +269,8 @@ def make_loop_fn(target, drafter, config: LoopConfig):
                     return st, dataclasses.replace(out, logprobs=None), kept
                 return run
 
-            st, out, lp = jax.lax.switch(bucket, [branch(fn, t) for fn, t in branches], c.state, plan)
+            with jax.named_scope("step"):
+                st, out, lp = jax.lax.switch(bucket, [branch(fn, t) for fn, t in branches], c.state, plan)
             count = jnp.where(live, out.num_emitted, 0)
             cols = jnp.arange(out.tokens.shape[1], dtype=jnp.int32)[None, :]
             dest = jnp.where(cols < count[:, None], c.emitted[:, None] + cols, w)  # w: dropped

@@ -105,7 +105,7 @@ class Planner:
         out = []
         for d in self.draft_lengths:
             paid, ok = tokens, np.ones(tokens.shape, bool)
-            buckets = self.token_buckets.get(d) if multi else None
+            buckets = self.token_buckets.get(d)
             if buckets:
                 tb = np.asarray(buckets, np.int64)
                 idx = np.searchsorted(tb, tokens, side="left")

@@ -388,7 +388,8 @@ def make_step_fn(target, drafter, config: StepConfig):
                 if config.mode == "adaptive" and plan.closed is not None:
                     # tokens left, in whole steps of 1 + K_d: rows within a step of each other compete by survival
                     priority = jnp.where(plan.closed & is_decode, max_emit // (1 + kd), 0)
-                caps = allocate_drafts(alloc_conf, sched, plan.budget, priority)
+                with jax.named_scope("allocate"):
+                    caps = allocate_drafts(alloc_conf, sched, plan.budget, priority)
             else:
                 drafts = jnp.zeros((r, 0), jnp.int32)
                 draft_probs = jnp.zeros((r, 0, vocab), jnp.float32) if sampled else None  # no drafts: plain sampling

@@ -282,3 +282,52 @@ def test_planner_fast_path_is_choose_plan():
         assert planner.plan(conf, sched, num_sampling_rows=n_samp, num_non_draft_tokens=r) == (
             min(int(np.minimum(sched, 7).sum()), cap - r), 7)
     assert mismatches <= 3  # float32 near-ties only
+
+
+def test_sort_free_device_curves_match_the_sorted_ones():
+    """The device loop's sort-free planner pass (ranks from one pass over pairs of drafts, values at the bucket
+    edges) gives the sorted pass's curves: the same budgets and values, on random tables, confidences with exact
+    ties and zero-survival plateaus (quantised), NaN, unscheduled and padding rows, logit caps that bind, and
+    anchors that overflow the smallest buckets. Both run at float32; survival sums of the quantised
+    confidences are exact, so their budgets must agree exactly."""
+    from spec_decode.budget import _curves_device, _curves_ranked, _sorted_survival_device
+    from spec_decode.cost_table import CostTableArrays
+
+    rng = np.random.default_rng(11)
+    k, rows = 7, 20
+    lengths = (0, 2, 7)
+    buckets = ((8, 16, 24), (16, 32, 64), (8, 16, 32, 64, 128, 160))
+
+    @jax.jit
+    def both(conf, sched, r, n_nd, n_samp, cap, table):
+        kw = dict(num_rows=r, num_sampling_rows=n_samp, num_non_draft_tokens=n_nd, cost_table=table,
+                  max_total_logit_rows=cap)
+        sorted_ = _curves_device(_sorted_survival_device(conf, sched), sched, lengths, token_buckets=buckets, **kw)
+        return sorted_, _curves_ranked(conf, sched, lengths, buckets, **kw)
+
+    checked = exact = 0
+    for trial in range(60):
+        r = int(rng.integers(0, rows + 1))
+        union = sorted({t for b in buckets for t in b})
+        table = CostTable.from_step_times({(d, t): float(s) for d, b in zip(lengths, buckets) for t, s in zip(
+            b, np.cumsum(rng.uniform(0.0, 1.0, len(b))) + 1.0 + 0.1 * d)})
+        if trial % 3 == 0:
+            table = CostTable.from_measurements({t: float(s) for t, s in zip(union, np.cumsum(
+                rng.uniform(0, 1, len(union))) + 1.0)}, draft_lengths={0: 0.0, 2: 0.2, 7: 0.5})
+        quantised = trial % 2 == 0
+        conf = (rng.integers(0, 3, (rows, k)) / 2.0 if quantised else rng.uniform(0, 1, (rows, k))).astype(np.float32)
+        conf[rng.uniform(size=(rows, k)) < 0.05] = np.nan
+        sched = np.where(np.arange(rows) < r, rng.integers(0, k + 1, rows), 0).astype(np.int32)  # padding rows
+        n_nd = r + int(rng.integers(0, 20))  # anchors and prefill tokens: may pass the smallest sizes
+        cap = int(rng.integers(r, r * (k + 1) + 4))
+        got_sorted, got_ranked = both(conf, sched, np.int32(r), np.int32(n_nd), np.int32(r + int(rng.integers(0, 3))),
+                                      np.int32(cap), CostTableArrays.from_table(table))
+        (b0, v0, f0, m0), (b1, v1, f1, m1) = jax.device_get((got_sorted, got_ranked))
+        np.testing.assert_array_equal(m0, m1)
+        np.testing.assert_allclose(f1, f0, rtol=1e-5)
+        np.testing.assert_allclose(v1, v0, rtol=1e-5)
+        if quantised:
+            np.testing.assert_array_equal(b1, b0, err_msg=f"trial {trial}")
+            exact += 1
+        checked += int(np.sum(b0 == b1))
+    assert exact == 30 and checked >= 60 * len(lengths) - 6  # float32 near-ties only, on the uniform ones
