@@ -28,7 +28,8 @@ LENGTHS = (0, 1, 3, 7)
 
 
 def sizes_for(rows: int) -> tuple[tuple[int, ...], ...]:
-    """Up to four sizes per length ending at ``rows * (1 + K_d)``, as the engine's device loop compiles them."""
+    """Up to four sizes per length ending at ``rows * (1 + K_d)``, spaced by ``rows``: the shape of the device
+    loop's sizes (the engine derives its own from its settings), enough to time the planner."""
     out = []
     for d in LENGTHS:
         top = rows * (1 + d)

@@ -290,6 +290,12 @@ def _sorted_survival_device(stale_confidences, scheduled_drafts):
     return jnp.where(finite, -neg, 0.0), pos, finite
 
 
+def _size_index(sizes: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Per column ``l`` of ``tokens [..., L]``: how many of row ``l``'s ``sizes [L, W]`` (ascending, padded with
+    int32 max) lie below it, i.e. the index of the smallest size holding it (``W`` or the row's count: none)."""
+    return jnp.sum((sizes < tokens[..., None]).astype(jnp.int32), axis=-1)
+
+
 def _curves_device(ranked, sched, draft_lens: tuple, *, num_rows, num_sampling_rows, num_non_draft_tokens,
                    cost_table: CostTableArrays, max_total_logit_rows, token_buckets=None):
     """The one-length rule's value curves at the static ``draft_lens`` (an entry None: every ranked draft, priced
@@ -320,7 +326,7 @@ def _curves_device(ranked, sched, draft_lens: tuple, *, num_rows, num_sampling_r
     def value(b, g):  # [..., L]
         tokens, ok = num_non_draft_tokens + b, jnp.ones(jnp.shape(b), bool)
         if any(sizes):  # the length's smallest size holding the step; none holds it: infeasible
-            idx = jnp.sum((tb < tokens[..., None]).astype(jnp.int32), axis=-1)
+            idx = _size_index(tb, tokens)
             fits = idx < nb
             paid = jnp.where(fits, tb[cols, jnp.minimum(idx, jnp.maximum(nb - 1, 0))], tokens)
             ok = jnp.where(nb > 0, fits, True)
@@ -364,8 +370,9 @@ def _curves_ranked(stale_confidences, sched, draft_lens: tuple, token_buckets: t
     iteration at 512 rows against the sorted pass's 25 and 86 us (docs/ADAPTIVE_VERIFICATION.md, "The planner's
     cost in the device loop"). The pair pass is ``O(N^2 L)`` with ``N = R * K``: 64M compares at 512 rows x 7
     drafts x 5 columns, microseconds on a GPU. ``priced_as``: the lengths the table prices each column at (None
-    entries: the table's longest length, or its verify costs alone), ``draft_lens`` by default. ``prepared``: :func:`prepare_plan_device` of
-    the same table and sizes (the device loop computes it once, outside its loop), else computed here."""
+    entries: the table's longest length, or its verify costs alone), ``draft_lens`` by default. ``prepared``:
+    :func:`prepare_plan_device` of the same table and sizes (the device loop computes it once, outside its loop),
+    else the table is looked up here."""
     priced = draft_lens if priced_as is None else priced_as
     a = survival(stale_confidences, sched)  # [R, K], -inf where not scheduled
     flat = a.reshape(-1)
@@ -395,7 +402,7 @@ def _curves_ranked(stale_confidences, sched, draft_lens: tuple, token_buckets: t
         draft = draft_by_rows[jnp.clip(num_rows, 0, draft_by_rows.shape[0] - 1)]
 
     def paid_index(b):  # [..., L] -> the index of the smallest size holding n_nd + b (nb: none does)
-        return jnp.sum((tb < (nnd + b)[..., None]).astype(jnp.int32), axis=-1)
+        return _size_index(tb, nnd + b)
 
     def value(b, g):  # [..., L]
         idx = paid_index(b)
@@ -445,6 +452,16 @@ def _step_costs_at_sizes(cost_table: CostTableArrays, priced: tuple, sizes) -> j
     return step_costs_device(cost_table, tuple(priced), tokens).T
 
 
+def _plan_columns(lengths: tuple[int, ...], per_length: tuple) -> tuple[tuple, tuple, tuple]:
+    """The columns :func:`choose_plan_device` plans over: ``(draft lengths, sizes, priced as)``. One length: that
+    length, priced as the one-length rule prices it (the table's longest length, or its verify costs alone).
+    Several: every length, then the table-less fallback (the one-length rule at the longest length, for a table
+    without draft lengths, or a flat one), with the longest length's sizes."""
+    if len(lengths) == 1:
+        return lengths, per_length, (None,)
+    return lengths + (lengths[-1],), per_length + (per_length[-1],), lengths + (lengths[-1],)
+
+
 def prepare_plan_device(cost_table: CostTableArrays, *, draft_lengths: tuple[int, ...],
                         token_buckets: tuple[tuple[int, ...], ...], max_rows: int):
     """What :func:`choose_plan_device` reads from the table, as two small arrays: the step cost of every
@@ -453,14 +470,13 @@ def prepare_plan_device(cost_table: CostTableArrays, *, draft_lengths: tuple[int
     in every one (each lookup is a few kernels of its own). Pass the result as ``prepared=`` with the same
     ``draft_lengths`` and ``token_buckets`` (each length's sizes non-empty)."""
     lengths = tuple(int(d) for d in draft_lengths)
-    sizes = [sorted(int(t) for t in b) for b in token_buckets]
-    if len(sizes) != len(lengths) or not all(sizes):
+    per_length = tuple(tuple(sorted(int(t) for t in b)) for b in token_buckets)
+    if len(per_length) != len(lengths) or not all(per_length):
         raise ValueError(f"token_buckets must give non-empty sizes for each of {lengths}, got {token_buckets}")
+    _, sizes, priced = _plan_columns(lengths, per_length)
     rows = jnp.arange(int(max_rows) + 1, dtype=jnp.int32)
     draft = lookup_device(cost_table.draft_buckets, cost_table.draft_seconds, cost_table.num_draft, rows)
-    if len(lengths) == 1:  # the one-length rule prices the table's longest length (or its verify costs alone)
-        return _step_costs_at_sizes(cost_table, (None,), sizes), draft
-    return _step_costs_at_sizes(cost_table, lengths + (lengths[-1],), sizes + [sizes[-1]]), draft
+    return _step_costs_at_sizes(cost_table, priced, sizes), draft
 
 
 def _ranked_fits(num_drafts: int) -> bool:
@@ -513,23 +529,22 @@ def choose_plan_device(
     # every length's sizes known: the sort-free pass (_curves_ranked)
     compiled = all(per_length) and _ranked_fits(int(np.prod(jnp.shape(stale_confidences))))
     last = len(lengths) - 1
+    columns, sizes, priced = _plan_columns(lengths, per_length)
     if len(lengths) == 1:
         clipped = jnp.minimum(sched, lengths[0])
         if compiled:
-            curves = _curves_ranked(stale_confidences, clipped, lengths, per_length, priced_as=(None,),
-                                    prepared=prepared, **kw)
+            curves = _curves_ranked(stale_confidences, clipped, columns, sizes, priced_as=priced, prepared=prepared,
+                                    **kw)
         else:
-            curves = _curves_device(_sorted_survival_device(stale_confidences, clipped), clipped, (None,), **kw)
+            curves = _curves_device(_sorted_survival_device(stale_confidences, clipped), clipped, priced, **kw)
         return _guarded(curves, cost_table, min_predicted_gain)[0], jnp.asarray(last, jnp.int32)
-    # every length, and after them the table-less fallback (the one-length rule at the longest length, for a
-    # table without draft lengths, or a flat one), in one pass
+    # every length, and after them the table-less fallback (_plan_columns), in one pass
     if compiled:
-        b, value, value_full, max_b = _curves_ranked(stale_confidences, sched, lengths + (lengths[-1],),
-                                                     per_length + (per_length[-1],), prepared=prepared, **kw)
+        b, value, value_full, max_b = _curves_ranked(stale_confidences, sched, columns, sizes, priced_as=priced,
+                                                     prepared=prepared, **kw)
     else:
         b, value, value_full, max_b = _curves_device(_sorted_survival_device(stale_confidences, sched), sched,
-                                                     lengths + (lengths[-1],), token_buckets=per_length + (None,),
-                                                     **kw)
+                                                     columns, token_buckets=sizes, **kw)
     best_value, best_b, best_i = value[0], b[0], jnp.asarray(0, jnp.int32)
     for i in range(1, len(lengths)):
         better = value[i] > best_value * (1 + _TIE_RTOL_F32)  # ties keep the shorter length
