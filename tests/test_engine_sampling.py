@@ -45,8 +45,13 @@ def staleness_pair():
     return target, drafter
 
 
-# value(0) = 1 / 1.0 beats value(2) = (1 + 0.5 + 0.5 c_2) / 1.75 unless c_2 is high (module docstring)
-COSTS = CostTable.from_measurements({1: 1.0, 2: 1.75, 3: 1.75})
+# value(0) = 1 / 1.0 beats value(2) = (1 + 0.5 + 0.5 c_2) / 1.75 unless c_2 is high (module docstring). The planner
+# prices a step at the token bucket it runs in, so the engines below compile buckets of 1, 2 and 4 tokens
+# (min_token_bucket=1) and the table is measured there: 1 token (the anchor alone), 2, and 3 (in the 4-token bucket)
+COSTS = CostTable.from_measurements({1: 1.0, 2: 1.75, 4: 1.75})
+STALENESS_ENGINE = dict(num_speculative_tokens=2, verification="adaptive", cost_table=COSTS, max_num_seqs=1,
+                        max_model_len=32, implementation="reference", device_loop=False, max_num_batched_tokens=16,
+                        min_token_bucket=1)
 
 
 class CurrentConfidenceBudget(Engine):
@@ -121,9 +126,7 @@ def chi2_pvalue(samples, probs):
 def adaptive_engine(pair):
     # one engine (one compile) for both top-p cases: top_p is a per-request setting
     target, drafter = pair
-    return Engine(target, drafter, num_speculative_tokens=2, verification="adaptive", cost_table=COSTS,
-                  max_num_seqs=1, max_model_len=32, implementation="reference", device_loop=False,
-                  max_num_batched_tokens=16)
+    return Engine(target, drafter, **STALENESS_ENGINE)
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
@@ -139,9 +142,7 @@ def test_adaptive_sampling_matches_target_only_sampling(pair, adaptive_engine, t
 
 def test_budget_from_current_confidences_is_biased(pair):
     target, drafter = pair
-    control = CurrentConfidenceBudget(target, drafter, num_speculative_tokens=2, verification="adaptive",
-                                      cost_table=COSTS, max_num_seqs=1, max_model_len=32,
-                                      implementation="reference", device_loop=False, max_num_batched_tokens=16)
+    control = CurrentConfidenceBudget(target, drafter, **STALENESS_ENGINE)
     toks, _ = sample_tokens(control, temperature=1.0)
     p2, _ = exact_marginals(target)
     # the control verifies draft 1 only when it is even: even second tokens are over-represented
