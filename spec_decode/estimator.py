@@ -41,7 +41,9 @@ Guards (also as in vLLM, one of them chosen differently):
   and converges to its optimum (slope 0, intercepts at the per-position base rates, when the data say
   ``w < 0``).
 
-Everything is a pure, jit-able ``state -> state`` function; the refit runs under ``lax.cond``.
+Everything is a pure, jit-able ``state -> state`` function with no conditional: the refit is computed on every
+step and selected on the refit steps (a few dozen element-wise operations on ``K``-vectors), so the engine's step
+program, which carries it, keeps no point where a GPU's host must wait for the device.
 """
 
 from __future__ import annotations
@@ -265,9 +267,9 @@ def update(
         counts=state.counts + jnp.sum(m, axis=0),
         step=state.step + 1,
     )
-    return jax.lax.cond(
-        state.step % refit_every == 0,
-        lambda s: _refit(s, ridge, damping, max_step),
-        lambda s: s,
-        state,
-    )
+    # The refit (O(K) arithmetic on K-vectors) is computed on every step and kept only on a refit step: a select,
+    # not a ``lax.cond``, because on a GPU a conditional makes the host wait for its predicate in the middle of the
+    # engine's step program (the reason the step has no conditional of its own: spec_decode/step.py, StepConfig).
+    due = state.step % refit_every == 0
+    refitted = _refit(state, ridge, damping, max_step)
+    return jax.tree.map(lambda new, old: jnp.where(due, new, old), refitted, state)

@@ -67,6 +67,19 @@ def test_statistics_and_refit_schedule():
     assert float(s3.intercepts[2]) == pytest.approx(-0.2)  # no labels at position 2: unchanged
 
 
+def test_the_refit_is_a_select_not_a_conditional():
+    """The engine's step program carries ``update`` (confidence "estimator" and "calibrated"); on a GPU a
+    conditional makes the host wait for its predicate in the middle of the program, so the compiled update has
+    none, and a step that is not a refit step returns the statistics it accumulated and the old parameters."""
+    s = init_estimator(3)
+    args = (s, jnp.array([[1.0, -1.0, 2.0]]), jnp.array([1]), jnp.array([3]))
+    assert " conditional(" not in update.lower(*args, refit_every=3).compile().as_text()  # the HLO op
+    poisoned = dataclasses.replace(s, hess_bb=jnp.array([jnp.nan, 0.0, 0.0]))  # a refit would discard it
+    s1 = update(poisoned, *args[1:], refit_every=3)
+    assert float(s1.slope) == 0.5 and int(s1.num_refits) == 0 and int(s1.num_discarded) == 0
+    np.testing.assert_array_equal(s1.intercepts, s.intercepts)
+
+
 def _hand_state(**stats):
     """K = 2, slope 0.5, intercepts -0.2, with the given Newton statistics (statistics not given are zero)."""
     s = init_estimator(2)
