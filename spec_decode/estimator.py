@@ -267,9 +267,7 @@ def update(
         counts=state.counts + jnp.sum(m, axis=0),
         step=state.step + 1,
     )
-    # The refit (O(K) arithmetic on K-vectors) is computed on every step and kept only on a refit step: a select,
-    # not a ``lax.cond``, because on a GPU a conditional makes the host wait for its predicate in the middle of the
-    # engine's step program (the reason the step has no conditional of its own: spec_decode/step.py, StepConfig).
+    # a select, not a lax.cond (module docstring): the engine's step program carries this update
     due = state.step % refit_every == 0
     refitted = _refit(state, ridge, damping, max_step)
     return jax.tree.map(lambda new, old: jnp.where(due, new, old), refitted, state)
