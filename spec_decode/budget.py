@@ -368,8 +368,9 @@ def _curves_ranked(stale_confidences, sched, draft_lens: tuple, token_buckets: t
     The device loop plans every iteration, and on a GPU each fusion of the plan is about one kernel launch: with
     the table's costs prepared once (:func:`prepare_plan_device`) this pass measured 20 kernels and 62 us per
     iteration at 512 rows against the sorted pass's 25 and 86 us (docs/ADAPTIVE_VERIFICATION.md, "The planner's
-    cost in the device loop"). The pair pass is ``O(N^2 L)`` with ``N = R * K``: 64M compares at 512 rows x 7
-    drafts x 5 columns, microseconds on a GPU. ``priced_as``: the lengths the table prices each column at (None
+    cost in the device loop"). The pair pass is ``O(N^2)`` with ``N = R * K`` (12.8M compares at 512 rows x 7
+    drafts), whatever the number of columns: the lengths are nested, so each draft's count of drafts ahead of it
+    at every position, summed over the positions, gives each length's rank. ``priced_as``: the lengths the table prices each column at (None
     entries: the table's longest length, or its verify costs alone), ``draft_lens`` by default. ``prepared``:
     :func:`prepare_plan_device` of the same table and sizes (the device loop computes it once, outside its loop),
     else the table is looked up here."""
@@ -415,11 +416,18 @@ def _curves_ranked(stale_confidences, sched, draft_lens: tuple, token_buckets: t
         return jnp.zeros((n_len,), jnp.int32), v0, v0, max_b
     # one pass over the pairs: rank[i, l] drafts of length l come before draft i (more survival, or as much and
     # a lower index), and prefix[i, l] the summed survival of those and of i: the gain of the top rank + 1
+    # The lengths are nested (length l's drafts are the scheduled ones at positions < draft_lens[l]), so one
+    # [N, N] pass counts, per draft i, the drafts ahead of it at each position, and a running sum over the
+    # positions gives every length's rank and prefix: N^2 work, not N^2 L.
     i = jnp.arange(n, dtype=jnp.int32)
-    ahead = (av[None, :] > av[:, None]) | ((av[None, :] == av[:, None]) & (i[None, :] < i[:, None]))  # [i, j]
-    counted = ahead[:, :, None] & mine[None, :, :]  # [i, j, L]
-    rank = jnp.sum(counted.astype(jnp.int32), axis=1)  # [N, L]
-    prefix = av[:, None] + jnp.sum(jnp.where(counted, av[None, :, None], 0.0), axis=1)
+    ahead = ((av[None, :] > av[:, None]) | ((av[None, :] == av[:, None]) & (i[None, :] < i[:, None]))) \
+        & finite[None, :]  # [i, j]: j is scheduled and comes before i
+    ahead = ahead.reshape(n, a.shape[0], k)  # [i, row of j, position of j]
+    count_at = jnp.cumsum(jnp.sum(ahead.astype(jnp.int32), axis=1), axis=1)  # [N, K]: ahead at positions <= p
+    sum_at = jnp.cumsum(jnp.sum(jnp.where(ahead, av.reshape(1, a.shape[0], k), 0.0), axis=1), axis=1)
+    upto = jnp.clip(limit - 1, 0, k - 1)  # length l counts positions <= draft_lens[l] - 1 (none for length 0)
+    rank = jnp.where(limit[None, :] > 0, count_at[:, upto], 0)  # [N, L]
+    prefix = av[:, None] + jnp.where(limit[None, :] > 0, sum_at[:, upto], 0.0)
 
     def top_gain(b):  # [L, C] budgets -> s + the summed survival of each length's top b drafts
         inside = mine[:, :, None] & (rank[:, :, None] < b[None])
