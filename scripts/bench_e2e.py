@@ -25,7 +25,9 @@ prompt + output + 64 rounded up to a page; ``warmup()`` compiles its closed prog
 table (``startup_s``, kept apart from the timed call). Per loop: one warm-up ``generate`` on ``n`` held-out prompts
 (``scripts/workloads.py``: windows of Python sources the default never saw, distinct prompts), then the timed
 ``generate`` on ``n`` *other* held-out prompts of the same shape (the same timed set for every mode and loop at
-that ``n``, so their tokens compare). Greedy, EOS ignored, prefix caching off unless asked for or a prefix is
+that ``n``, so their tokens compare). Prefill chunks of ``--max-num-batched-tokens`` (2048 by default; until
+session 17 it was 512, under which 64-256 host-launched prefill steps were 70-80% of the wall at 128-512
+requests; rows record it, and rows of another chunk size are other configurations). Greedy, EOS ignored, prefix caching off unless asked for or a prefix is
 shared (``--workload published``). Both loops run on one engine (host, then device); each loop starts from an
 empty prefix cache (``Engine.reset_prefix_cache``), so it never reads the pages the previous loop cached for the
 same prompts. ``timed_compiles``: XLA compilations during the timed call (0: the closed set).
@@ -133,7 +135,7 @@ def config_key(row: dict) -> tuple:
     rates = row.get("synthetic_rates")
     return (row["n"], row["mode"], row["loop"], row["prompt_len"], row["max_new_tokens"], row["dtype"],
             row.get("model", "default"), tuple(rates) if rates else None, row.get("shared_prefix", 0),
-            row.get("tensor_parallel_size"))
+            row.get("tensor_parallel_size"), row.get("max_num_batched_tokens", 512))
 
 
 def loop_and_steps(loop: str, args) -> tuple[str, int]:
@@ -148,7 +150,7 @@ def this_row(args, n: int, mode: str, loop: str) -> dict:
     """The key fields of a configuration's row (what ``config_key`` reads)."""
     return {"n": n, "mode": mode, "loop": loop, "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
             "dtype": args.dtype, "model": args.model, "shared_prefix": args.shared_prefix,
-            "tensor_parallel_size": args.tensor_parallel_size,
+            "tensor_parallel_size": args.tensor_parallel_size, "max_num_batched_tokens": args.max_num_batched_tokens,
             "synthetic_rates": list(args.synthetic_rates) if args.synthetic_rates else None}
 
 
@@ -653,7 +655,8 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                    help="prefill tokens per step (2048: the prefill launches do not swamp the decode in the wall)")
     ap.add_argument("--min-token-bucket", type=int, default=8)
     ap.add_argument("--implementation", default="auto", help="Engine(implementation=...): auto, pallas, reference")
     ap.add_argument("--prefix-caching", action="store_true", help="keep the prefix cache on (off by default)")

@@ -16,7 +16,7 @@ most ``max_num_seqs`` requests whose pages fit the pool:
    * the draft length and the budget: :func:`spec_decode.budget.choose_plan_device`, the host rule in jnp, over
      the planner's cost table and the **previous** step's confidences carried in the state (a plan from this
      step's confidences would let a draft influence its own admission; only the allocation inside the step uses
-     them);
+     them), computed at the end of the iteration before (once before the first) and carried;
    * the program: for the chosen draft length, the smallest of a few packed-token buckets of the closed set
      holding ``rows + budget``; every (draft length, bucket) is one branch of a ``lax.switch`` over the step
      compiled at that shape;
