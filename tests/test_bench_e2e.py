@@ -89,6 +89,16 @@ def test_modes_and_tables():
     md = bench_e2e.markdown(rows)
     assert "| 64 | 400 | - | - | 300 |" in md  # columns: none, fixed3, fixed7, adaptive
 
+    # the prefill chunk is part of a configuration: a resumed sweep at another chunk size runs again, and rows
+    # from before rows recorded it were measured at 512
+    args = bench_e2e.parse_args(["--out", "x"])
+    assert args.max_num_batched_tokens == 2048
+    row = bench_e2e.this_row(args, 8, "fixed3", "device")
+    assert row["max_num_batched_tokens"] == 2048
+    old = {k: v for k, v in row.items() if k != "max_num_batched_tokens"}
+    assert bench_e2e.config_key(old) == bench_e2e.config_key({**row, "max_num_batched_tokens": 512})
+    assert bench_e2e.config_key(old) != bench_e2e.config_key(row)
+
 
 @pytest.mark.slow
 def test_m3_slice_with_emulated_acceptance_on_cpu(tmp_path):
