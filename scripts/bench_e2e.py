@@ -17,8 +17,11 @@ On the H200 (calls of at most 10 minutes; rows survive a cut, and a later call r
 **Modes.** ``none`` (plain decoding, one token per step), ``fixed1``..``fixed7`` (every request verifies its K
 drafts, K = 1..7), ``adaptive`` (K = 7, the confidence head's survival ranked against the profiled cost table,
 default draft lengths), ``adaptive-held`` (adaptive with the draft length held at K: ``draft_lengths=(7,)``) and
-``adaptive-calibrated`` (adaptive with the head's confidences recalibrated online: ``confidence="calibrated"``). The last two need the Engine
-keywords ``draft_lengths`` / ``confidence``; on an Engine without them those modes are skipped with a message.
+``adaptive-calibrated`` (adaptive with the head's confidences recalibrated online: ``confidence="calibrated"``);
+``adaptive@D1,D2,...`` is adaptive with those draft lengths (``adaptive@3``: a K = ``--k`` engine that always
+drafts 3 and plans its budget, beside ``fixed3``'s K = 3 engine, isolates what K itself costs). The last three need
+the Engine keywords ``draft_lengths`` / ``confidence``; on an Engine without them those modes are skipped with a
+message.
 
 **One configuration** (concurrency ``n``, mode): an engine with ``max_num_seqs = n`` and ``max_model_len`` =
 prompt + output + 64 rounded up to a page; ``warmup()`` compiles its closed program set and profiles the cost
@@ -99,7 +102,22 @@ def mode_settings(mode: str, k: int) -> dict:
         return {"verification": "adaptive", "num_speculative_tokens": k, "draft_lengths": (k,)}
     if mode == "adaptive-calibrated":
         return {"verification": "adaptive", "num_speculative_tokens": k, "confidence": "calibrated"}
-    raise ValueError(f"unknown mode {mode!r} (none, fixed1..fixed7, adaptive, adaptive-held, adaptive-calibrated)")
+    if mode.startswith("adaptive@"):
+        try:
+            lengths = tuple(sorted({int(x) for x in mode[len("adaptive@"):].split(",")}))
+        except ValueError:
+            lengths = ()
+        if not lengths or not all(0 <= d <= k for d in lengths):
+            raise ValueError(f"mode {mode!r}: adaptive@D1,D2,... takes draft lengths in [0, K={k}]")
+        return {"verification": "adaptive", "num_speculative_tokens": k, "draft_lengths": lengths}
+    raise ValueError(f"unknown mode {mode!r} (none, fixed1..fixed7, adaptive, adaptive-held, adaptive-calibrated, "
+                     f"adaptive@D1,D2,...)")
+
+
+def adaptive_modes(rows: list[dict]) -> list[str]:
+    """The adaptive modes of ``rows``: the named ones first, then ``adaptive@...`` ones."""
+    present = {r["mode"] for r in rows}
+    return [m for m in ADAPTIVE if m in present] + sorted(m for m in present if m.startswith("adaptive@"))
 
 
 def engine_accepts(name: str) -> bool:
@@ -525,7 +543,7 @@ def ratio_rows(rows: list[dict]) -> list[dict]:
                 continue
             best = max(base, key=base.get)
             entry = {"loop": loop, "n": n, "best_baseline": best, "best_tokens_per_s": base[best]}
-            for m in ADAPTIVE:
+            for m in adaptive_modes(rows):
                 if (loop, m, n) in table:
                     v = table[(loop, m, n)]["output_tokens_per_s"]
                     entry[f"{m}/best"] = v / base[best]
@@ -550,7 +568,7 @@ def markdown(rows: list[dict]) -> str:
         lines.append("")
     ratios = ratio_rows(rows)
     if ratios:
-        present = [m for m in ADAPTIVE if any(f"{m}/best" in e for e in ratios)]
+        present = [m for m in adaptive_modes(rows) if any(f"{m}/best" in e for e in ratios)]
         cols = [f"{m}/best" for m in present] + [f"{m}/fixed7" for m in present]
         lines += ["### adaptive / best of none, fixed1..7 (target >= 0.98) and / fixed7 (target >= 1.05)", "",
                   "| loop | requests | best baseline | its tokens/s | " + " | ".join(cols) + " |",
@@ -579,15 +597,16 @@ def plot_sweep(rows: list[dict], out_dir: str) -> bool:
         return False
     table = _latest(rows)
     loops = _loops(rows)
-    modes = [m for m in ALL_MODES if any(r["mode"] == m for r in rows)]
+    adaptive = adaptive_modes(rows)
+    modes = [m for m in ALL_MODES if any(r["mode"] == m for r in rows)] + [m for m in adaptive if m not in ALL_MODES]
     fig, axes = plt.subplots(1, len(loops), figsize=(6.5 * len(loops), 4.8), squeeze=False)
     for ax, loop in zip(axes[0], loops):
         for m in modes:
             pts = sorted((n, r["output_tokens_per_s"]) for (lp, mm, n), r in table.items() if lp == loop and mm == m)
             if pts:
-                style = "-" if m in ADAPTIVE else ("--" if m == "none" else ":")
+                style = "-" if m in adaptive else ("--" if m == "none" else ":")
                 ax.plot(*zip(*pts), style, marker="o", ms=3, color=_mode_color(plt, m),
-                        lw=2 if m in ADAPTIVE else 1, label=m)
+                        lw=2 if m in adaptive else 1, label=m)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("concurrent requests")
@@ -603,7 +622,7 @@ def plot_sweep(rows: list[dict], out_dir: str) -> bool:
     fig, axes = plt.subplots(1, len(loops), figsize=(6.5 * len(loops), 4.5), squeeze=False)
     for ax, loop in zip(axes[0], loops):
         entries = [e for e in ratios if e["loop"] == loop]
-        for i, m in enumerate(ADAPTIVE):
+        for i, m in enumerate(adaptive_modes(rows)):
             for suffix, style in (("best", "-"), ("fixed7", "--")):
                 pts = [(e["n"], e[f"{m}/{suffix}"]) for e in entries if e.get(f"{m}/{suffix}") is not None]
                 if pts:

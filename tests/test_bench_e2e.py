@@ -78,6 +78,12 @@ def test_modes_and_tables():
     assert bench_e2e.mode_settings("none", 7)["num_speculative_tokens"] == 0
     with pytest.raises(ValueError):
         bench_e2e.mode_settings("fixedK", 7)
+    # adaptive with given draft lengths: on a K = 7 engine drafting 3 only, beside fixed3's K = 3 engine
+    assert bench_e2e.mode_settings("adaptive@3,1", 7) == {"verification": "adaptive", "num_speculative_tokens": 7,
+                                                          "draft_lengths": (1, 3)}
+    for bad in ("adaptive@", "adaptive@8", "adaptive@x", "adaptive@-1"):
+        with pytest.raises(ValueError, match="draft lengths"):
+            bench_e2e.mode_settings(bad, 7)
     rows = [{"n": n, "mode": m, "loop": "host", "output_tokens_per_s": v}
             for n, m, v in ((8, "none", 100.0), (8, "fixed7", 200.0), (8, "fixed3", 250.0), (8, "adaptive", 245.0),
                             (64, "none", 400.0), (64, "adaptive", 300.0))]
@@ -88,6 +94,10 @@ def test_modes_and_tables():
     assert ratios[64]["adaptive/best"] == pytest.approx(0.75) and ratios[64]["adaptive/fixed7"] is None
     md = bench_e2e.markdown(rows)
     assert "| 64 | 400 | - | - | 300 |" in md  # columns: none, fixed3, fixed7, adaptive
+    held = rows + [{"n": 8, "mode": "adaptive@3", "loop": "host", "output_tokens_per_s": 240.0}]
+    assert bench_e2e.adaptive_modes(held) == ["adaptive", "adaptive@3"]
+    assert {e["n"]: e for e in bench_e2e.ratio_rows(held)}[8]["adaptive@3/best"] == pytest.approx(0.96)
+    assert "adaptive@3/best" in bench_e2e.markdown(held)
 
     # the prefill chunk is part of a configuration: a resumed sweep at another chunk size runs again, and rows
     # from before rows recorded it were measured at 512
