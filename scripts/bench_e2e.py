@@ -269,11 +269,9 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
         wall = sum(r.stats["wall_time_s"] for r in runs)
         out_tokens = sum(r.stats["output_tokens"] for r in runs)
         row = {
-            "n": n, "mode": mode, "loop": loop, "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
-            "dtype": args.dtype, "verification": eng.mode, "K": eng.k, "model": args.model,
-            "tensor_parallel_size": args.tensor_parallel_size, "balanced_routing": args.balanced_routing,
-            "acceptance": st.get("acceptance", "real"), "shared_prefix": args.shared_prefix,
-            "synthetic_rates": list(args.synthetic_rates) if args.synthetic_rates else None,
+            **this_row(args, n, mode, loop),  # the configuration's key fields
+            "verification": eng.mode, "K": eng.k, "balanced_routing": args.balanced_routing,
+            "acceptance": st.get("acceptance", "real"),
             "draft_lengths": getattr(eng, "draft_lengths", extra.get("draft_lengths")),
             "confidence": getattr(eng, "confidence", None), "max_model_len": max_model_len,
             "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / wall if wall else 0.0,
