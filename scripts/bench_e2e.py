@@ -30,10 +30,11 @@ table (``startup_s``, kept apart from the timed call). Per loop: one warm-up ``g
 ``generate`` on ``n`` *other* held-out prompts of the same shape (the same timed set for every mode and loop at
 that ``n``, so their tokens compare). Prefill chunks of ``--max-num-batched-tokens`` (2048 by default; until
 session 17 it was 512, under which 64-256 host-launched prefill steps were 70-80% of the wall at 128-512
-requests; rows record it, and rows of another chunk size are other configurations). Greedy, EOS ignored, prefix caching off unless asked for or a prefix is
-shared (``--workload published``). Both loops run on one engine (host, then device); each loop starts from an
-empty prefix cache (``Engine.reset_prefix_cache``), so it never reads the pages the previous loop cached for the
-same prompts. ``timed_compiles``: XLA compilations during the timed call (0: the closed set).
+requests; rows record it, and rows of another chunk size are other configurations). Greedy, EOS ignored, prefix
+caching off unless asked for or a prefix is shared (``--workload published``). Both loops run on one engine
+(host, then device); each loop starts from an empty prefix cache (``Engine.reset_prefix_cache``), so it never
+reads the pages the previous loop cached for the same prompts. ``timed_compiles``: XLA compilations during the
+timed call (0: the closed set).
 
 **Row fields.** ``output_tokens_per_s`` (every request's tokens, the one sampled at prefill included, over the
 timed call's wall time); ``ms_per_output_token`` = wall / (output tokens / n): the per-request inter-token latency;

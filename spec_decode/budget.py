@@ -370,8 +370,9 @@ def _curves_ranked(stale_confidences, sched, draft_lens: tuple, token_buckets: t
     iteration at 512 rows against the sorted pass's 25 and 86 us (docs/ADAPTIVE_VERIFICATION.md, "The planner's
     cost in the device loop"). The pair pass is ``O(N^2)`` with ``N = R * K`` (12.8M compares at 512 rows x 7
     drafts), whatever the number of columns: the lengths are nested, so each draft's count of drafts ahead of it
-    at every position, summed over the positions, gives each length's rank. ``priced_as``: the lengths the table prices each column at (None
-    entries: the table's longest length, or its verify costs alone), ``draft_lens`` by default. ``prepared``:
+    at every position, summed over the positions, gives each length's rank. ``priced_as``: the lengths the table
+    prices each column at (None entries: the table's longest length, or its verify costs alone), ``draft_lens``
+    by default. ``prepared``:
     :func:`prepare_plan_device` of the same table and sizes (the device loop computes it once, outside its loop),
     else the table is looked up here."""
     priced = draft_lens if priced_as is None else priced_as
@@ -415,10 +416,10 @@ def _curves_ranked(stale_confidences, sched, draft_lens: tuple, token_buckets: t
         v0 = value(jnp.zeros((n_len,), jnp.int32), jnp.full((n_len,), s))[0]
         return jnp.zeros((n_len,), jnp.int32), v0, v0, max_b
     # one pass over the pairs: rank[i, l] drafts of length l come before draft i (more survival, or as much and
-    # a lower index), and prefix[i, l] the summed survival of those and of i: the gain of the top rank + 1
-    # The lengths are nested (length l's drafts are the scheduled ones at positions < draft_lens[l]), so one
-    # [N, N] pass counts, per draft i, the drafts ahead of it at each position, and a running sum over the
-    # positions gives every length's rank and prefix: N^2 work, not N^2 L.
+    # a lower index), and prefix[i, l] the summed survival of those and of i: the gain of the top rank + 1. The
+    # lengths are nested (length l's drafts are the scheduled ones at positions < draft_lens[l]), so one [N, N]
+    # pass counts the drafts ahead of i at each position, and a running sum over the positions gives every
+    # length's rank and prefix: N^2 work, not N^2 L.
     i = jnp.arange(n, dtype=jnp.int32)
     ahead = ((av[None, :] > av[:, None]) | ((av[None, :] == av[:, None]) & (i[None, :] < i[:, None]))) \
         & finite[None, :]  # [i, j]: j is scheduled and comes before i

@@ -16,7 +16,7 @@ most ``max_num_seqs`` requests whose pages fit the pool:
    * the draft length and the budget: :func:`spec_decode.budget.choose_plan_device`, the host rule in jnp, over
      the planner's cost table and the **previous** step's confidences carried in the state (a plan from this
      step's confidences would let a draft influence its own admission; only the allocation inside the step uses
-     them), computed at the end of the iteration before (once before the first) and carried;
+     them);
    * the program: for the chosen draft length, the smallest of a few packed-token buckets of the closed set
      holding ``rows + budget``; every (draft length, bucket) is one branch of a ``lax.switch`` over the step
      compiled at that shape;
@@ -159,20 +159,6 @@ class _Carry:
     live_per_step: jax.Array
     step: jax.Array
     logprobs: tuple | None  # (f32[R, W], int32[R, W, L], f32[R, W, L]) with LoopConfig.logprobs, else None
-    plan: "_Plan | None"  # the plan of the iteration about to run (None only before the loop's first plan)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """What an iteration's step runs: its rows, drafts per row, draft length, budget and branch."""
-
-    live: jax.Array  # bool[R]   unfinished rows
-    scheduled: jax.Array  # int32[R]  drafts per row (clipped to the draft length and what the row may emit)
-    num_live: jax.Array  # int32[]
-    budget: jax.Array  # int32[]   drafts verified in all
-    draft_len: jax.Array  # int32[]   K_d
-    bucket: jax.Array  # int32[]   the branch of the switch: (draft length, packed-token bucket)
 
 
 def make_loop_fn(target, drafter, config: LoopConfig):
@@ -210,8 +196,7 @@ def make_loop_fn(target, drafter, config: LoopConfig):
                        live_per_step=jnp.zeros((w,), jnp.int32), step=jnp.zeros((), jnp.int32),
                        logprobs=None if width is None else (jnp.zeros((r, w), jnp.float32),
                                                             jnp.full((r, w, width), -1, jnp.int32),
-                                                            jnp.zeros((r, w, width), jnp.float32)),
-                       plan=None)
+                                                            jnp.zeros((r, w, width), jnp.float32)))
         max_steps = jnp.clip(inputs.max_steps, 0, w)
 
         def live_rows(st: DecodeState):
@@ -228,19 +213,16 @@ def make_loop_fn(target, drafter, config: LoopConfig):
             ended = inputs.end_on_finish & jnp.any(given & c.state.done[slot])
             return (c.step < max_steps) & jnp.any(live_rows(c.state)) & ~ended
 
-        def plan_of(state: DecodeState) -> _Plan:
-            """The plan of the step that runs on ``state``: computed at the end of the iteration before it (and
-            once before the loop), so that its kernels are launched while the previous step still runs instead
-            of between the loop's predicate and the switch that waits for the chosen branch."""
-            live = live_rows(state)
-            max_emit = inputs.limit - state.num_emitted[slot]
+        def body(c: _Carry):
+            live = live_rows(c.state)
+            max_emit = inputs.limit - c.state.num_emitted[slot]
             sched = jnp.where(live, jnp.clip(max_emit - 1, 0, k), 0)
             n_live = jnp.sum(live, dtype=jnp.int32)
             cap = config.max_total_logit_rows
             last_length = jnp.asarray(len(lengths) - 1, jnp.int32)
             if mode == "adaptive":
                 with jax.named_scope("plan"):
-                    budget, li = choose_plan_device(state.prev_confidences[slot, :k], sched, num_rows=n_live,
+                    budget, li = choose_plan_device(c.state.prev_confidences[slot, :k], sched, num_rows=n_live,
                                                     num_sampling_rows=n_live, num_non_draft_tokens=n_live,
                                                     cost_table=inputs.cost_table, max_total_logit_rows=cap,
                                                     draft_lengths=lengths, token_buckets=tuple(config.token_buckets),
@@ -263,16 +245,6 @@ def make_loop_fn(target, drafter, config: LoopConfig):
             fits = (idx >= first) & (idx < first + count) & (jnp.asarray(sizes_arr) >= n_live + budget)
             bucket = jnp.where(jnp.any(fits), jnp.argmax(fits), first + count - 1).astype(jnp.int32)
             bucket = jnp.where(timing, forced, bucket)
-            return _Plan(live=live, scheduled=sched, num_live=n_live, budget=budget, draft_len=draft_len,
-                         bucket=bucket)
-
-        carry = dataclasses.replace(carry, plan=plan_of(state))
-
-        def body(c: _Carry):
-            p = c.plan
-            live, sched, n_live, budget, draft_len, bucket = (p.live, p.scheduled, p.num_live, p.budget,
-                                                              p.draft_len, p.bucket)
-            timing = inputs.timing_branch >= 0
             plan = StepPlan(rows=jnp.where(live, inputs.rows, -1), prefill_tokens=None, prefill_len=zeros_r,
                             prefill_start=zeros_r, prefill_last=jnp.zeros((r,), bool),
                             resume_token=jnp.full((r,), -1, jnp.int32), block_tables=inputs.block_tables,
@@ -324,7 +296,6 @@ def make_loop_fn(target, drafter, config: LoopConfig):
                 live_per_step=c.live_per_step.at[s].set(n_live),
                 step=s + 1,
                 logprobs=logprobs,
-                plan=plan_of(st),  # the next iteration's
             )
 
         carry = jax.lax.while_loop(cond, body, carry)
