@@ -194,6 +194,30 @@ def matches(a: list[str] | None, b: list[str] | None) -> float | None:
 
 
 # ----------------------------------------------------------------------------------------------- the sweep
+def dump_loop_hlo(eng, out: str, n: int, mode: str) -> dict | None:
+    """Write the greedy device loop's optimized HLO to ``OUT/hlo/loop_<n>_<mode>.hlo.gz``; return a summary of
+    its control computations (:func:`scripts.hlo_report.report`): kernels and copy bytes per iteration's body and
+    per branch."""
+    import gzip
+
+    from scripts.hlo_report import hlo_text, report
+
+    program = eng._loop_programs.get((False, None))
+    if program is None:
+        return None
+    try:
+        text = hlo_text(program)
+    except (ValueError, AttributeError) as e:  # an executable loaded from the store carries no text
+        return {"error": str(e)}
+    os.makedirs(os.path.join(out, "hlo"), exist_ok=True)
+    path = os.path.join(out, "hlo", f"loop_{n}_{mode.replace(',', '-')}.hlo.gz")
+    with gzip.open(path, "wt") as f:
+        f.write(text)
+    return {"file": os.path.relpath(path, out),
+            "computations": [{key: r[key] for key in ("role", "launching_ops", "ops", "copies", "copy_bytes",
+                                                       "largest_copies")} for r in report(text, top=3)]}
+
+
 def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[str], done_rows: list[dict],
                write_row) -> None:
     """One (n, mode): build and warm up an engine, then a warm-up and a timed generate per loop in ``loops``."""
@@ -228,6 +252,7 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
     t1 = time.perf_counter()
     report = eng.warmup()
     startup_s = time.perf_counter() - t1
+    loop_hlo = dump_loop_hlo(eng, args.out, n, mode) if args.dump_loop_hlo else None
     bos = tokenizer.bos_token_id
     # the warm-up runs every program the timed calls run (the closed set is compiled already): 64 prompts do, and
     # leave the held-out windows to the timed sets at large n
@@ -310,6 +335,7 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
             "token_digests": [digest(r.token_ids) for r in res],
             "cost_table": eng.cost_table.to_dict() if eng.cost_table is not None else None,
             "loop_profile": profile,
+            "loop_hlo": loop_hlo if base == "device" else None,
         }
         if loop != "host" and "host" in by_loop:
             row["match_host"] = matches(by_loop["host"]["token_digests"], row["token_digests"])
@@ -717,6 +743,9 @@ def parse_args(argv=None):
     ap.add_argument("--trace-loop", action="store_true",
                     help="device loop: trace one more call and record the loop's kernels and time per iteration "
                          "by scope (row field loop_profile)")
+    ap.add_argument("--dump-loop-hlo", action="store_true",
+                    help="write the greedy device loop's optimized HLO to OUT/hlo/ and record what its while body "
+                         "and branches launch and copy (scripts/hlo_report.py; row field loop_hlo)")
     ap.add_argument("--time-budget-s", type=float, default=None)
     ap.add_argument("--resume", default=None, help="rows to resume from (default: OUT/bench_e2e.jsonl if present)")
     ap.add_argument("--fresh", action="store_true", help="start a new OUT/bench_e2e.jsonl (ignore recorded rows)")

@@ -24,7 +24,7 @@ TINY = ["--dtype", "float32", "--requests", "2", "--modes", "none", "fixed2", "a
 def test_sweep_and_calibration_on_cpu(tmp_path, capsys):
     out = tmp_path / "e2e"
     bench_e2e.main(["--out", str(out), *TINY, "--calibration", "--calibration-prompts", "2",
-                    "--calibration-new-tokens", "8"])
+                    "--calibration-new-tokens", "8", "--dump-loop-hlo"])
     for name in ("bench_e2e.jsonl", "bench_e2e.json", "bench_e2e.md", "tokens_per_s.png", "adaptive_ratio.png",
                  "calibration.json", "reliability.png"):
         assert (out / name).is_file(), name
@@ -39,6 +39,12 @@ def test_sweep_and_calibration_on_cpu(tmp_path, capsys):
         assert r["prefix_cache_tokens"] == 0
         if r["loop"] == "device":
             assert r["match_host"] == 1.0
+            # the loop program's HLO, written and summarised: a while loop whose body runs the step
+            assert (out / r["loop_hlo"]["file"]).is_file()
+            roles = [c["role"] for c in r["loop_hlo"]["computations"]]
+            assert sum(role.endswith(": body") for role in roles) >= 1
+            if r["mode"] == "adaptive":  # several draft lengths: a switch over them
+                assert any(": branch " in role for role in roles)
             assert 0 < r["per_set_decode_loop_s"][0] < r["per_set_wall_s"][0] and r["decode_loop_tokens_per_s"] > 0
         else:
             assert set(r["per_set_decode_loop_s"]) == {None} and r["decode_loop_tokens_per_s"] is None
