@@ -19,7 +19,8 @@ must be the same cold and warm). ``XLA_FLAGS`` from the environment reach both p
 ``--startup-profile`` adds a cProfile listing of the warm start-up.
 
 **Prefix caching** (``--prefix``): 550-token prompts whose first 200 tokens are shared, one new token each (so
-the call is prefill), with the cache on and off: prefill seconds per request.
+the call is prefill), with the cache on and off: prefill seconds per request, at each chunk size of
+``--prefix-chunk`` (default 512).
 """
 
 from __future__ import annotations
@@ -165,22 +166,32 @@ def run_prefix(args, target, drafter, tokenizer, out_rows: list, save) -> None:
     from spec_decode import Engine
 
     n, length, shared = args.prefix_requests, 550, 200
-    for cache_on in (False, True):
+    for chunk, cache_on in [(c, on) for c in args.prefix_chunk for on in (False, True)]:
+        # prefill only: the host loop runs it, so the device loop is left out of the warm-up
         eng = Engine(target, drafter, num_speculative_tokens=args.k, verification="adaptive", max_num_seqs=n,
                      max_model_len=length + 32, tokenizer=tokenizer, enable_prefix_caching=cache_on,
-                     precompile=True)
+                     max_num_batched_tokens=chunk, device_loop=False, precompile=True)
         warm = heldout_windows(tokenizer, n, length, offset=0, shared_prefix=shared, prefix_index=0,
                                bos=tokenizer.bos_token_id)
         eng.generate(warm, max_new_tokens=1, progress=False)
-        # another shared prefix for the timed call: its pages are not cached yet
-        timed = heldout_windows(tokenizer, n, length, offset=n, shared_prefix=shared, prefix_index=1,
-                                bos=tokenizer.bos_token_id)
-        res = eng.generate(timed, max_new_tokens=1, progress=False)
-        st = res.stats
+        # other shared prefixes for the timed calls: their pages are not cached yet
+        eng.record_launches = True  # each step's launch and read-back times (the row's launch_timeline)
+        runs = []
+        for i in range(args.prefix_sets):
+            timed = heldout_windows(tokenizer, n, length, offset=n * (1 + i), shared_prefix=shared,
+                                    prefix_index=1 + i, bos=tokenizer.bos_token_id)
+            runs.append(eng.generate(timed, max_new_tokens=1, progress=False).stats)
+        st = runs[0]
+        wall = sum(r["wall_time_s"] for r in runs)
         row = {"bench": "prefix", "prefix_caching": cache_on, "requests": n, "prompt_len": length,
-               "shared_prefix": shared, "wall_s": st["wall_time_s"], "prefill_s_per_request":
-               st["wall_time_s"] / n, "prefill_tokens": st["prefill_tokens"],
-               "prefix_cache_tokens": st["prefix_cache_tokens"], "hit_rate": st["prefix_cache_hit_rate"]}
+               "shared_prefix": shared, "max_num_batched_tokens": chunk, "sets": len(runs),
+               "steps": [r["steps"] for r in runs], "per_set_wall_s": [r["wall_time_s"] for r in runs],
+               "wall_s": wall, "prefill_s_per_request": wall / (n * len(runs)), "prefill_tokens": st["prefill_tokens"],
+               "prefix_cache_tokens": st["prefix_cache_tokens"], "hit_rate": st["prefix_cache_hit_rate"],
+               **{key: [r.get(key) for r in runs] for key in ("host_schedule_ms_per_step",
+                                                               "host_dispatch_ms_per_step",
+                                                               "host_commit_ms_per_step")},
+               "launch_timeline": st.get("launch_timeline")}
         out_rows.append(row)
         print(json.dumps(row), flush=True)
         save()
@@ -201,6 +212,10 @@ def main():
     ap.add_argument("--startup", type=int, nargs="*", default=[])
     ap.add_argument("--prefix", action="store_true")
     ap.add_argument("--prefix-requests", type=int, default=64)
+    ap.add_argument("--prefix-sets", type=int, default=2, help="timed calls per prefix-caching row, each on "
+                    "its own shared prefix")
+    ap.add_argument("--prefix-chunk", type=int, nargs="+", default=[512],
+                    help="prefill chunk sizes (Engine(max_num_batched_tokens=...)) of the prefix-caching rows")
     ap.add_argument("--startup-profile", action="store_true",
                     help="run the warm start-up under cProfile: startup_profile_{slots}_warm.txt in --out")
     ap.add_argument("--startup-child", type=int, default=None, help=argparse.SUPPRESS)

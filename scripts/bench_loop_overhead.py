@@ -1,0 +1,113 @@
+"""The device loop's cost per call and per iteration, and whether changing branches between calls costs.
+
+    PYTHONPATH=. python3 scripts/bench_loop_overhead.py --out FILE.json [--slots 512] [--modes adaptive fixed3]
+
+For each mode an engine of the embedded default (bf16, greedy programs, ``--slots`` slots, 2048-token prefill
+chunks) is built and warmed up; then its greedy device-loop program runs timing calls (``LoopInputs.timing_branch``:
+one branch forced every iteration, every slot decoding at a context of a quarter of ``max_model_len``, nothing
+committed, as the engine's cost-table profile does):
+
+- 12 calls of 1 iteration and 6 of 13 on the main branch (draft length 3 at 2048 tokens when compiled, else the
+  last): ``per_iteration_ms`` is the slope, ``per_call_intercept_ms`` what a call costs beyond its iterations
+  (the launch, the inputs' transfer, the read-back, the loop's set-up);
+- 6 calls of 0 iterations (the loop's predicate false at once);
+- 12 calls of 1 iteration alternating between the main branch and each other branch in turn: a branch that the
+  previous call did not run pays whatever XLA redoes for it (a CUDA graph's update) here.
+
+Wall time from the call to the read-back of its step count, on the host (``time.perf_counter``).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+import numpy as np
+
+MODES = {"adaptive": dict(num_speculative_tokens=7, verification="adaptive"),
+         "fixed3": dict(num_speculative_tokens=3, verification="fixed"),
+         "fixed7": dict(num_speculative_tokens=7, verification="fixed")}
+
+
+def measure(eng) -> dict:
+    """The timing calls of the module docstring on ``eng`` (warmed up, with a device loop)."""
+    import jax
+
+    from spec_decode.engine import _with_lengths
+
+    cfg, r = eng.loop_config, eng.max_num_seqs
+    branches = [(d, t) for d, buckets in zip(cfg.draft_lengths, cfg.token_buckets) for t in buckets]
+    index = {b: i for i, b in enumerate(branches)}
+    program = eng._loop_programs[(False, None)]
+    context = max(1, eng.max_model_len // 4)
+    eng._state = eng._placed(_with_lengths(eng._state, np.full(r, context, np.int32)))
+    base = dataclasses.replace(eng._example_loop_inputs(), block_tables=eng._profile_tables(context + 1 + eng.k),
+                               limit=np.full(r, eng.max_model_len, np.int32), cost_table=eng.planner.device_table())
+
+    def run(branch, steps: int) -> float:
+        d, t = branch
+        n = min(r, t)
+        rows = np.where(np.arange(r) < n, np.arange(r), -1).astype(np.int32)
+        inputs = eng._programs.put(dataclasses.replace(
+            base, rows=rows, max_steps=np.asarray(steps, np.int32), timing_branch=np.asarray(index[branch], np.int32),
+            timing_budget=np.asarray(min(t - n, n * d), np.int32)))
+        t0 = time.perf_counter()
+        eng._state, out = program(eng._target_params, eng._drafter_params, eng._state, inputs)
+        jax.device_get(out.steps)
+        return 1e3 * (time.perf_counter() - t0)
+
+    main = (3, 2048) if (3, 2048) in index else branches[-1]
+    others = [b for b in branches if b != main] or [main]
+    for _ in range(3):
+        run(main, 1)
+    one = [run(main, 1) for _ in range(12)]
+    thirteen = [run(main, 13) for _ in range(6)]
+    zero = [run(main, 0) for _ in range(6)]
+    alternating = []
+    for i in range(12):
+        b = main if i % 2 == 0 else others[(i // 2) % len(others)]
+        alternating.append((f"{b[0]}/{b[1]}", run(b, 1)))
+    name = f"{main[0]}/{main[1]}"
+    slope = (np.median(thirteen) - np.median(one)) / 12
+    return {"branches": [f"{d}/{t}" for d, t in branches], "main_branch": name, "context": context,
+            "one_iteration_ms": one, "thirteen_iterations_ms": thirteen, "zero_iterations_ms": zero,
+            "alternating_one_iteration_ms": alternating,
+            "per_iteration_ms": float(slope), "per_call_intercept_ms": float(np.median(one) - slope),
+            "zero_iteration_call_ms": float(np.median(zero)),
+            "alternating_main_ms": float(np.median([v for b, v in alternating if b == name])),
+            "alternating_other_ms": float(np.median([v for b, v in alternating if b != name] or [np.nan]))}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="JSON file for the rows")
+    ap.add_argument("--slots", type=int, default=512)
+    ap.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["adaptive", "fixed3"])
+    ap.add_argument("--max-model-len", type=int, default=448)
+    args = ap.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+
+    from minimax_jax.default import load_default
+    from spec_decode import Engine
+
+    target, drafter, _ = load_default(dtype=jnp.bfloat16)
+    rows = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "slots": args.slots}
+    for mode in args.modes:
+        eng = Engine(target, drafter, max_num_seqs=args.slots, max_model_len=args.max_model_len,
+                     max_num_batched_tokens=2048, sampling=False, **MODES[mode])
+        eng.warmup()
+        rows[mode] = measure(eng)
+        summary = {k: round(v, 3) for k, v in rows[mode].items() if k.endswith("_ms") and isinstance(v, float)}
+        print(f"bench_loop_overhead: {mode}: {json.dumps(summary)}", flush=True)
+        del eng
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
