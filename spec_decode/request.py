@@ -96,9 +96,13 @@ def _token_ids(i: int, prompt, tokenizer) -> list[int]:
         if prompt.ndim != 1:
             raise ValueError(f"prompt {i} must be a list of token ids (one dimension), got an array of shape "
                              f"{prompt.shape}")
+        if prompt.dtype.kind in "iu":  # integers (not bool): converted in C
+            return prompt.tolist()
         prompt = list(prompt)
     elif not isinstance(prompt, (list, tuple)):
         raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(prompt).__name__}")
+    if set(map(type, prompt)) <= {int}:  # plain ints (bool is not int's type): checked in C
+        return list(prompt)
     ids = []
     for j, t in enumerate(prompt):
         if not _is_int(t):

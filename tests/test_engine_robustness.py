@@ -69,6 +69,12 @@ def test_non_integer_token_ids_are_refused(engine, bad):
         engine.generate([[1, 5, 6, bad]], max_new_tokens=2)
 
 
+@pytest.mark.parametrize("array", [np.asarray([1, 5, 6, 2], np.float32), np.asarray([True, False, True])])
+def test_arrays_of_non_integers_are_refused(engine, array):
+    with pytest.raises(ValueError, match=r"prompt 0 holds .* at position 0: token ids must be integers"):
+        engine.generate([array], max_new_tokens=2)
+
+
 def test_numpy_integer_prompts_are_accepted(engine, reference):
     want = tokens(engine, [PROMPT], max_new_tokens=NEW)
     assert want == [reference]
