@@ -355,7 +355,7 @@ class PagePool:
         """(pages, node ids) of the longest registered prefix of ``tokens`` within the cap."""
         pages: list[int] = []
         nodes: list[int] = []
-        if not self.enable_prefix_caching or not tokens:
+        if not self.enable_prefix_caching or len(tokens) == 0:
             return pages, nodes
         ps = self.page_size
         parent = _ROOT
@@ -404,10 +404,11 @@ class PagePool:
 
 
 def _ints(tokens: Sequence[int], start: int, end: int) -> list[int]:
-    """``tokens[start:end]`` as a list of Python ints (page keys hash them), converted in C: an array's ``tolist``,
-    else ``map(int, ...)``, once per call instead of a Python-level ``int()`` per token in every page's key."""
+    """``tokens[start:end]`` as a list whose items hash and compare as the token ids (page keys are tuples of
+    them): an array's ``tolist``, a list as it is (numpy integers in it hash and compare equal to Python ints).
+    Converting every token with ``int()`` cost the host more than the rest of prefix matching."""
     part = tokens[start:end]
-    return part.tolist() if hasattr(part, "tolist") else list(map(int, part))
+    return part.tolist() if hasattr(part, "tolist") else part if isinstance(part, list) else list(part)
 
 
 class PageAllocator(PagePool):

@@ -59,6 +59,21 @@ def test_shared_first_page_only():
         pool.check_writable("a", 8, 13)  # past its pages
 
 
+@pytest.mark.parametrize("kind", ["numpy ints in a list", "array", "tuple"])
+def test_token_containers_share_pages_with_plain_lists(kind):
+    """Page keys are tuples of the token ids as given: numpy integers hash and compare as Python ints, so a
+    prompt given as an array, a tuple or a list of numpy ints hits the pages a list of ints registered."""
+    rng = np.random.default_rng(len(kind))
+    ids = [int(t) for t in rng.integers(0, 1000, 13)]
+    pool = PagePool(8, 4, max_blocks_per_request=4)
+    assert _run(pool, "a", ids) == 0
+    other = {"numpy ints in a list": [np.int64(t) for t in ids], "array": np.asarray(ids, np.int32),
+             "tuple": tuple(ids)}[kind]
+    assert _run(pool, "b", other) == 12  # three full pages (one token always left to compute)
+    assert pool.pages["b"][:3] == pool.pages["a"][:3]
+    assert pool.match_prefix(ids[:5] + [ids[5] + 1] + ids[6:]) == 4  # a changed token in page 2: page 1 only
+
+
 def test_hash_collisions_never_hit():
     # equal Python hashes, different tokens: hash(-1) == hash(-2), and ints congruent mod 2**61 - 1 collide
     m = 2**61 - 1
