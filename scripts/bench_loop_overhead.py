@@ -19,10 +19,8 @@ Wall time from the call to the read-back of its step count, on the host (``time.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
-import time
 
 import numpy as np
 
@@ -33,33 +31,14 @@ MODES = {"adaptive": dict(num_speculative_tokens=7, verification="adaptive"),
 
 def measure(eng) -> dict:
     """The timing calls of the module docstring on ``eng`` (warmed up, with a device loop)."""
-    import jax
-
-    from spec_decode.engine import _with_lengths
-
-    cfg, r = eng.loop_config, eng.max_num_seqs
-    branches = [(d, t) for d, buckets in zip(cfg.draft_lengths, cfg.token_buckets) for t in buckets]
-    index = {b: i for i, b in enumerate(branches)}
-    program = eng._loop_programs[(False, None)]
-    context = max(1, eng.max_model_len // 4)
-    eng._state = eng._placed(_with_lengths(eng._state, np.full(r, context, np.int32)))
-    base = dataclasses.replace(eng._example_loop_inputs(), block_tables=eng._profile_tables(context + 1 + eng.k),
-                               limit=np.full(r, eng.max_model_len, np.int32), cost_table=eng.planner.device_table())
+    branch_list, timer, context = eng._loop_branch_timer(eng._loop_programs[(False, None)])
+    branches = set(branch_list)
 
     def run(branch, steps: int) -> float:
-        d, t = branch
-        n = min(r, t)
-        rows = np.where(np.arange(r) < n, np.arange(r), -1).astype(np.int32)
-        inputs = eng._programs.put(dataclasses.replace(
-            base, rows=rows, max_steps=np.asarray(steps, np.int32), timing_branch=np.asarray(index[branch], np.int32),
-            timing_budget=np.asarray(min(t - n, n * d), np.int32)))
-        t0 = time.perf_counter()
-        eng._state, out = program(eng._target_params, eng._drafter_params, eng._state, inputs)
-        jax.device_get(out.steps)
-        return 1e3 * (time.perf_counter() - t0)
+        return 1e3 * timer(*branch, steps)
 
-    main = (3, 2048) if (3, 2048) in index else branches[-1]
-    others = [b for b in branches if b != main] or [main]
+    main = (3, 2048) if (3, 2048) in branches else branch_list[-1]
+    others = [b for b in branch_list if b != main] or [main]
     for _ in range(3):
         run(main, 1)
     one = [run(main, 1) for _ in range(12)]
@@ -71,7 +50,7 @@ def measure(eng) -> dict:
         alternating.append((f"{b[0]}/{b[1]}", run(b, 1)))
     name = f"{main[0]}/{main[1]}"
     slope = (np.median(thirteen) - np.median(one)) / 12
-    return {"branches": [f"{d}/{t}" for d, t in branches], "main_branch": name, "context": context,
+    return {"branches": [f"{d}/{t}" for d, t in branch_list], "main_branch": name, "context": context,
             "one_iteration_ms": one, "thirteen_iterations_ms": thirteen, "zero_iterations_ms": zero,
             "alternating_one_iteration_ms": alternating,
             "per_iteration_ms": float(slope), "per_call_intercept_ms": float(np.median(one) - slope),

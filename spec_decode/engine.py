@@ -650,6 +650,28 @@ class Engine:
         ``T - min(R, T)`` drafts (at most ``K_d`` each). A branch's step is the difference between a run of ``1 + n`` iterations
         and one of 1, over ``n``: the launch and the read-back cancel, the loop's own planning and branch choice
         stay in, as in a decode wave."""
+        cfg = self.loop_config
+        branches, run, context = self._loop_branch_timer(program)
+        lo, hi = PROFILE_LOOP_STEPS
+        hi = max(1, min(hi, cfg.output_len - 1))
+        run(*branches[-1], 1)  # one-off costs
+        estimate = run(*branches[-1], 1 + lo) / (1 + lo)  # an upper bound on the largest branch's step
+        n = int(min(hi, max(min(lo, hi), math.ceil(PROFILE_LOOP_SECONDS / max(estimate, 1e-9)))))
+
+        def time_branch(d: int, t: int) -> float:
+            return (run(d, t, 1 + n) - run(d, t, 1)) / n
+
+        self.planner.profile(branches, time_branch, repeats=PROFILE_REPEATS, per_length=True, progress=bar,
+                             source="engine warm-up profile: the device loop's branches, timed inside the loop",
+                             metadata={"loop_iterations": [1, 1 + n], "context": context})
+        return len(branches)
+
+    def _loop_branch_timer(self, program):
+        """``(branches, run, context)`` for timing runs of the device loop ``program``: ``branches`` its
+        ``(draft length, tokens)`` in switch order, ``run(d, t, steps)`` the seconds of one call that runs branch
+        ``(d, t)`` in each of ``steps`` iterations (from the call to the read-back of its step count), on every
+        slot's state set to ``context`` tokens (a quarter of ``max_model_len``). Used by the cost-table profile
+        and by ``scripts/bench_loop_overhead.py``."""
         cfg, r = self.loop_config, self.max_num_seqs
         branches = [(d, t) for d, buckets in zip(cfg.draft_lengths, cfg.token_buckets) for t in buckets]
         index = {p: i for i, p in enumerate(branches)}
@@ -669,22 +691,10 @@ class Engine:
             self._state, out = program(self._target_params, self._drafter_params, self._state, inputs)
             ran = int(jax.device_get(out.steps))
             if ran != steps:
-                raise RuntimeError(f"the profile's timing run of branch {d}/{t} ran {ran} of {steps} iterations")
+                raise RuntimeError(f"the timing run of branch {d}/{t} ran {ran} of {steps} iterations")
             return time.perf_counter() - t0
 
-        lo, hi = PROFILE_LOOP_STEPS
-        hi = max(1, min(hi, cfg.output_len - 1))
-        run(*branches[-1], 1)  # one-off costs
-        estimate = run(*branches[-1], 1 + lo) / (1 + lo)  # an upper bound on the largest branch's step
-        n = int(min(hi, max(min(lo, hi), math.ceil(PROFILE_LOOP_SECONDS / max(estimate, 1e-9)))))
-
-        def time_branch(d: int, t: int) -> float:
-            return (run(d, t, 1 + n) - run(d, t, 1)) / n
-
-        self.planner.profile(branches, time_branch, repeats=PROFILE_REPEATS, per_length=True, progress=bar,
-                             source="engine warm-up profile: the device loop's branches, timed inside the loop",
-                             metadata={"loop_iterations": [1, 1 + n], "context": context})
-        return len(branches)
+        return branches, run, context
 
     def _profile_host_steps(self, bar) -> int:
         """Time every step program of the planner's draft lengths, host-launched back to back, on every slot

@@ -240,7 +240,7 @@ class PagePool:
         chain = self._chain.setdefault(rid, [])
         added = 0
         first, end = len(chain), upto // ps
-        toks = _ints(tokens, first * ps, end * ps)
+        toks = _token_slice(tokens, first * ps, end * ps)
         for i in range(first, end):
             p = pages[i]
             if p in self._page_node:
@@ -360,7 +360,7 @@ class PagePool:
         ps = self.page_size
         parent = _ROOT
         n = min((len(tokens) - 1) // ps, self.max_blocks)
-        toks = _ints(tokens, 0, n * ps)
+        toks = _token_slice(tokens, 0, n * ps)
         for i in range(n):
             nid = self._nodes.get((parent, tuple(toks[i * ps:(i + 1) * ps])))
             if nid is None or self._node[nid].page is None:
@@ -403,12 +403,12 @@ class PagePool:
         return page
 
 
-def _ints(tokens: Sequence[int], start: int, end: int) -> list[int]:
-    """``tokens[start:end]`` as a list whose items hash and compare as the token ids (page keys are tuples of
-    them): an array's ``tolist``, a list as it is (numpy integers in it hash and compare equal to Python ints).
-    Converting every token with ``int()`` cost the host more than the rest of prefix matching."""
+def _token_slice(tokens: Sequence[int], start: int, end: int) -> Sequence[int]:
+    """``tokens[start:end]``, whose items page keys hold (tuples of them): an array's slice as Python ints, a list
+    or tuple as it is (numpy integers in it hash and compare equal to Python ints). Converting every token with
+    ``int()`` cost the host more than the rest of prefix matching."""
     part = tokens[start:end]
-    return part.tolist() if hasattr(part, "tolist") else part if isinstance(part, list) else list(part)
+    return part.tolist() if hasattr(part, "tolist") else part
 
 
 class PageAllocator(PagePool):
