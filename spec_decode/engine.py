@@ -561,10 +561,12 @@ class Engine:
 
     def _load_executables(self, digests: dict, live: str) -> dict:
         """``{name: program}`` of the programs already compiled in this process under the same key and code
-        (``live``), or held by the executable store on disk (loaded in a thread pool: mostly the runtime's work,
-        reading and placing the kernels)."""
+        (``live``), or held by the executable store on disk (loaded in a thread pool, longest first: mostly the
+        runtime's work, reading and placing the kernels)."""
         loaded = {name: exe for name, d in digests.items() if (exe := recall(d, live)) is not None}
-        rest = [name for name in digests if name not in loaded]
+        # the longest loads first, as the compiles (a device loop takes 6-9 s on the H200, a step program under 1 s):
+        # queued last, they would start only as the pool's first round of step programs ended
+        rest = sorted((name for name in digests if name not in loaded), key=_compile_order)
         if self._executables is not None and rest:
             with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(rest), os.cpu_count() or 1, 16))) \
                     as pool:

@@ -270,6 +270,30 @@ def test_the_executable_store_keys_change_with_the_engine(target, drafter):
     assert not set(keys(drafter=other).values()) & set(base.values())
 
 
+def test_the_store_loads_the_device_loops_first(target, drafter, tmp_path):
+    """A warm start loads the longest programs first (the device loops, then the sampling steps, as warm-up
+    compiles them): queued last, a loop would start only as the pool's first round of step programs ended."""
+    from spec_decode.executable_store import ExecutableStore
+
+    order = []
+
+    class Recording(ExecutableStore):
+        def load(self, digest):
+            order.append(digest)
+            return super().load(digest)
+
+    eng = Engine(target, drafter, num_speculative_tokens=3, verification="fixed", **GREEDY)
+    eng._executables = Recording(str(tmp_path))
+    eng._state = eng._init_state()
+    loops = [("loop", False, None), ("loop", True, None)]
+    names = list(eng._programs.missing) + ["history"] + loops
+    digests = eng._program_digests(names)
+    # an empty store, and no program of this process under that code key: nothing loads
+    assert eng._load_executables(digests, "no program of this process") == {}
+    assert len(order) == len(names) and set(order[:2]) == {digests[n] for n in loops}, order
+    assert order[-1] == digests["history"]
+
+
 def test_a_profiled_cost_table_is_kept_and_loaded_by_the_next_engine(target, drafter, tmp_path, monkeypatch):
     """The warm-up profile is saved under a key of what the timings depend on; an engine with the same key loads it
     instead of profiling, one with other settings profiles its own."""
