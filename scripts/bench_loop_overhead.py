@@ -1,6 +1,7 @@
 """The device loop's cost per call and per iteration, and whether changing branches between calls costs.
 
     PYTHONPATH=. python3 scripts/bench_loop_overhead.py --out FILE.json [--slots 512] [--modes adaptive fixed3]
+        [--sampling-loop]
 
 For each mode an engine of the embedded default (bf16, greedy programs, ``--slots`` slots, 2048-token prefill
 chunks) is built and warmed up; then its greedy device-loop program runs timing calls (``LoopInputs.timing_branch``:
@@ -15,6 +16,12 @@ committed, as the engine's cost-table profile does):
   previous call did not run pays whatever XLA redoes for it (a CUDA graph's update) here.
 
 Wall time from the call to the read-back of its step count, on the host (``time.perf_counter``).
+
+``--sampling-loop``: instead, what it would cost to serve greedy rows with the sampling loop (one device loop per
+engine instead of two). The engine is built with the sampling programs and only its two device loops are compiled
+(no step program, no cost table); then for every branch, one iteration's time (the slope of calls of 1 and 13
+iterations, interleaved between the two programs, medians) in the greedy loop and in the sampling loop, every
+row greedy (temperature 0) in both.
 """
 from __future__ import annotations
 
@@ -59,12 +66,49 @@ def measure(eng) -> dict:
             "alternating_other_ms": float(np.median([v for b, v in alternating if b != name] or [np.nan]))}
 
 
+def compare_loops(eng, rounds: int = 6) -> dict:
+    """The ``--sampling-loop`` timings of the module docstring on ``eng`` (both device loops compiled)."""
+    timers = {name: eng._loop_branch_timer(eng._loop_programs[(sampled, None)])
+              for name, sampled in (("greedy", False), ("sampling", True))}
+    branch_list = timers["greedy"][0]
+    out = {"context": timers["greedy"][2], "branches": {}}
+    for d, t in branch_list:
+        calls = {(name, n): [] for name in timers for n in (1, 13)}
+        for name in timers:  # a first call of each shape, untimed
+            timers[name][1](d, t, 1)
+        for _ in range(rounds):
+            for name in timers:
+                for n in (1, 13):
+                    calls[name, n].append(1e3 * timers[name][1](d, t, n))
+        per_it = {name: (np.median(calls[name, 13]) - np.median(calls[name, 1])) / 12 for name in timers}
+        out["branches"][f"{d}/{t}"] = {"greedy_ms_per_iteration": float(per_it["greedy"]),
+                                       "sampling_ms_per_iteration": float(per_it["sampling"]),
+                                       "ratio": float(per_it["sampling"] / per_it["greedy"]),
+                                       "calls_ms": {f"{name}/{n}": v for (name, n), v in calls.items()}}
+        print(f"bench_loop_overhead: {d}/{t}: greedy {per_it['greedy']:.3f} ms, sampling {per_it['sampling']:.3f} ms "
+              f"per iteration", flush=True)
+    return out
+
+
+def build_loops(eng) -> None:
+    """Compile ``eng``'s greedy and sampling device loops alone (no step program, no cost table)."""
+    from spec_decode.programs import compile_in_pool
+
+    eng._state = eng._init_state()
+    names = [("loop", False, None), ("loop", True, None)]
+    done, _ = compile_in_pool(((n, eng._lowering(n)) for n in names), total=len(names), progress=False, desc="loops")
+    for n in names:
+        eng._loop_programs[n[1:]] = done[n]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="JSON file for the rows")
     ap.add_argument("--slots", type=int, default=512)
     ap.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["adaptive", "fixed3"])
     ap.add_argument("--max-model-len", type=int, default=448)
+    ap.add_argument("--sampling-loop", action="store_true",
+                    help="greedy rows in the sampling loop against the greedy loop, per branch (module docstring)")
     args = ap.parse_args(argv)
 
     import jax
@@ -76,6 +120,13 @@ def main(argv=None) -> int:
     target, drafter, _ = load_default(dtype=jnp.bfloat16)
     rows = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "slots": args.slots}
     for mode in args.modes:
+        if args.sampling_loop:
+            eng = Engine(target, drafter, max_num_seqs=args.slots, max_model_len=args.max_model_len,
+                         max_num_batched_tokens=2048, sampling=True, cost_table=None, **MODES[mode])
+            build_loops(eng)
+            rows[mode] = compare_loops(eng)
+            del eng
+            continue
         eng = Engine(target, drafter, max_num_seqs=args.slots, max_model_len=args.max_model_len,
                      max_num_batched_tokens=2048, sampling=False, **MODES[mode])
         eng.warmup()
