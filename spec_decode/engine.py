@@ -488,11 +488,11 @@ class Engine:
             names += [("loop",) + key for key in loops if key not in self._loop_programs]
             # first from this process's programs or the executable store (no tracing), then lowered and compiled
             digests, live = self._program_digests(names), live_code()
-            loaded = self._load_executables(digests, live)
+            seconds: dict = {}  # each program's compile, or its load from the executable store
+            loaded = self._load_executables(digests, live, seconds)
             t_loaded = time.perf_counter()
             todo = [name for name in names if name not in loaded]
             todo.sort(key=_compile_order)
-            seconds: dict = {}
             done, lower_s = compile_in_pool(((name, self._lowering(name)) for name in todo), total=len(todo),
                                             progress=show, desc="compiling", seconds=seconds)
             t_compiled = time.perf_counter()
@@ -559,18 +559,26 @@ class Engine:
             digests[name] = program_digest(common, parts)
         return digests
 
-    def _load_executables(self, digests: dict, live: str) -> dict:
+    def _load_executables(self, digests: dict, live: str, seconds: dict | None = None) -> dict:
         """``{name: program}`` of the programs already compiled in this process under the same key and code
         (``live``), or held by the executable store on disk (loaded in a thread pool, longest first: mostly the
-        runtime's work, reading and placing the kernels)."""
+        runtime's work, reading and placing the kernels). ``seconds``, when given, gets each store load's time."""
         loaded = {name: exe for name, d in digests.items() if (exe := recall(d, live)) is not None}
         # the longest loads first, as the compiles (a device loop takes 6-9 s on the H200, a step program under 1 s):
         # queued last, they would start only as the pool's first round of step programs ended
         rest = sorted((name for name in digests if name not in loaded), key=_compile_order)
+
+        def load(name):
+            t = time.perf_counter()
+            exe = self._executables.load(digests[name])
+            if seconds is not None and exe is not None:
+                seconds[name] = time.perf_counter() - t
+            return exe
+
         if self._executables is not None and rest:
             with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(rest), os.cpu_count() or 1, 16))) \
                     as pool:
-                found = dict(zip(rest, pool.map(self._executables.load, [digests[n] for n in rest])))
+                found = dict(zip(rest, pool.map(load, rest)))
             for name, exe in found.items():
                 if exe is not None:
                     loaded[name] = exe

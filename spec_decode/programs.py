@@ -81,7 +81,7 @@ class CompileReport:
     compile_seconds: float = 0.0  # XLA compilation or cache loads (a thread pool), beyond what overlapped lowering
     loaded: int = 0  # programs loaded from the executable store (neither traced nor compiled)
     load_seconds: float = 0.0  # loading them
-    slowest: tuple = ()  # (program, seconds) of the longest compilations (or cache loads), longest first
+    slowest: tuple = ()  # (program, seconds) of the longest compilations or loads (either cache), longest first
 
     def __str__(self) -> str:
         cached = max(self.programs - self.loaded - self.compiled, 0)
