@@ -51,22 +51,27 @@ OPTIONS = {
     "no-autotune": {"xla_gpu_autotune_level": 0},
 }
 _SSA = re.compile(r"%[\w#:.]+")
+_STEP_KEY = re.compile(r"StepKey\(tokens=(?P<tokens>\d+), logit_rows=(?P<rows>\d+), sampling=(?P<sampling>True|False), "
+                       r"draft_len=(?P<draft>-?\d+)\)")
 
 
 def program_names(engine, wanted: list[str]) -> list:
-    from spec_decode.buckets import StepKey
-
+    """The programs ``wanted`` names (the module docstring's names, or ``StepKey`` reprs) of ``engine``."""
     greedy = sorted(k for k in engine.step_keys if not k.sampling)
     sampling = sorted(k for k in engine.step_keys if k.sampling)
     named = {"loop": ("loop", False, None), "loop-sampling": ("loop", True, None), "step-top": greedy[-1],
              "step-small": sampling[0] if sampling else greedy[0]}
-    out = []
-    for w in wanted:
-        if w in named:
-            out.append(named[w])
-        else:
-            out.append(eval(w, {"StepKey": StepKey}))  # a repr from the start-up bench's slowest_compiles
-    return out
+    return [named[w] if w in named else parse_step_key(w) for w in wanted]
+
+
+def parse_step_key(text: str):
+    """A ``StepKey`` from its repr (as the start-up bench's ``slowest_compiles`` print them)."""
+    from spec_decode.buckets import StepKey
+
+    m = _STEP_KEY.fullmatch(text.strip())
+    if m is None:
+        raise SystemExit(f"bench_compile: not a program name or a StepKey repr: {text!r}")
+    return StepKey(int(m["tokens"]), int(m["rows"]), m["sampling"] == "True", int(m["draft"]))
 
 
 def module_stats(text: str) -> dict:
