@@ -341,6 +341,15 @@ def windowed_bf16_tol(ref, expected):
     return max(3e-4, 2 * floor)
 
 
+def windowed_ref_tol(expected, num_valid):
+    """bf16 mean-error tolerance of the reference on a windowed case. With a few keys per query the outputs are
+    larger than on the unwindowed batches, and the reference's error (bf16 inputs, f32 math, bf16 rounding) scales
+    with them: 1.1e-3 of the mean |output| (median of 40 random batches; at most 1.22e-3) against 3e-4 absolute,
+    which random inputs crossed about once in a hundred runs. Allowed: 2^-9 of the mean |output|, at least the
+    usual 3e-4; a wrong window or block moves the error by the order of the outputs themselves."""
+    return max(3e-4, 2.0 ** -9 * float(np.abs(expected[:num_valid]).mean()))
+
+
 # Windows of one key, a page, not a multiple of the page, and past every context (the whole causal range).
 WINDOWED = [
     # dtype, page, window, block_q, num_splits, block_k
@@ -372,7 +381,7 @@ def test_windowed_kernel_matches_oracle(dtype, page, window, block_q, num_splits
         *args_of(batch), scale=scale, config=config, interpret=True, poison=True, window=window
     )
     ref = ragged_sparse_attention_reference(*args_of(batch), scale=scale, window=window)
-    assert_close(ref, expected, dtype, num_valid)
+    assert_close(ref, expected, dtype, num_valid, bf16_mean_tol=windowed_ref_tol(expected, num_valid))
     assert_close(out, expected, dtype, num_valid, bf16_mean_tol=windowed_bf16_tol(ref, expected))
     if window >= 70:  # the whole causal range: the window changes nothing
         assert_close(ref, oracle(batch, scale), dtype, num_valid)
