@@ -32,14 +32,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import sys
 import time
 
 os.environ.setdefault("MINIMAX_JAX_COMPILATION_CACHE", "0")  # every compile a real one
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -102,11 +100,10 @@ def main():
                  max_model_len=args.max_model_len, tokenizer=tokenizer, compilation_cache=False,
                  implementation=args.implementation)
     eng._state = eng._init_state()
-    dev = jax.devices()[0]
+    from scripts.bench_engine import meta as engine_meta
+
     rows = []
-    meta = {"device": f"{dev.platform}:{getattr(dev, 'device_kind', '?')}", "jax": jax.__version__,
-            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"), "args": vars(args),
-            "xla_flags": os.environ.get("XLA_FLAGS", ""), "closed_set": len(eng.step_keys)}
+    meta = {**engine_meta(args), "xla_flags": os.environ.get("XLA_FLAGS", ""), "closed_set": len(eng.step_keys)}
 
     def save():
         with open(args.out, "w") as f:
