@@ -2,8 +2,9 @@
 as the device loop runs it, at the default engine's draft lengths and device-loop sizes.
 
 Variants: ``sorted`` (one sort and prefix sums over the ranked survival), ``ranked`` (the sort-free pass over
-bucket edges, table lookups in every iteration) and ``prepared`` (the same with the table's costs computed once
-before the loop, as ``spec_decode.device_loop`` does). Each iteration feeds the planner confidences that depend
+bucket edges in jnp, table lookups in every iteration), ``prepared`` (the same with the table's costs computed
+once before the loop) and ``kernels`` (``prepared`` with the pass in Pallas kernels,
+``pallas_kernels.plan_ranking``: what ``spec_decode.device_loop`` runs on a GPU). Each iteration feeds the planner confidences that depend
 on the previous plan, so XLA can neither hoist nor skip it. Reports microseconds per iteration (the loop's
 wall over its iterations, minus an empty loop's) and, on a GPU, the kernels per iteration from a profiler trace.
 
@@ -45,7 +46,7 @@ def make_loop(rows: int, k: int, variant: str, iters: int):
 
     def run(conf, sched, arr):
         prepared = (prepare_plan_device(arr, draft_lengths=LENGTHS, token_buckets=buckets, max_rows=rows)
-                    if variant == "prepared" else None)
+                    if variant in ("prepared", "kernels") else None)
 
         def body(i, c):
             conf, acc = c
@@ -55,7 +56,8 @@ def make_loop(rows: int, k: int, variant: str, iters: int):
                 b, li = choose_plan_device(conf, sched, num_rows=jnp.int32(rows), num_sampling_rows=jnp.int32(rows),
                                            num_non_draft_tokens=jnp.int32(rows), cost_table=arr,
                                            max_total_logit_rows=rows * (k + 1), draft_lengths=LENGTHS,
-                                           token_buckets=None if variant == "sorted" else buckets, prepared=prepared)
+                                           token_buckets=None if variant == "sorted" else buckets, prepared=prepared,
+                                           implementation="pallas" if variant == "kernels" else "reference")
             # the next iteration's confidences depend on this plan: nothing is loop-invariant
             conf = jnp.roll(conf, 1, axis=0) * (0.999 + 1e-6 * (b + li).astype(jnp.float32))
             return conf, acc + b + li
@@ -71,7 +73,7 @@ def main():
     ap.add_argument("--rows", type=int, nargs="+", default=[8, 64, 256, 512])
     ap.add_argument("--k", type=int, default=7)
     ap.add_argument("--iters", type=int, default=200)
-    ap.add_argument("--variants", nargs="+", default=["sorted", "ranked", "prepared"])
+    ap.add_argument("--variants", nargs="+", default=["sorted", "ranked", "prepared", "kernels"])
     ap.add_argument("--trace", action="store_true", help="also count kernels per iteration (GPU)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)

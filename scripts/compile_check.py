@@ -331,6 +331,23 @@ def _draft_attention_window_call(batch: Batch) -> KernelCall | None:
                                        "implementation": "pallas"})
 
 
+def _plan_ranking_call(batch: Batch) -> KernelCall | None:
+    """The adaptive planner's ranking pass (the device loop plans every iteration): one row per request, K = 7,
+    the default draft lengths (0, 1, 3, 7) and the fallback column, four verify sizes per length."""
+    from pallas_kernels.plan_ranking import ranked_plan_curves
+
+    if batch.kind == "prefill":
+        return None
+    s, r, k = jax.ShapeDtypeStruct, batch.requests, DRAFT_BLOCK
+    lengths = (0, 1, 3, k, k)
+    sizes = tuple(tuple(max(8, r * (1 + d) - i * r) for i in range(3, -1, -1)) for d in lengths)
+    sizes = tuple(tuple(sorted(set(b))) for b in sizes)
+    width = max(len(b) for b in sizes)
+    args = (s((r, k), jnp.float32), s((4,), jnp.int32), s((r + 1,), jnp.float32), s((len(lengths), width), jnp.float32))
+    return KernelCall(ranked_plan_curves, args, {"column_lengths": lengths, "column_sizes": sizes,
+                                                 "implementation": "pallas"})
+
+
 # Every kernel entry point: (name, batch -> the call to lower, or None to skip that batch). Add new kernels here;
 # they join both the full report (BATCHES) and the CI gate (GATE_CASES).
 KERNELS: tuple[tuple[str, Callable[[Batch], KernelCall | None]], ...] = (
@@ -344,6 +361,7 @@ KERNELS: tuple[tuple[str, Callable[[Batch], KernelCall | None]], ...] = (
     ("mx_moe_ffn_mxfp8", functools.partial(_mx_moe_ffn_call, fmt="mxfp8")),
     ("draft_attention", _draft_attention_call),
     ("draft_attention_window", _draft_attention_window_call),
+    ("plan_ranking", _plan_ranking_call),
 )
 
 
@@ -379,7 +397,8 @@ GATE_CASES: tuple[Case, ...] = (
     *all_cases(batches=(Batch("decode", 16, 1, 4096),), only=("ragged_sparse_attention", "ragged_paged_attention",
                                                                "ragged_sparse_attention_window",
                                                                "ragged_paged_attention_window")),
-    *all_cases(batches=(Batch("decode", 512, 1, 4096), Batch("prefill", 1, 512, 4096)), only=("ragged_index_topk",)),
+    *all_cases(batches=(Batch("decode", 512, 1, 4096), Batch("prefill", 1, 512, 4096)),
+               only=("ragged_index_topk", "plan_ranking")),
 )
 
 

@@ -48,6 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.plan_ranking import TIE_RTOL as _TIE_RTOL_F32
+from pallas_kernels.plan_ranking import ranked_plan_curves
 from spec_decode.allocator import survival
 from spec_decode.cost_table import CostTable, CostTableArrays, lookup_device, step_costs_device
 
@@ -247,9 +249,8 @@ def select_plan(curves, *, min_predicted_gain: float) -> tuple[int, int]:
     return b, d
 
 
-# float32 ties: values within this relative distance of the best count as ties (the host's 1e-9 is below float32
-# resolution; a gap this small is noise in any profiled table).
-_TIE_RTOL_F32 = 1e-6
+# float32 ties (_TIE_RTOL_F32, pallas_kernels.plan_ranking.TIE_RTOL): values within 1e-6 (relative) of the best
+# count as ties (the host's 1e-9 is below float32 resolution; a gap this small is noise in any profiled table).
 
 
 def choose_budget_device(
@@ -354,7 +355,7 @@ def _curves_device(ranked, sched, draft_lens: tuple, *, num_rows, num_sampling_r
 
 def _curves_ranked(stale_confidences, sched, draft_lens: tuple, token_buckets: tuple, *, num_rows,
                    num_sampling_rows, num_non_draft_tokens, cost_table: CostTableArrays, max_total_logit_rows,
-                   priced_as: tuple | None = None, prepared=None):
+                   priced_as: tuple | None = None, prepared=None, implementation: str = "auto"):
     """:func:`_curves_device` for lengths whose packed-token sizes are all compiled (``token_buckets``, one
     non-empty tuple per length), without a sort or a scan: the same ``(b, value(b), value(maxB), maxB)``.
 
@@ -362,96 +363,29 @@ def _curves_ranked(stale_confidences, sched, draft_lens: tuple, token_buckets: t
     negative): each bucket's best budget is its upper edge (the largest ``b`` it holds, at most ``maxB``), and the
     best of the curve is the best of ``0``, the edges and ``maxB``. Those need the summed survival of the top
     ``b`` drafts at a dozen ``b``, which one pass over the pairs of drafts gives: each draft's rank among its
-    length's drafts and the summed survival of those ranked at or before it. The smallest near-best ``b`` is then
-    the smallest rank whose summed survival reaches the best value, within its bucket.
+    length's drafts and the summed survival of those ranked at or before it
+    (:mod:`pallas_kernels.plan_ranking`: two Pallas kernels on a GPU, the same pass in jnp elsewhere). The smallest
+    near-best ``b`` is then the smallest rank whose summed survival reaches the best value, within its bucket.
 
-    The device loop plans every iteration, and on a GPU each fusion of the plan is about one kernel launch: with
-    the table's costs prepared once (:func:`prepare_plan_device`) this pass measured 20 kernels and 62 us per
-    iteration at 512 rows against the sorted pass's 25 and 86 us (docs/ADAPTIVE_VERIFICATION.md, "The planner's
-    cost in the device loop"). The pair pass is ``O(N^2)`` with ``N = R * K`` (12.8M compares at 512 rows x 7
-    drafts), whatever the number of columns: the lengths are nested, so each draft's count of drafts ahead of it
-    at every position, summed over the positions, gives each length's rank. ``priced_as``: the lengths the table
-    prices each column at (None entries: the table's longest length, or its verify costs alone), ``draft_lens``
-    by default. ``prepared``:
-    :func:`prepare_plan_device` of the same table and sizes (the device loop computes it once, outside its loop),
-    else the table is looked up here."""
+    The device loop plans every iteration, and on a GPU each fusion of the plan is about one kernel launch: the
+    jnp pass measured 20 kernels and 62 us per iteration at 512 rows (docs/ADAPTIVE_VERIFICATION.md, "The
+    planner's cost in the device loop"), hence the kernels. ``priced_as``: the lengths the table prices each
+    column at (None entries: the table's longest length, or its verify costs alone), ``draft_lens`` by default.
+    ``prepared``: :func:`prepare_plan_device` of the same table and sizes (the device loop computes it once,
+    outside its loop), else the table is looked up here. ``implementation``: as
+    :func:`pallas_kernels.plan_ranking.ranked_plan_curves`."""
     priced = draft_lens if priced_as is None else priced_as
-    a = survival(stale_confidences, sched)  # [R, K], -inf where not scheduled
-    flat = a.reshape(-1)
-    n, n_len = flat.shape[0], len(draft_lens)
-    cols = jnp.arange(n_len)
-    k = a.shape[1]
-    pos = jnp.tile(jnp.arange(k, dtype=jnp.int32), a.shape[0])
-    finite = jnp.isfinite(flat)
-    av = jnp.where(finite, flat, 0.0)
-    limit = jnp.asarray([int(d) for d in draft_lens], jnp.int32)
-    mine = finite[:, None] & (pos[:, None] < limit[None, :])  # [N, L]
-    clipped = jnp.minimum(jnp.asarray(sched, jnp.int32)[:, None], limit[None, :])
-    max_b = jnp.maximum(0, jnp.minimum(jnp.sum(clipped, axis=0),
-                                       jnp.asarray(max_total_logit_rows, jnp.int32) - num_rows))
-    nnd = jnp.asarray(num_non_draft_tokens, jnp.int32)
-    s = jnp.asarray(num_sampling_rows, jnp.float32)
-    sizes = [sorted(int(t) for t in b) for b in token_buckets]
-    width = max(len(b) for b in sizes)
-    tb = jnp.asarray([b + [np.iinfo(np.int32).max] * (width - len(b)) for b in sizes], jnp.int32)  # [L, W]
-    nb = jnp.asarray([len(b) for b in sizes], jnp.int32)
+    sizes = tuple(tuple(sorted(int(t) for t in b)) for b in token_buckets)
     if prepared is None:
-        prepared = _step_costs_at_sizes(cost_table, priced, sizes), None
+        rows = jnp.arange(stale_confidences.shape[0] + 1, dtype=jnp.int32)
+        prepared = (_step_costs_at_sizes(cost_table, priced, sizes),
+                    lookup_device(cost_table.draft_buckets, cost_table.draft_seconds, cost_table.num_draft, rows))
     step_at, draft_by_rows = prepared  # [L, W] seconds at each compiled size; [R + 1] draft seconds per rows
-    if draft_by_rows is None:
-        draft = lookup_device(cost_table.draft_buckets, cost_table.draft_seconds, cost_table.num_draft, num_rows)
-    else:
-        draft = draft_by_rows[jnp.clip(num_rows, 0, draft_by_rows.shape[0] - 1)]
-
-    def paid_index(b):  # [..., L] -> the index of the smallest size holding n_nd + b (nb: none does)
-        return _size_index(tb, nnd + b)
-
-    def value(b, g):  # [..., L]
-        idx = paid_index(b)
-        fits = idx < nb
-        cost = draft + step_at[cols, jnp.minimum(idx, width - 1)]
-        return jnp.where(fits & (b <= max_b), g / jnp.maximum(cost, 1e-12), -jnp.inf), cost
-
-    if n == 0:  # no drafts at all
-        v0 = value(jnp.zeros((n_len,), jnp.int32), jnp.full((n_len,), s))[0]
-        return jnp.zeros((n_len,), jnp.int32), v0, v0, max_b
-    # one pass over the pairs: rank[i, l] drafts of length l come before draft i (more survival, or as much and
-    # a lower index), and prefix[i, l] the summed survival of those and of i: the gain of the top rank + 1. The
-    # lengths are nested (length l's drafts are the scheduled ones at positions < draft_lens[l]), so one [N, N]
-    # pass counts the drafts ahead of i at each position, and a running sum over the positions gives every
-    # length's rank and prefix: N^2 work, not N^2 L.
-    i = jnp.arange(n, dtype=jnp.int32)
-    ahead = ((av[None, :] > av[:, None]) | ((av[None, :] == av[:, None]) & (i[None, :] < i[:, None]))) \
-        & finite[None, :]  # [i, j]: j is scheduled and comes before i
-    ahead = ahead.reshape(n, a.shape[0], k)  # [i, row of j, position of j]
-    count_at = jnp.cumsum(jnp.sum(ahead.astype(jnp.int32), axis=1), axis=1)  # [N, K]: ahead at positions <= p
-    sum_at = jnp.cumsum(jnp.sum(jnp.where(ahead, av.reshape(1, a.shape[0], k), 0.0), axis=1), axis=1)
-    upto = jnp.clip(limit - 1, 0, k - 1)  # length l counts positions <= draft_lens[l] - 1 (none for length 0)
-    rank = jnp.where(limit[None, :] > 0, count_at[:, upto], 0)  # [N, L]
-    prefix = av[:, None] + jnp.where(limit[None, :] > 0, sum_at[:, upto], 0.0)
-
-    def top_gain(b):  # [L, C] budgets -> s + the summed survival of each length's top b drafts
-        inside = mine[:, :, None] & (rank[:, :, None] < b[None])
-        return s + jnp.max(jnp.where(inside, prefix[:, :, None], 0.0), axis=0)
-
-    # candidates, ascending per length: 0, each size's upper edge, maxB
-    edges = jnp.clip(tb - nnd, 0, max_b[:, None])
-    cand = jnp.concatenate([jnp.zeros((n_len, 1), jnp.int32), edges, max_b[:, None]], axis=1)  # [L, C]
-    vals, costs = value(cand.T, top_gain(cand).T)  # [C, L]
-    best = jnp.max(vals, axis=0)
-    near = best - _TIE_RTOL_F32 * jnp.abs(best)
-    e = jnp.argmax(vals >= near[None, :], axis=0)  # the first near-best candidate
-    top, cost_e = cand[cols, e], costs[e, cols]
-    # the smallest b with the same bucket as that candidate (above the size below it), and the smallest b whose
-    # gain reaches the near-best value at that bucket's cost
-    j = paid_index(top)
-    low = jnp.where(j > 0, tb[cols, jnp.maximum(j - 1, 0)] - nnd + 1, 0)
-    need = near * cost_e - s
-    reach = jnp.min(jnp.where(mine & (prefix >= need[None, :]), rank + 1, np.iinfo(np.int32).max), axis=0)
-    b = jnp.clip(jnp.where(need <= 0, 0, reach), jnp.maximum(low, 0), top)
-    b = jnp.where(jnp.isfinite(best), b, 0).astype(jnp.int32)
-    v_b = jnp.where(jnp.isfinite(best), value(b, top_gain(b[:, None])[:, 0])[0], best)
-    return b, v_b, vals[-1], max_b
+    counts = jnp.stack([jnp.asarray(x, jnp.int32) for x in (num_rows, num_sampling_rows, num_non_draft_tokens,
+                                                             max_total_logit_rows)])
+    return ranked_plan_curves(survival(stale_confidences, sched), counts, draft_by_rows, step_at,
+                              column_lengths=tuple(int(d) for d in draft_lens), column_sizes=sizes,
+                              implementation=implementation)
 
 
 def _step_costs_at_sizes(cost_table: CostTableArrays, priced: tuple, sizes) -> jax.Array:
@@ -518,6 +452,7 @@ def choose_plan_device(
     token_buckets: tuple[tuple[int, ...], ...] | None = None,
     min_predicted_gain: float = DEFAULT_MIN_PREDICTED_GAIN,
     prepared=None,
+    implementation: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     """:func:`choose_plan` in jnp: ``(B int32[], i int32[])`` with ``draft_lengths[i]`` the chosen ``K_d``.
 
@@ -525,7 +460,9 @@ def choose_plan_device(
     for it) are static; arguments as :func:`choose_budget_device`. A table without draft lengths, or a flat one,
     gives the last length and the one-length budget. With every length's sizes given, the plan takes the sort-free
     pass over bucket edges (:func:`_curves_ranked`; the same plan up to float32 near-ties), reading the table
-    through ``prepared`` (:func:`prepare_plan_device`) when given."""
+    through ``prepared`` (:func:`prepare_plan_device`) when given, in Pallas kernels on a GPU
+    (``implementation``: ``"auto"``, ``"pallas"`` or ``"reference"``, as
+    :func:`pallas_kernels.plan_ranking.ranked_plan_curves`)."""
     lengths = tuple(int(d) for d in draft_lengths)
     if list(lengths) != sorted(set(lengths)):
         raise ValueError(f"draft_lengths must be distinct and ascending, got {draft_lengths}")
@@ -543,14 +480,14 @@ def choose_plan_device(
         clipped = jnp.minimum(sched, lengths[0])
         if compiled:
             curves = _curves_ranked(stale_confidences, clipped, columns, sizes, priced_as=priced, prepared=prepared,
-                                    **kw)
+                                    implementation=implementation, **kw)
         else:
             curves = _curves_device(_sorted_survival_device(stale_confidences, clipped), clipped, priced, **kw)
         return _guarded(curves, cost_table, min_predicted_gain)[0], jnp.asarray(last, jnp.int32)
     # every length, and after them the table-less fallback (_plan_columns), in one pass
     if compiled:
         b, value, value_full, max_b = _curves_ranked(stale_confidences, sched, columns, sizes, priced_as=priced,
-                                                     prepared=prepared, **kw)
+                                                     prepared=prepared, implementation=implementation, **kw)
     else:
         b, value, value_full, max_b = _curves_device(_sorted_survival_device(stale_confidences, sched), sched,
                                                      columns, token_buckets=sizes, **kw)

@@ -181,6 +181,9 @@ def make_loop_fn(target, drafter, config: LoopConfig):
     sizes_arr = np.asarray([t for _, t in branches], np.int32)
     lengths_arr = np.asarray(lengths, np.int32)
     kk = max(k, 1)
+    # the plan's ranking pass: Pallas kernels on a GPU (pallas_kernels.plan_ranking), jnp where the engine asks for
+    # reference kernels or runs on a mesh (every rank plans the same, replicated)
+    plan_impl = "reference" if step_cfg.implementation == "reference" or step_cfg.mesh is not None else "auto"
     width = config.logprobs
     if width is not None and not (step_cfg.sampling and 0 <= width <= MAX_LOGPROBS):
         raise ValueError(f"LoopConfig.logprobs={width}: log-probabilities need the sampling programs "
@@ -227,7 +230,7 @@ def make_loop_fn(target, drafter, config: LoopConfig):
                                                     cost_table=inputs.cost_table, max_total_logit_rows=cap,
                                                     draft_lengths=lengths, token_buckets=tuple(config.token_buckets),
                                                     min_predicted_gain=config.min_predicted_gain,
-                                                    prepared=prepared)
+                                                    prepared=prepared, implementation=plan_impl)
             elif mode == "fixed":
                 budget, li = jnp.maximum(0, jnp.minimum(jnp.sum(sched), cap - n_live)), last_length
             else:

@@ -289,7 +289,8 @@ def test_sort_free_device_curves_match_the_sorted_ones():
     edges) gives the sorted pass's curves: the same budgets and values, on random tables, confidences with exact
     ties and zero-survival plateaus (quantised), NaN, unscheduled and padding rows, logit caps that bind, and
     anchors that overflow the smallest buckets. Both run at float32; survival sums of the quantised
-    confidences are exact, so their budgets must agree exactly."""
+    confidences are exact, so their budgets must agree exactly. The pass's Pallas kernels (interpret mode) give
+    the jnp pass's curves on every trial."""
     from spec_decode.budget import _curves_device, _curves_ranked, _sorted_survival_device
     from spec_decode.cost_table import CostTableArrays
 
@@ -303,7 +304,8 @@ def test_sort_free_device_curves_match_the_sorted_ones():
         kw = dict(num_rows=r, num_sampling_rows=n_samp, num_non_draft_tokens=n_nd, cost_table=table,
                   max_total_logit_rows=cap)
         sorted_ = _curves_device(_sorted_survival_device(conf, sched), sched, lengths, token_buckets=buckets, **kw)
-        return sorted_, _curves_ranked(conf, sched, lengths, buckets, **kw)
+        return (sorted_, _curves_ranked(conf, sched, lengths, buckets, **kw),
+                _curves_ranked(conf, sched, lengths, buckets, implementation="pallas", **kw))
 
     checked = exact = 0
     for trial in range(60):
@@ -320,9 +322,11 @@ def test_sort_free_device_curves_match_the_sorted_ones():
         sched = np.where(np.arange(rows) < r, rng.integers(0, k + 1, rows), 0).astype(np.int32)  # padding rows
         n_nd = r + int(rng.integers(0, 20))  # anchors and prefill tokens: may pass the smallest sizes
         cap = int(rng.integers(r, r * (k + 1) + 4))
-        got_sorted, got_ranked = both(conf, sched, np.int32(r), np.int32(n_nd), np.int32(r + int(rng.integers(0, 3))),
-                                      np.int32(cap), CostTableArrays.from_table(table))
-        (b0, v0, f0, m0), (b1, v1, f1, m1) = jax.device_get((got_sorted, got_ranked))
+        got = both(conf, sched, np.int32(r), np.int32(n_nd), np.int32(r + int(rng.integers(0, 3))), np.int32(cap),
+                   CostTableArrays.from_table(table))
+        (b0, v0, f0, m0), (b1, v1, f1, m1), kernels = jax.device_get(got)
+        for want, have in zip((b1, v1, f1, m1), kernels):  # the Pallas kernels (interpret mode) == the jnp pass
+            np.testing.assert_allclose(have, want, rtol=1e-6, err_msg=f"trial {trial}")
         np.testing.assert_array_equal(m0, m1)
         np.testing.assert_allclose(f1, f0, rtol=1e-5)
         np.testing.assert_allclose(v1, v0, rtol=1e-5)

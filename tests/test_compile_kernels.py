@@ -65,7 +65,7 @@ def test_compile_gate(reports):
         "ragged_paged_attention_tiles", "ragged_paged_attention", "ragged_paged_attention_merge",
         "draft_attention", "draft_attention_merge", "grouped_matmul_swigluoai", "grouped_matmul",
         "mx_grouped_matmul_mxfp4_swigluoai", "mx_grouped_matmul_mxfp4", "mx_grouped_matmul_mxfp8_swigluoai",
-        "mx_grouped_matmul_mxfp8",
+        "mx_grouped_matmul_mxfp8", "plan_ranking_pairs", "plan_ranking_select",
     }
     for target in TARGETS:
         mine = [r for r in reports if r.target == target]

@@ -350,3 +350,25 @@ def test_mx_grouped_gemm_compiled(fmt, dtype):
             assert (got[used:] == 0).all(), name
             scale = max(float(np.abs(want).max()), 1e-6)
             assert np.abs(got - want).max() <= tol * scale, (name, np.abs(got - want).max(), scale)
+
+
+@pytest.mark.parametrize("rows, k", [(1, 1), (12, 7), (70, 4), (512, 7)])
+def test_plan_ranking_compiled(rows, k):
+    """The planner's ranking kernels, compiled, == the jnp pass (exactly on quantised confidences, whose survival
+    sums are exact; values to float32 rounding otherwise), at the device loop's 512 slots and small odd sizes."""
+    from pallas_kernels.plan_ranking import ranked_plan_curves
+    from tests.test_plan_ranking import random_inputs
+
+    lengths = tuple(sorted({0, 1, min(3, k), k})) + (k,)
+    sizes = tuple(tuple(sorted({max(8, rows * (1 + d) - i * rows) for i in range(4)})) for d in lengths)
+    rng = np.random.default_rng(rows)
+    for trial in range(6):
+        quantised = trial % 2 == 0
+        args = random_inputs(rng, rows, k, lengths, sizes, live=int(rng.integers(0, rows + 1)), quantised=quantised)
+        kw = dict(column_lengths=lengths, column_sizes=sizes)
+        want = [np.asarray(x) for x in ranked_plan_curves(*args, implementation="reference", **kw)]
+        got = [np.asarray(x) for x in ranked_plan_curves(*args, implementation="pallas", **kw)]
+        np.testing.assert_array_equal(got[3], want[3])
+        np.testing.assert_allclose(got[1:3], want[1:3], rtol=0 if quantised else 1e-5)
+        if quantised:
+            np.testing.assert_array_equal(got[0], want[0])
