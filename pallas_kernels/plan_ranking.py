@@ -44,7 +44,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels._common import next_pow2, out_of_bounds_where
 from pallas_kernels.platform import resolve_auto, resolve_interpret
 
-__all__ = ["TIE_RTOL", "ranked_plan_curves", "ranked_plan_curves_reference"]
+__all__ = ["TIE_RTOL", "ranked_plan_curves", "ranked_plan_curves_reference", "supports"]
 
 # float32 ties: values within this relative distance of the best count as ties
 TIE_RTOL = 1e-6
@@ -151,43 +151,52 @@ def ranked_plan_curves_reference(survival, counts, draft_costs, step_costs, *, c
 # Kernel 1: the pairs.
 # ------------------------------------------------------------------------------------------------------------
 
+# Elements one program holds at once: a tile of drafts i by drafts j in the pair pass, every draft in the select.
+_TILE = 4096
 
-def _pairs_kernel(a_ref, count_ref, total_ref, *, rows: int, k: int, block_i: int, block_j: int):
-    """Program ``(rb, p)``: drafts ``(rb * BI + [0, BI), p)``; a loop over every row's drafts in ``block_j``
-    steps. Writes ``count[p, row, q]`` / ``total[p, row, q]`` cumulative over ``q``."""
+
+def _pairs_kernel(a_ref, rank_ref, prefix_ref, *, rows: int, rows_p2: int, k: int, ranked: tuple, block_i: int,
+                  block_j: int):
+    """Program ``(rb, p)``: drafts ``i = (rb * BI + [0, BI), position p)`` against every draft ``j`` in
+    ``[BI, BJ]`` tiles (``a_ref`` is the survival transposed, ``[K, R]``). Writes, per ranked length ``d``, the
+    drafts ahead of ``i`` at positions ``< d`` and ``i``'s survival plus theirs, at flat index ``p * Rp + row``."""
     rb, p = pl.program_id(0), pl.program_id(1)
     ri = rb * block_i + lax.broadcasted_iota(jnp.int32, (block_i,), 0)
     ok_i = ri < rows
-    a_i = plgpu.load(a_ref.at[jnp.where(ok_i, ri, 0), p], mask=ok_i, other=-jnp.inf)
-    fin_i = a_i > -jnp.inf
-    av_i = jnp.where(fin_i, a_i, 0.0)[:, None]
+    a_i = plgpu.load(a_ref.at[p, jnp.where(ok_i, ri, 0)], mask=ok_i, other=-jnp.inf)
+    av_i = jnp.where(a_i > -jnp.inf, a_i, 0.0)
     idx_i = (ri * k + p)[:, None]
 
-    def step(c, carry):
-        counts, totals = carry
-        rj = c * block_j + lax.broadcasted_iota(jnp.int32, (block_j,), 0)
+    def tile(rj, q):
         ok_j = rj < rows
-        new_counts, new_totals = [], []
-        for q in range(k):
-            a_j = plgpu.load(a_ref.at[jnp.where(ok_j, rj, 0), q], mask=ok_j, other=-jnp.inf)
-            fin_j = a_j > -jnp.inf
-            av_j = jnp.where(fin_j, a_j, 0.0)[None, :]
-            idx_j = (rj * k + q)[None, :]
-            ahead = fin_j[None, :] & ((av_j > av_i) | ((av_j == av_i) & (idx_j < idx_i)))  # [BI, BJ]
-            new_counts.append(counts[q] + jnp.sum(ahead.astype(jnp.int32), axis=1))
-            new_totals.append(totals[q] + jnp.sum(jnp.where(ahead, av_j, 0.0), axis=1))
-        return tuple(new_counts), tuple(new_totals)
+        a_j = plgpu.load(a_ref.at[q, jnp.where(ok_j, rj, 0)], mask=ok_j, other=-jnp.inf)
+        fin_j = a_j > -jnp.inf
+        av_j = jnp.where(fin_j, a_j, 0.0)[None, :]
+        ahead = fin_j[None, :] & ((av_j > av_i[:, None]) | ((av_j == av_i[:, None]) & ((rj * k + q)[None, :] < idx_i)))
+        return jnp.sum(ahead.astype(jnp.int32), axis=1), jnp.sum(jnp.where(ahead, av_j, 0.0), axis=1)
 
-    zeros_i = jnp.zeros((block_i,), jnp.int32)
-    zeros_f = jnp.zeros((block_i,), jnp.float32)
-    steps = next_pow2(rows) // block_j
-    counts, totals = lax.fori_loop(0, steps, step, ((zeros_i,) * k, (zeros_f,) * k))
-    dest = out_of_bounds_where(ok_i, ri, rows)
-    running_c, running_t = zeros_i, zeros_f
+    def step(c, carry):
+        rj = c * block_j + lax.broadcasted_iota(jnp.int32, (block_j,), 0)
+        out = []
+        for q in range(k):
+            n, t = tile(rj, q)
+            out.append((carry[q][0] + n, carry[q][1] + t))
+        return tuple(out)
+
+    zero = (jnp.zeros((block_i,), jnp.int32), jnp.zeros((block_i,), jnp.float32))
+    steps = rows_p2 // block_j
+    if steps == 1:
+        per_q = step(0, (zero,) * k)
+    else:
+        per_q = lax.fori_loop(0, steps, step, (zero,) * k)
+    dest = out_of_bounds_where(ok_i, p * rows_p2 + ri, k * rows_p2)
+    count, total = zero
     for q in range(k):
-        running_c, running_t = running_c + counts[q], running_t + totals[q]
-        plgpu.store(count_ref.at[p, dest, q], running_c, mask=ok_i)
-        plgpu.store(total_ref.at[p, dest, q], running_t, mask=ok_i)
+        count, total = count + per_q[q][0], total + per_q[q][1]
+        for slot, d in enumerate(ranked):
+            if min(d, k) == q + 1:  # length d counts the drafts ahead at positions <= d - 1
+                plgpu.store(rank_ref.at[slot, dest], count, mask=ok_i)
+                plgpu.store(prefix_ref.at[slot, dest], av_i + total, mask=ok_i)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -200,77 +209,56 @@ def _pick(vec, iota, at):
     return jnp.sum(jnp.where(iota == at, vec, jnp.zeros_like(vec)))
 
 
-def _select_kernel(a_ref, count_ref, total_ref, counts_ref, draft_ref, step_ref, b_ref, vb_ref, vf_ref, mb_ref,
-                   *, rows: int, k: int, lengths: tuple, sizes: tuple, block_i: int, num_draft: int, width_p2: int):
-    n_cols = len(lengths)
-    cols_p2 = b_ref.shape[0]
-    num_rows, s_int, nnd, cap = counts_ref[0], counts_ref[1], counts_ref[2], counts_ref[3]
-    s = s_int.astype(jnp.float32)
+def _select_kernel(a_ref, rank_ref, prefix_ref, counts_ref, draft_ref, step_ref, b_ref, vb_ref, vf_ref, mb_ref,
+                   *, rows: int, rows_p2: int, k: int, lengths: tuple, sizes: tuple, ranked: tuple, num_draft: int,
+                   width_p2: int):
+    """One program: every draft at once as a flat vector ``i = p * Rp + row`` (``Kp * Rp`` elements), every
+    column in turn."""
+    num_rows, nnd, cap = counts_ref[0], counts_ref[2], counts_ref[3]
+    s = counts_ref[1].astype(jnp.float32)
     draft = draft_ref[jnp.clip(num_rows, 0, num_draft - 1)]
-    steps = next_pow2(rows) // block_i
-    ii = lax.broadcasted_iota(jnp.int32, (block_i,), 0)
+    n = next_pow2(k) * rows_p2
+    i = lax.broadcasted_iota(jnp.int32, (n,), 0)
+    pos, row = i // rows_p2, i % rows_p2
+    ok = (pos < k) & (row < rows)
+    a = plgpu.load(a_ref.at[jnp.where(ok, pos, 0), jnp.where(ok, row, 0)], mask=ok, other=-jnp.inf)
+    finite = a > -jnp.inf
     ci = lax.broadcasted_iota(jnp.int32, (width_p2,), 0)  # candidates: 0, each size's upper edge, maxB, (maxB ..)
-
-    def drafts_at(c, p, upto):
-        """Chunk ``c`` of position ``p``'s drafts: ``(mine, rank, prefix)`` of the column counting positions
-        ``<= upto``."""
-        r = c * block_i + ii
-        ok = r < rows
-        safe = jnp.where(ok, r, 0)
-        a = plgpu.load(a_ref.at[safe, p], mask=ok, other=-jnp.inf)
-        mine = ok & (a > -jnp.inf)
-        av = jnp.where(mine, a, 0.0)
-        rank = plgpu.load(count_ref.at[p, safe, upto], mask=ok, other=0)
-        prefix = av + plgpu.load(total_ref.at[p, safe, upto], mask=ok, other=0.0)
-        return mine, rank, prefix
-
-    # drafts per position (every column's maxB is a sum of them)
-    per_position = []
-    for p in range(k):
-        def count_step(c, acc, p=p):
-            r = c * block_i + ii
-            ok = r < rows
-            a = plgpu.load(a_ref.at[jnp.where(ok, r, 0), p], mask=ok, other=-jnp.inf)
-            return acc + jnp.sum((ok & (a > -jnp.inf)).astype(jnp.int32))
-        per_position.append(lax.fori_loop(0, steps, count_step, jnp.int32(0)))
-
-    oc = lax.broadcasted_iota(jnp.int32, (cols_p2,), 0)
-    out_b = jnp.zeros((cols_p2,), jnp.int32)
-    out_vb = jnp.zeros((cols_p2,), jnp.float32)
-    out_vf = jnp.zeros((cols_p2,), jnp.float32)
-    out_mb = jnp.zeros((cols_p2,), jnp.int32)
+    oc = lax.broadcasted_iota(jnp.int32, (b_ref.shape[0],), 0)
+    outs = [jnp.zeros(oc.shape, jnp.int32), jnp.zeros(oc.shape, jnp.float32), jnp.zeros(oc.shape, jnp.float32),
+            jnp.zeros(oc.shape, jnp.int32)]
     for col, (length, sz) in enumerate(zip(lengths, sizes)):
-        npos = min(length, k)  # the positions this column's drafts sit at
-        upto = max(npos - 1, 0)
-        mine_total = sum(per_position[:npos], jnp.int32(0))
-        max_b = jnp.maximum(0, jnp.minimum(mine_total, cap - num_rows))
+        mine = finite & (pos < length)
+        if length > 0:
+            slot = ranked.index(length)
+            idx = jnp.where(ok, i, 0)
+            rank = plgpu.load(rank_ref.at[slot, idx], mask=ok, other=0)
+            prefix = plgpu.load(prefix_ref.at[slot, idx], mask=ok, other=0.0)
+        else:
+            rank, prefix = jnp.zeros((n,), jnp.int32), jnp.zeros((n,), jnp.float32)
+        max_b = jnp.maximum(0, jnp.minimum(jnp.sum(mine.astype(jnp.int32)), cap - num_rows))
         costs = [step_ref[col, w] for w in range(len(sz))]
 
         def size_index(b, sz=sz):  # the smallest size holding nnd + b (len(sz): none does)
             return sum((jnp.where(nnd + b > t, jnp.int32(1), jnp.int32(0)) for t in sz), jnp.zeros_like(b))
 
         def value(b, g, sz=sz, costs=costs, max_b=max_b):
-            idx = size_index(b)
-            cost = draft + sum((jnp.where(idx == w, c, 0.0) for w, c in enumerate(costs[:-1])),
-                               jnp.where(idx >= len(sz) - 1, costs[-1], 0.0))
-            ok = (idx < len(sz)) & (b <= max_b)
-            return jnp.where(ok, g / jnp.maximum(cost, 1e-12), -jnp.inf), cost
+            at = size_index(b)
+            cost = draft + sum((jnp.where(at == w, c, 0.0) for w, c in enumerate(costs[:-1])),
+                               jnp.where(at >= len(sz) - 1, costs[-1], 0.0))
+            return jnp.where((at < len(sz)) & (b <= max_b), g / jnp.maximum(cost, 1e-12), -jnp.inf), cost
+
+        def gain(b, mine=mine, rank=rank, prefix=prefix):  # the summed survival of the top b drafts
+            return jnp.max(jnp.where(mine & (rank < b), prefix, 0.0))
 
         edges = sum((jnp.where(ci == w + 1, jnp.clip(t - nnd, 0, max_b), 0) for w, t in enumerate(sz)),
                     jnp.zeros((width_p2,), jnp.int32))
         cand = jnp.where(ci == 0, 0, jnp.where(ci <= len(sz), edges, max_b))  # [Cp]
-
-        def top_step(c, top, p, cand=cand, upto=upto):
-            mine, rank, prefix = drafts_at(c, p, upto)
-            inside = mine[:, None] & (rank[:, None] < cand[None, :])
-            return jnp.maximum(top, jnp.max(jnp.where(inside, prefix[:, None], 0.0), axis=0))
-
-        top = jnp.zeros((width_p2,), jnp.float32)
-        for p in range(npos):
-            top = lax.fori_loop(0, steps, functools.partial(top_step, p=p), top)
+        top = sum((jnp.where(ci == c, gain(_pick(cand, ci, c)), 0.0) for c in range(1, len(sz) + 2)),
+                  jnp.zeros((width_p2,), jnp.float32))
         vals, cost_c = value(cand, s + top)
         best = jnp.max(vals)
-        finite = best > -jnp.inf
+        feasible = best > -jnp.inf
         near = best - TIE_RTOL * jnp.abs(best)
         e = jnp.min(jnp.where(vals >= near, ci, width_p2))
         top_b, cost_e = _pick(cand, ci, e), _pick(cost_c, ci, e)
@@ -278,36 +266,16 @@ def _select_kernel(a_ref, count_ref, total_ref, counts_ref, draft_ref, step_ref,
         below = sum((jnp.where(j - 1 == w, jnp.int32(t), jnp.int32(0)) for w, t in enumerate(sz)), jnp.int32(0))
         low = jnp.where(j > 0, below - nnd + 1, 0)
         need = near * cost_e - s
-
-        def reach_step(c, reach, p, need=need, upto=upto):
-            mine, rank, prefix = drafts_at(c, p, upto)
-            return jnp.minimum(reach, jnp.min(jnp.where(mine & (prefix >= need), rank + 1, _INT_MAX)))
-
-        reach = jnp.int32(_INT_MAX)
-        for p in range(npos):
-            reach = lax.fori_loop(0, steps, functools.partial(reach_step, p=p), reach)
+        reach = jnp.min(jnp.where(mine & (prefix >= need), rank + 1, _INT_MAX))
         b = jnp.minimum(jnp.maximum(jnp.where(need <= 0, 0, reach), jnp.maximum(low, 0)), top_b)
-        b = jnp.where(finite, b, 0)
-
-        def gain_step(c, gain, p, b=b, upto=upto):
-            mine, rank, prefix = drafts_at(c, p, upto)
-            return jnp.maximum(gain, jnp.max(jnp.where(mine & (rank < b), prefix, 0.0)))
-
-        gain = jnp.float32(0.0)
-        for p in range(npos):
-            gain = lax.fori_loop(0, steps, functools.partial(gain_step, p=p), gain)
-        v_b = jnp.where(finite, value(b, s + gain)[0], best)
-        v_full = _pick(vals, ci, len(sz) + 1)
+        b = jnp.where(feasible, b, 0)
+        v_b = jnp.where(feasible, value(b, s + gain(b))[0], best)
         here = oc == col
-        out_b = jnp.where(here, b, out_b)
-        out_vb = jnp.where(here, v_b, out_vb)
-        out_vf = jnp.where(here, v_full, out_vf)
-        out_mb = jnp.where(here, max_b, out_mb)
-    keep = oc < n_cols
-    plgpu.store(b_ref.at[oc], out_b, mask=keep)
-    plgpu.store(vb_ref.at[oc], out_vb, mask=keep)
-    plgpu.store(vf_ref.at[oc], out_vf, mask=keep)
-    plgpu.store(mb_ref.at[oc], out_mb, mask=keep)
+        for o, (out, x) in enumerate(zip(outs, (b, v_b, _pick(vals, ci, len(sz) + 1), max_b))):
+            outs[o] = jnp.where(here, x, out)
+    keep = oc < len(lengths)
+    for ref, out in zip((b_ref, vb_ref, vf_ref, mb_ref), outs):
+        plgpu.store(ref.at[oc], out, mask=keep)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -320,41 +288,51 @@ def _ranked_plan_curves_pallas(survival, counts, draft_costs, step_costs, *, col
                                interpret: bool, num_warps: int):
     rows, k = survival.shape
     rows_p2 = next_pow2(rows)
-    block_i = min(rows_p2, 32)
-    block_j = min(rows_p2, 64)
-    a = survival.astype(jnp.float32)
-    count, total = pl.pallas_call(
-        functools.partial(_pairs_kernel, rows=rows, k=k, block_i=block_i, block_j=block_j),
-        out_shape=(jax.ShapeDtypeStruct((k, rows, k), jnp.int32), jax.ShapeDtypeStruct((k, rows, k), jnp.float32)),
+    block_j = min(rows_p2, _TILE // 2)
+    block_i = min(rows_p2, max(1, _TILE // block_j))
+    ranked = tuple(sorted({int(d) for d in column_lengths if d > 0}))
+    flat = next_pow2(k) * rows_p2
+    a_t = survival.astype(jnp.float32).T  # [K, R]: each position's row of drafts is contiguous
+    slots = max(len(ranked), 1)
+    rank, prefix = pl.pallas_call(
+        functools.partial(_pairs_kernel, rows=rows, rows_p2=rows_p2, k=k, ranked=ranked, block_i=block_i,
+                          block_j=block_j),
+        out_shape=(jax.ShapeDtypeStruct((slots, flat), jnp.int32), jax.ShapeDtypeStruct((slots, flat), jnp.float32)),
         grid=(rows_p2 // block_i, k),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="plan_ranking_pairs",
-    )(a)
-    n_cols = len(column_lengths)
-    cols_p2 = next_pow2(n_cols)
+    )(a_t)
+    cols_p2 = next_pow2(len(column_lengths))
     width_p2 = next_pow2(max(len(s) for s in column_sizes) + 2)
-    select_i = min(rows_p2, 128)
     b, v_b, v_full, max_b = pl.pallas_call(
-        functools.partial(_select_kernel, rows=rows, k=k, lengths=column_lengths, sizes=column_sizes,
-                          block_i=select_i, num_draft=draft_costs.shape[0], width_p2=width_p2),
+        functools.partial(_select_kernel, rows=rows, rows_p2=rows_p2, k=k, lengths=column_lengths,
+                          sizes=column_sizes, ranked=ranked, num_draft=draft_costs.shape[0], width_p2=width_p2),
         out_shape=(jax.ShapeDtypeStruct((cols_p2,), jnp.int32), jax.ShapeDtypeStruct((cols_p2,), jnp.float32),
                    jax.ShapeDtypeStruct((cols_p2,), jnp.float32), jax.ShapeDtypeStruct((cols_p2,), jnp.int32)),
         grid=(1,),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="plan_ranking_select",
-    )(a, count, total, counts.astype(jnp.int32), draft_costs.astype(jnp.float32), step_costs.astype(jnp.float32))
+    )(a_t, rank, prefix, counts.astype(jnp.int32), draft_costs.astype(jnp.float32), step_costs.astype(jnp.float32))
+    n_cols = len(column_lengths)
     return b[:n_cols], v_b[:n_cols], v_full[:n_cols], max_b[:n_cols]
+
+
+def supports(rows: int, k: int) -> bool:
+    """Whether the kernels take ``rows x K`` drafts: the select kernel holds every draft in one program (up to
+    2,048 rows at K = 8)."""
+    return next_pow2(k) * next_pow2(rows) <= 4 * _TILE
 
 
 def ranked_plan_curves(survival, counts, draft_costs, step_costs, *, column_lengths, column_sizes,
                        implementation: str = "auto", interpret: bool | None = None, chip: str | None = None,
-                       num_warps: int = 4):
+                       num_warps: int = 8):
     """The ranking pass (see the module docstring): ``(b, value(b), value(maxB), maxB)``, one entry per column.
 
     ``implementation``: ``"pallas"`` (the two kernels), ``"reference"`` (:func:`ranked_plan_curves_reference`),
-    or ``"auto"``: the kernels on a GPU (interpret mode with ``interpret=True``), the reference elsewhere.
+    or ``"auto"``: the kernels on a GPU where :func:`supports` the shape (interpret mode with ``interpret=True``),
+    the reference elsewhere.
     ``chip`` is accepted for the compile gate's uniform call and unused: the kernels have one launch shape."""
     del chip
     survival = jnp.asarray(survival)
@@ -362,7 +340,10 @@ def ranked_plan_curves(survival, counts, draft_costs, step_costs, *, column_leng
     draft_costs = jnp.asarray(draft_costs)
     step_costs = jnp.asarray(step_costs)
     lengths, sizes = _check(survival, counts, draft_costs, step_costs, column_lengths, column_sizes)
-    impl = resolve_auto(implementation, interpret=interpret, supported=lambda: True)
+    impl = resolve_auto(implementation, interpret=interpret, supported=lambda: supports(*survival.shape))
+    if impl == "pallas" and not supports(*survival.shape):
+        raise ValueError(f"the ranking kernels hold every draft in one program: {survival.shape[0]} rows x "
+                         f"K = {survival.shape[1]} is too many (implementation='reference' takes any size)")
     if impl == "reference" or survival.shape[0] * survival.shape[1] == 0:
         return ranked_plan_curves_reference(survival, counts, draft_costs, step_costs, column_lengths=lengths,
                                             column_sizes=sizes)
