@@ -5,6 +5,7 @@ One module per concern: ``indexer`` (ragged MSA top-k), ``sparse_attention`` (MS
 ``grouped_gemm`` (the MoE experts' grouped GEMM and its dropless XLA fallback), ``mx_grouped_gemm`` (the same
 over experts kept as MXFP4 / MXFP8, dequantized in registers), ``mx_formats`` (the MX formats' decoders), ``draft_attention`` (the DSpark
 drafter's context attention; its entry point keeps the module's name, so it is not re-exported here),
+``plan_ranking`` (the adaptive planner's ranking pass on the device; imported by its module path),
 ``tuning`` (chips, their detection and every kernel's launch tables and policies), ``metadata`` (ragged
 metadata on the device), ``platform`` (interpret/compiled dispatch, deviceless lowering), ``_common`` (shared
 helpers).
