@@ -155,11 +155,11 @@ def ranked_plan_curves_reference(survival, counts, draft_costs, step_costs, *, c
 _TILE = 4096
 
 
-def _pairs_kernel(a_ref, rank_ref, prefix_ref, *, rows: int, rows_p2: int, k: int, ranked: tuple, block_i: int,
-                  block_j: int):
-    """Program ``(rb, p)``: drafts ``i = (rb * BI + [0, BI), position p)`` against every draft ``j`` in
-    ``[BI, BJ]`` tiles (``a_ref`` is the survival transposed, ``[K, R]``). Writes, per ranked length ``d``, the
-    drafts ahead of ``i`` at positions ``< d`` and ``i``'s survival plus theirs, at flat index ``p * Rp + row``."""
+def _pairs_kernel(a_ref, rank_ref, prefix_ref, *, rows: int, rows_p2: int, k: int, ranked: tuple, block_i: int):
+    """Program ``(rb, p)``: drafts ``i = (rb * BI + [0, BI), position p)`` against every draft ``j``, one
+    ``[BI, Rp]`` tile per position (``a_ref`` is the survival transposed, ``[K, R]``). Writes, per ranked length
+    ``d``, the drafts ahead of ``i`` at positions ``< d`` and ``i``'s survival plus theirs, at flat index
+    ``p * Rp + row``."""
     rb, p = pl.program_id(0), pl.program_id(1)
     ri = rb * block_i + lax.broadcasted_iota(jnp.int32, (block_i,), 0)
     ok_i = ri < rows
@@ -175,20 +175,9 @@ def _pairs_kernel(a_ref, rank_ref, prefix_ref, *, rows: int, rows_p2: int, k: in
         ahead = fin_j[None, :] & ((av_j > av_i[:, None]) | ((av_j == av_i[:, None]) & ((rj * k + q)[None, :] < idx_i)))
         return jnp.sum(ahead.astype(jnp.int32), axis=1), jnp.sum(jnp.where(ahead, av_j, 0.0), axis=1)
 
-    def step(c, carry):
-        rj = c * block_j + lax.broadcasted_iota(jnp.int32, (block_j,), 0)
-        out = []
-        for q in range(k):
-            n, t = tile(rj, q)
-            out.append((carry[q][0] + n, carry[q][1] + t))
-        return tuple(out)
-
+    rj = lax.broadcasted_iota(jnp.int32, (rows_p2,), 0)
+    per_q = [tile(rj, q) for q in range(k)]
     zero = (jnp.zeros((block_i,), jnp.int32), jnp.zeros((block_i,), jnp.float32))
-    steps = rows_p2 // block_j
-    if steps == 1:
-        per_q = step(0, (zero,) * k)
-    else:
-        per_q = lax.fori_loop(0, steps, step, (zero,) * k)
     dest = out_of_bounds_where(ok_i, p * rows_p2 + ri, k * rows_p2)
     count, total = zero
     for q in range(k):
@@ -288,15 +277,13 @@ def _ranked_plan_curves_pallas(survival, counts, draft_costs, step_costs, *, col
                                interpret: bool, num_warps: int):
     rows, k = survival.shape
     rows_p2 = next_pow2(rows)
-    block_j = min(rows_p2, _TILE // 2)
-    block_i = min(rows_p2, max(1, _TILE // block_j))
+    block_i = min(rows_p2, max(1, _TILE // rows_p2))
     ranked = tuple(sorted({int(d) for d in column_lengths if d > 0}))
     flat = next_pow2(k) * rows_p2
     a_t = survival.astype(jnp.float32).T  # [K, R]: each position's row of drafts is contiguous
     slots = max(len(ranked), 1)
     rank, prefix = pl.pallas_call(
-        functools.partial(_pairs_kernel, rows=rows, rows_p2=rows_p2, k=k, ranked=ranked, block_i=block_i,
-                          block_j=block_j),
+        functools.partial(_pairs_kernel, rows=rows, rows_p2=rows_p2, k=k, ranked=ranked, block_i=block_i),
         out_shape=(jax.ShapeDtypeStruct((slots, flat), jnp.int32), jax.ShapeDtypeStruct((slots, flat), jnp.float32)),
         grid=(rows_p2 // block_i, k),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
@@ -320,9 +307,9 @@ def _ranked_plan_curves_pallas(survival, counts, draft_costs, step_costs, *, col
 
 
 def supports(rows: int, k: int) -> bool:
-    """Whether the kernels take ``rows x K`` drafts: the select kernel holds every draft in one program (up to
-    2,048 rows at K = 8)."""
-    return next_pow2(k) * next_pow2(rows) <= 4 * _TILE
+    """Whether the kernels take ``rows x K`` drafts: a pair tile spans every row, and the select kernel holds
+    every draft in one program (up to 2,048 rows at K <= 8)."""
+    return next_pow2(rows) <= _TILE // 2 and next_pow2(k) * next_pow2(rows) <= 4 * _TILE
 
 
 def ranked_plan_curves(survival, counts, draft_costs, step_costs, *, column_lengths, column_sizes,

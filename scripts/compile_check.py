@@ -336,7 +336,7 @@ def _plan_ranking_call(batch: Batch) -> KernelCall | None:
     the default draft lengths (0, 1, 3, 7) and the fallback column, four verify sizes per length."""
     from pallas_kernels.plan_ranking import ranked_plan_curves
 
-    if batch.kind == "prefill":
+    if batch.kind != "decode":  # one row per request whatever its tokens: the decode batches give every size
         return None
     s, r, k = jax.ShapeDtypeStruct, batch.requests, DRAFT_BLOCK
     lengths = (0, 1, 3, k, k)
@@ -390,7 +390,8 @@ def all_cases(kernels=KERNELS, batches: Iterable[Batch] = BATCHES, *, only: Iter
 # pre-pass), 16 requests decoding (the engine's default slots: 16-row walks, split-K and its merge on every
 # chip), and the indexer's fused path (512 decoding requests) and 8-warp, 32-token prefill tile.
 # The MoE's grouped GEMMs (bf16, and the dequantizing MXFP4 / MXFP8 kernel) join at verify sizes (their decode
-# tiles) and at 512 x 8 (their 64-row tiles).
+# tiles) and at 512 x 8 (their 64-row tiles); the planner's ranking kernels at 512 decoding requests (the select
+# kernel's largest single program).
 GATE_CASES: tuple[Case, ...] = (
     *all_cases(batches=(Batch("verify", 32, 8, 32768),)),
     *all_cases(batches=(Batch("verify", 512, 8, 4096),), only=("moe_ffn", "mx_moe_ffn_mxfp4", "mx_moe_ffn_mxfp8")),

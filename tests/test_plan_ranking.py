@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pallas_kernels.plan_ranking import ranked_plan_curves
+from pallas_kernels.plan_ranking import ranked_plan_curves, supports
 from spec_decode.allocator import survival
 
 
@@ -82,3 +82,8 @@ def test_bad_shapes_are_refused_before_any_work():
         ranked_plan_curves(a, counts, draft, steps, column_sizes=((32, 16), (16, 32)), **kw)
     with pytest.raises(ValueError, match="step_costs must be"):
         ranked_plan_curves(a, counts, draft, steps[:, :1], column_sizes=sizes, **kw)
+    # past what one program holds: the kernels refuse, and "auto" takes the jnp pass
+    assert supports(2048, 8) and not supports(2049, 8) and not supports(4096, 1)
+    big = np.full((4096, 3), -np.inf, np.float32)
+    with pytest.raises(ValueError, match="too many"):
+        ranked_plan_curves(big, counts, np.zeros(4097, np.float32), steps, column_sizes=sizes, **kw)
