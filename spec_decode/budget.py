@@ -48,6 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# float32 ties: values within 1e-6 (relative) of the best count as ties (the host's 1e-9 is below float32
+# resolution; a gap this small is noise in any profiled table)
 from pallas_kernels.plan_ranking import TIE_RTOL as _TIE_RTOL_F32
 from pallas_kernels.plan_ranking import ranked_plan_curves
 from spec_decode.allocator import survival
@@ -247,10 +249,6 @@ def select_plan(curves, *, min_predicted_gain: float) -> tuple[int, int]:
     if min_predicted_gain > 0 and (d, b) != full[1:] and value < (1.0 + min_predicted_gain) * full[0]:
         return full[2], full[1]
     return b, d
-
-
-# float32 ties (_TIE_RTOL_F32, pallas_kernels.plan_ranking.TIE_RTOL): values within 1e-6 (relative) of the best
-# count as ties (the host's 1e-9 is below float32 resolution; a gap this small is noise in any profiled table).
 
 
 def choose_budget_device(
