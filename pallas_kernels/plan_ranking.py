@@ -68,8 +68,11 @@ def _check(survival, counts, draft_costs, step_costs, column_lengths, column_siz
     return lengths, sizes
 
 
-def ranked_plan_curves_reference(survival, counts, draft_costs, step_costs, *, column_lengths, column_sizes):
-    """The ranking pass in jnp: ``(b int32[C], value(b) f32[C], value(maxB) f32[C], maxB int32[C])``.
+def ranked_plan_curves_reference(survival, counts, draft_costs, step_costs, *, column_lengths, column_sizes,
+                                 implementation: str = "reference", interpret: bool | None = None,
+                                 chip: str | None = None, num_warps: int = 8):
+    """The ranking pass in jnp: ``(b int32[C], value(b) f32[C], value(maxB) f32[C], maxB int32[C])``
+    (:func:`ranked_plan_curves`' signature; the launch arguments are ignored).
 
     Per column ``l`` (length ``d_l``, sizes ``S_l``): its drafts are the finite survivals at positions ``< d_l``;
     ``maxB = max(0, min(their count, cap - rows))``; ``value(b) = (sampling rows + the summed survival of its top
@@ -77,8 +80,9 @@ def ranked_plan_curves_reference(survival, counts, draft_costs, step_costs, *, c
     where no size holds the step or ``b > maxB``; ``b`` is the smallest budget whose value is within
     :data:`TIE_RTOL` of the best (within a size the value grows with ``b``, so the best is at ``0``, a size's
     upper edge or ``maxB``)."""
+    del implementation, interpret, chip, num_warps
     lengths, sizes = _check(survival, counts, draft_costs, step_costs, column_lengths, column_sizes)
-    a = survival.astype(jnp.float32)
+    a = jnp.asarray(survival, jnp.float32)
     flat = a.reshape(-1)
     n, n_len = flat.shape[0], len(lengths)
     num_rows, nnd = counts[0], counts[2]
