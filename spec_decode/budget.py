@@ -396,11 +396,12 @@ def _step_costs_at_sizes(cost_table: CostTableArrays, priced: tuple, sizes) -> j
 def _plan_columns(lengths: tuple[int, ...], per_length: tuple) -> tuple[tuple, tuple, tuple]:
     """The columns :func:`choose_plan_device` plans over: ``(draft lengths, sizes, priced as)``. One length: that
     length, priced as the one-length rule prices it (the table's longest length, or its verify costs alone).
-    Several: every length, then the table-less fallback (the one-length rule at the longest length, for a table
-    without draft lengths, or a flat one), with the longest length's sizes."""
+    Several: every length, each priced at itself. The table-less fallback (the one-length rule at the longest
+    length, for a table without draft lengths, or a flat one) is the longest length's column: the same drafts,
+    sizes and prices."""
     if len(lengths) == 1:
         return lengths, per_length, (None,)
-    return lengths + (lengths[-1],), per_length + (per_length[-1],), lengths + (lengths[-1],)
+    return lengths, per_length, lengths
 
 
 def prepare_plan_device(cost_table: CostTableArrays, *, draft_lengths: tuple[int, ...],
@@ -482,7 +483,7 @@ def choose_plan_device(
         else:
             curves = _curves_device(_sorted_survival_device(stale_confidences, clipped), clipped, priced, **kw)
         return _guarded(curves, cost_table, min_predicted_gain)[0], jnp.asarray(last, jnp.int32)
-    # every length, and after them the table-less fallback (_plan_columns), in one pass
+    # every length in one pass (the longest length's column is also the table-less fallback: _plan_columns)
     if compiled:
         b, value, value_full, max_b = _curves_ranked(stale_confidences, sched, columns, sizes, priced_as=priced,
                                                      prepared=prepared, implementation=implementation, **kw)
