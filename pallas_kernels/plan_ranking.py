@@ -214,6 +214,7 @@ def _select_kernel(a_ref, rank_ref, prefix_ref, counts_ref, draft_ref, step_ref,
     i = lax.broadcasted_iota(jnp.int32, (n,), 0)
     pos, row = i // rows_p2, i % rows_p2
     ok = (pos < k) & (row < rows)
+    idx = jnp.where(ok, i, 0)  # where a draft's rank and prefix sit (the pair kernel's flat index)
     a = plgpu.load(a_ref.at[jnp.where(ok, pos, 0), jnp.where(ok, row, 0)], mask=ok, other=-jnp.inf)
     finite = a > -jnp.inf
     ci = lax.broadcasted_iota(jnp.int32, (width_p2,), 0)  # candidates: 0, each size's upper edge, maxB, (maxB ..)
@@ -224,7 +225,6 @@ def _select_kernel(a_ref, rank_ref, prefix_ref, counts_ref, draft_ref, step_ref,
         mine = finite & (pos < length)
         if length > 0:
             slot = ranked.index(length)
-            idx = jnp.where(ok, i, 0)
             rank = plgpu.load(rank_ref.at[slot, idx], mask=ok, other=0)
             prefix = plgpu.load(prefix_ref.at[slot, idx], mask=ok, other=0.0)
         else:
