@@ -92,6 +92,10 @@ PROFILE_LOOP_STEPS = (4, 32)
 PROFILE_STEPS_PER_CALL = 3
 # how the cost table is profiled (part of its cache key: a table profiled another way is profiled again)
 COST_PROFILE_VERSION = "profile 3: the device loop's branches timed inside the loop"
+# (cost-table key, live code) -> the table an engine of this process profiled or loaded: a second engine with the
+# same settings (a notebook cell re-run, another verification run beside it) plans from it instead of profiling
+# again, with or without the cache on disk (one process only: a multi-process profile runs on every process)
+_profiled_tables: dict[tuple[str, str], CostTable] = {}
 
 
 def _compile_order(name) -> tuple:
@@ -124,7 +128,8 @@ class Engine:
       max_total_logit_rows: bound on the verify-logits rows per step (``rows x V`` float32); the planner and
         the fixed mode respect it at any concurrency (fixed K verifies fewer drafts, evenly, when it binds).
       cost_table: what adaptive verification trades acceptance against: ``"profile"`` (default: every program
-        of the closed set is timed at warm-up), a :class:`CostTable`, or ``None`` (flat: verify everything).
+        of the closed set is timed at warm-up, unless an engine of this process or the cache on disk has a table
+        for the same settings), a :class:`CostTable`, or ``None`` (flat: verify everything).
       draft_lengths: the draft lengths ``K_d`` adaptive verification chooses from each step (each one a set of
         programs of the closed set): default ``(0, 1, 3, K)`` with a profiled table, the table's own lengths
         with a given one, else ``(K,)``; ``(K,)`` holds the draft length at K (only the verified count adapts).
@@ -616,13 +621,25 @@ class Engine:
         return hashlib.sha256("\n".join(map(str, parts)).encode()).hexdigest()[:32]
 
     def _load_or_profile_costs(self, show: bool) -> None:
-        """The cost table from the engine's cache when one was profiled under the same key, else profiled now
-        (with a progress bar and the time on stderr) and saved there."""
-        path = persistent_cache.cost_table_path(self._cost_table_key()) if self._cache_costs else None
+        """The cost table an engine of this process profiled under the same key and code, else the one in the
+        engine's cache on disk under the same key, else profiled now (with a progress bar and the time on stderr)
+        and saved there."""
+        key = self._cost_table_key()
+        path = persistent_cache.cost_table_path(key) if self._cache_costs else None
+        # an engine of this process profiled under the same key and code: its table, as its programs are shared
+        memo = (key, live_code()) if jax.process_count() == 1 else None
+        if memo is not None and (table := _profiled_tables.get(memo)) is not None:
+            self.planner.table = table
+            self.planner.profile_pending = False
+            if path is not None and not os.path.exists(path):
+                save_cost_table(table, path)
+            return
         if path is not None and os.path.exists(path):
             try:
                 self.planner.table = load_cost_table(path)
                 self.planner.profile_pending = False
+                if memo is not None and self.planner.table is not None:
+                    _profiled_tables[memo] = self.planner.table
                 return
             except (ValueError, KeyError, OSError) as e:  # a stale or damaged file: profile again
                 warnings.warn(f"ignoring the cached cost table {path}: {e}", stacklevel=3)
@@ -650,6 +667,8 @@ class Engine:
               file=sys.stderr)
         if path is not None and self.planner.table is not None:
             save_cost_table(self.planner.table, path)
+        if memo is not None and self.planner.table is not None:
+            _profiled_tables[memo] = self.planner.table
 
     def _profile_loop_branches(self, program, bar) -> int:
         """Time every branch of the greedy device loop inside the loop (device time: no host launch enters it)

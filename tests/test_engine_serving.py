@@ -298,7 +298,8 @@ def test_the_store_loads_the_device_loops_first(target, drafter, tmp_path):
 
 def test_a_profiled_cost_table_is_kept_and_loaded_by_the_next_engine(target, drafter, tmp_path, monkeypatch):
     """The warm-up profile is saved under a key of what the timings depend on; an engine with the same key loads it
-    instead of profiling, one with other settings profiles its own."""
+    instead of profiling, one with other settings profiles its own. Within the process, a second engine with the
+    same key and code takes the first one's table, files or not."""
     from spec_decode import compilation_cache
 
     monkeypatch.setenv("MINIMAX_JAX_COMPILATION_CACHE", "1")
@@ -309,6 +310,8 @@ def test_a_profiled_cost_table_is_kept_and_loaded_by_the_next_engine(target, dra
     first = Engine(target, drafter, **kw)
     files = list((tmp_path / "cost_tables").iterdir())
     assert len(files) == 1 and first.cost_table is not None
+    beside = Engine(target, drafter, **kw, compilation_cache=False)  # no files: the process's table, not a profile
+    assert beside.cost_table is first.cost_table and beside.warmup_report.compiled == 0
     calls = []
     monkeypatch.setattr(Engine, "_profile_host_steps", lambda self, bar: calls.append(self) or 0)
     second = Engine(target, drafter, **kw)
