@@ -622,27 +622,30 @@ class Engine:
 
     def _load_or_profile_costs(self, show: bool) -> None:
         """The cost table an engine of this process profiled under the same key and code, else the one in the
-        engine's cache on disk under the same key, else profiled now (with a progress bar and the time on stderr)
-        and saved there."""
+        engine's cache on disk under the same key, else profiled now (:meth:`_profile_costs`); kept for the
+        process's next engines, and written to the disk cache unless it came from there."""
         key = self._cost_table_key()
         path = persistent_cache.cost_table_path(key) if self._cache_costs else None
         # an engine of this process profiled under the same key and code: its table, as its programs are shared
         memo = (key, live_code()) if jax.process_count() == 1 else None
-        if memo is not None and (table := _profiled_tables.get(memo)) is not None:
-            self.planner.table = table
-            self.planner.profile_pending = False
-            if path is not None and not os.path.exists(path):
-                save_cost_table(table, path)
-            return
-        if path is not None and os.path.exists(path):
+        table = _profiled_tables.get(memo) if memo is not None else None
+        from_disk = False
+        if table is None and path is not None and os.path.exists(path):
             try:
-                self.planner.table = load_cost_table(path)
-                self.planner.profile_pending = False
-                if memo is not None and self.planner.table is not None:
-                    _profiled_tables[memo] = self.planner.table
-                return
+                table, from_disk = load_cost_table(path), True
             except (ValueError, KeyError, OSError) as e:  # a stale or damaged file: profile again
                 warnings.warn(f"ignoring the cached cost table {path}: {e}", stacklevel=3)
+        if table is None:
+            table = self._profile_costs(show)
+        self.planner.table, self.planner.profile_pending = table, False
+        if table is not None:
+            if path is not None and not from_disk:
+                save_cost_table(table, path)
+            if memo is not None:
+                _profiled_tables[memo] = table
+
+    def _profile_costs(self, show: bool) -> CostTable | None:
+        """Profile the cost table now, with a progress bar and the time on stderr; every process returns rank 0's."""
         t0 = time.perf_counter()
         bar = None
         if show:
@@ -662,13 +665,10 @@ class Engine:
             self._state = self._placed(_with_lengths(self._state, np.zeros(r, np.int32)))
             self.pool.clear_cache()  # the timing runs wrote pages: nothing cached survives them
         # every process plans from rank 0's timings (the loop's timing runs take the table as an input already)
-        self.planner.table = _same_on_every_process(self.planner.table)
+        table = _same_on_every_process(self.planner.table)
         print(f"minimax-jax: profiled the cost table of {timed} {where} in {time.perf_counter() - t0:.1f} s",
               file=sys.stderr)
-        if path is not None and self.planner.table is not None:
-            save_cost_table(self.planner.table, path)
-        if memo is not None and self.planner.table is not None:
-            _profiled_tables[memo] = self.planner.table
+        return table
 
     def _profile_loop_branches(self, program, bar) -> int:
         """Time every branch of the greedy device loop inside the loop (device time: no host launch enters it)
