@@ -86,6 +86,8 @@ def main():
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--implementation", default="auto", choices=("auto", "pallas", "reference"))
     ap.add_argument("--programs", nargs="+", default=["loop", "step-top", "step-small"])
+    ap.add_argument("--sampling-loop-buckets", type=int, default=1,
+                    help="Engine(device_loop_sampling_token_buckets=...): the sampling loop's sizes per draft length")
     ap.add_argument("--options", nargs="+", default=["default", "parallel"], choices=sorted(OPTIONS))
     args = ap.parse_args()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
@@ -98,7 +100,8 @@ def main():
     target, drafter, tokenizer = load_default(dtype=jnp.bfloat16)
     eng = Engine(target, drafter, num_speculative_tokens=args.k, verification="adaptive", max_num_seqs=args.slots,
                  max_model_len=args.max_model_len, tokenizer=tokenizer, compilation_cache=False,
-                 implementation=args.implementation)
+                 implementation=args.implementation,
+                 device_loop_sampling_token_buckets=args.sampling_loop_buckets)
     eng._state = eng._init_state()
     from scripts.bench_engine import meta as engine_meta
 
@@ -114,6 +117,8 @@ def main():
         low = eng._lowering(name)()
         row = {"program": str(name), "lower_s": round(time.perf_counter() - t, 3), **module_stats(low.as_text()),
                "compile_s": {}}
+        if name[0] == "loop":  # its lax.switch branches: one whole step per (draft length, token bucket)
+            row["branches"] = sum(len(b) for b in eng._loop_config_of(name[1]).token_buckets)
         exe = None
         for opt in args.options:
             t = time.perf_counter()

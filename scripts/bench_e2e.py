@@ -154,7 +154,8 @@ def config_key(row: dict) -> tuple:
     rates = row.get("synthetic_rates")
     return (row["n"], row["mode"], row["loop"], row["prompt_len"], row["max_new_tokens"], row["dtype"],
             row.get("model", "default"), tuple(rates) if rates else None, row.get("shared_prefix", 0),
-            row.get("tensor_parallel_size"), row.get("max_num_batched_tokens", 512))
+            row.get("tensor_parallel_size"), row.get("max_num_batched_tokens", 512), row.get("temperature", 0.0),
+            row.get("sampling_loop_buckets", 1) if row.get("temperature") else None)
 
 
 def loop_and_steps(loop: str, args) -> tuple[str, int]:
@@ -170,7 +171,8 @@ def this_row(args, n: int, mode: str, loop: str) -> dict:
     return {"n": n, "mode": mode, "loop": loop, "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
             "dtype": args.dtype, "model": args.model, "shared_prefix": args.shared_prefix,
             "tensor_parallel_size": args.tensor_parallel_size, "max_num_batched_tokens": args.max_num_batched_tokens,
-            "synthetic_rates": list(args.synthetic_rates) if args.synthetic_rates else None}
+            "synthetic_rates": list(args.synthetic_rates) if args.synthetic_rates else None,
+            "temperature": args.temperature, "sampling_loop_buckets": args.sampling_loop_buckets}
 
 
 def load_rows(path: str) -> list[dict]:
@@ -246,8 +248,9 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
                  enable_prefix_caching=args.prefix_caching or args.shared_prefix > 0,
                  implementation=args.implementation,
                  device_loop=any(loop_and_steps(lp, args) != ("host", 1) for lp in loops),
-                 decode_steps_per_launch=args.decode_steps_per_launch, precompile=False, sampling=args.sampling,
-                 **extra)
+                 decode_steps_per_launch=args.decode_steps_per_launch, precompile=False,
+                 sampling=args.sampling or args.temperature > 0,
+                 device_loop_sampling_token_buckets=args.sampling_loop_buckets, **extra)
     construct_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     report = eng.warmup()
@@ -271,7 +274,9 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
     if not timed_sets:
         raise SystemExit(f"bench_e2e: the held-out files give fewer than {n_warm + n} windows of {args.prompt_len} "
                          f"tokens: no timed set at n={n}")
-    kw = {"max_new_tokens": args.max_new_tokens, "ignore_eos": True, "temperature": 0.0, "progress": False}
+    # sampled rows (--temperature): one seed per request, so every mode and loop draws from the same streams
+    kw = {"max_new_tokens": args.max_new_tokens, "ignore_eos": True, "temperature": args.temperature,
+          "progress": False, **({"seed": 0} if args.temperature > 0 else {})}
     here = config_key(this_row(args, n, mode, ""))
     same = [r for r in done_rows if config_key(r)[:1] + config_key(r)[3:] == here[:1] + here[3:]]
     # rows whose timed prompts are this call's (any mode and loop)
@@ -736,6 +741,11 @@ def parse_args(argv=None):
                     help="tokens every prompt shares (prefix caching on); the published workload: 200 of 550")
     ap.add_argument("--sampling", action="store_true",
                     help="compile the sampling programs too (the sweep is greedy: Engine(sampling=False) by default)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample every request at this temperature (seeded; the sampling programs and loop run)")
+    ap.add_argument("--sampling-loop-buckets", type=int, default=1,
+                    help="Engine(device_loop_sampling_token_buckets=...): the sampling device loop's verify sizes "
+                         "per draft length")
     ap.add_argument("--decode-steps-per-launch", type=int, default=16,
                     help="the host loop's multi-step launches (Engine(decode_steps_per_launch=...)); 1: off")
     ap.add_argument("--launch-timeline", action="store_true",

@@ -68,7 +68,7 @@ def measure(eng) -> dict:
 
 def compare_loops(eng, rounds: int = 6) -> dict:
     """The ``--sampling-loop`` timings of the module docstring on ``eng`` (both device loops compiled)."""
-    timers = {name: eng._loop_branch_timer(eng._loop_programs[(sampled, None)])
+    timers = {name: eng._loop_branch_timer(eng._loop_programs[(sampled, None)], sampling=sampled)
               for name, sampled in (("greedy", False), ("sampling", True))}
     branch_list = timers["greedy"][0]
     out = {"context": timers["greedy"][2], "branches": {}}
@@ -122,7 +122,8 @@ def main(argv=None) -> int:
     for mode in args.modes:
         if args.sampling_loop:
             eng = Engine(target, drafter, max_num_seqs=args.slots, max_model_len=args.max_model_len,
-                         max_num_batched_tokens=2048, sampling=True, cost_table=None, **MODES[mode])
+                         max_num_batched_tokens=2048, sampling=True, cost_table=None,
+                         device_loop_sampling_token_buckets=4, **MODES[mode])  # the greedy loop's branches
             build_loops(eng)
             rows[mode] = compare_loops(eng)
             del eng

@@ -155,8 +155,12 @@ class Engine:
       tokenizer: encodes string prompts and decodes outputs (``encode(str) -> list[int]``, ``decode(ids)``).
       implementation / interpret: the kernels (``decode.choose_implementation``).
       min_token_bucket: the smallest packed-token bucket of the closed set.
-      device_loop_token_buckets: verify sizes compiled into the device loop (``loop="device"``): the largest
-        decode buckets of the closed set; each is one branch of the loop's program.
+      device_loop_token_buckets: verify sizes compiled into the greedy device loop (``loop="device"``), per
+        draft length: the largest decode buckets of the closed set; each is one branch of the loop's program.
+      device_loop_sampling_token_buckets: the same for the sampling device loop (waves with a sampled row), at
+        most ``device_loop_token_buckets``. Default 1: per draft length the size holding every slot's drafts, so
+        the sampling loop, the largest program of the warm-up, compiles and loads fastest (a sampled wave whose
+        plan trims verification still pays that size; docs/ENGINE.md, "The closed program set").
       max_stop_token_ids: stop ids a request may have (EOS included); part of every program's shape.
       enable_prefix_caching: requests that share a prompt prefix share its full pages (``docs/ENGINE.md``).
       async_scheduling: plan and launch each step before the previous one is read back (default); ``False``
@@ -180,7 +184,8 @@ class Engine:
                  memory_fraction: float | None = None, max_num_batched_tokens: int = 512,
                  max_total_logit_rows: int | None = None, cost_table="profile", tokenizer=None,
                  implementation: str = "auto", interpret: bool | None = None, cache_dtype=None,
-                 min_token_bucket: int = 8, device_loop_token_buckets: int = 4, max_stop_token_ids: int = 16,
+                 min_token_bucket: int = 8, device_loop_token_buckets: int = 4,
+                 device_loop_sampling_token_buckets: int = 1, max_stop_token_ids: int = 16,
                  enable_prefix_caching: bool = True, async_scheduling: bool = True, precompile: bool = False,
                  compilation_cache: bool = True, device_loop: bool = True, draft_lengths=None,
                  confidence: str | None = None, sampling: bool = True, synthetic_acceptance_rates=None,
@@ -203,6 +208,7 @@ class Engine:
         for name, v, lo in (("max_num_seqs", max_num_seqs, 1), ("max_num_batched_tokens", max_num_batched_tokens, 1),
                             ("max_stop_token_ids", max_stop_token_ids, 1), ("min_token_bucket", min_token_bucket, 1),
                             ("device_loop_token_buckets", device_loop_token_buckets, 1),
+                            ("device_loop_sampling_token_buckets", device_loop_sampling_token_buckets, 1),
                             ("decode_steps_per_launch", decode_steps_per_launch, 1)):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
@@ -275,7 +281,8 @@ class Engine:
             synthetic=None if self.synthetic_rates is None else conditional_rates(self.synthetic_rates),
             synthetic_concentration=float(synthetic_concentration), synthetic_noise=float(synthetic_confidence_noise),
             mesh=self.mesh)
-        self.loop_config = self._loop_config(device_loop_token_buckets)
+        self.loop_config = self._loop_config(device_loop_token_buckets)  # the greedy loop's
+        self.sampling_loop_config = self._loop_config(min(device_loop_sampling_token_buckets, device_loop_token_buckets))
         self._state_shardings = None  # the decode state's placement on the mesh (set with the first state)
         self._programs = StepPrograms(target, self.drafter, self._step_config, self.step_keys,
                                      num_rows=self.max_num_seqs, num_stop_ids=self.num_stop_ids, mesh=self.mesh)
@@ -537,9 +544,13 @@ class Engine:
                                                      np.full(self.max_model_len, -1, np.int32), np.int32(0))
         return lambda: self._loop_jit(*name[1:]).lower(*params, self._state, self._example_loop_inputs())
 
+    def _loop_config_of(self, sampling: bool) -> LoopConfig:
+        """The static shape of the greedy or the sampling device loop (they differ in their token buckets)."""
+        return self.sampling_loop_config if sampling else self.loop_config
+
     def _loop_jit(self, sampling: bool, width: int | None):
         """The device loop (greedy or sampling programs, carrying ``width`` log-probabilities or none), jitted."""
-        cfg = dataclasses.replace(self.loop_config, logprobs=width,
+        cfg = dataclasses.replace(self._loop_config_of(sampling), logprobs=width,
                                   step=dataclasses.replace(self._step_config, sampling=sampling))
         return jax.jit(on_mesh(make_loop_fn(self.target, self.drafter, cfg), self.mesh), donate_argnums=(2,))
 
@@ -560,7 +571,7 @@ class Engine:
             elif name == "history":
                 parts = ("history",)
             else:
-                parts = (repr(name), abstract(self._example_loop_inputs()))
+                parts = (repr(name), repr(self._loop_config_of(name[1])), abstract(self._example_loop_inputs()))
             digests[name] = program_digest(common, parts)
         return digests
 
@@ -695,13 +706,14 @@ class Engine:
                              metadata={"loop_iterations": [1, 1 + n], "context": context})
         return len(branches)
 
-    def _loop_branch_timer(self, program):
-        """``(branches, run, context)`` for timing runs of the device loop ``program``: ``branches`` its
+    def _loop_branch_timer(self, program, *, sampling: bool = False):
+        """``(branches, run, context)`` for timing runs of the device loop ``program`` (the greedy one, or with
+        ``sampling`` the sampling one): ``branches`` its
         ``(draft length, tokens)`` in switch order, ``run(d, t, steps)`` the seconds of one call that runs branch
         ``(d, t)`` in each of ``steps`` iterations (from the call to the read-back of its step count), on every
         slot's state set to ``context`` tokens (a quarter of ``max_model_len``). Used by the cost-table profile
         and by ``scripts/bench_loop_overhead.py``."""
-        cfg, r = self.loop_config, self.max_num_seqs
+        cfg, r = self._loop_config_of(sampling), self.max_num_seqs
         branches = [(d, t) for d, buckets in zip(cfg.draft_lengths, cfg.token_buckets) for t in buckets]
         index = {p: i for i, p in enumerate(branches)}
         context = max(1, self.max_model_len // 4)
@@ -1157,6 +1169,7 @@ class Engine:
         steps = 0
         verify_log = VerifySteps()
         device_s = 0.0
+        buckets = self.loop_config.token_buckets  # the verify sizes of the loop the last wave ran
         with compile_counter() as compiled:
             try:
                 for wave in self._waves(requests):
@@ -1179,7 +1192,8 @@ class Engine:
                     inputs = loop_inputs(live, config=self.loop_config, block_tables=tables, cost_table=cost,
                                          max_steps=self.loop_config.output_len)
                     d0 = time.perf_counter()
-                    program = self._loop_programs[self._loop_key(wave, width)]
+                    key = self._loop_key(wave, width)
+                    program, buckets = self._loop_programs[key], self._loop_config_of(key[0]).token_buckets
                     self._state, out = program(self._target_params, self._drafter_params, self._state,
                                                self._programs.put(inputs))
                     out = jax.device_get(out)
@@ -1208,7 +1222,7 @@ class Engine:
                           per_step=verify_log,
                           host_s=wall - device_s, compiles=len(compiled), preemptions=0,
                           prefill_tokens=sched.prefill_tokens_computed, prefix_tokens_reused=sched.prefix_tokens_reused,
-                          token_buckets=[list(b) for b in self.loop_config.token_buckets], device_time_s=device_s,
+                          token_buckets=[list(b) for b in buckets], device_time_s=device_s,
                           acceptance=self.acceptance)
         return GenerationResults([self._result(r) for r in requests], stats)
 

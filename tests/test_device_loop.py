@@ -201,3 +201,22 @@ def test_waves_that_fit_the_pool_and_the_logits_cap(target, drafter, prompts, re
     assert max(res.stats["verified_drafts_per_step"]) <= 6 - 1
     with pytest.raises(ValueError, match="loop must be 'host' or 'device'"):
         eng.generate(prompts, max_new_tokens=4, loop="gpu")
+
+
+def test_the_sampling_loop_compiles_the_largest_bucket_of_each_draft_length(target, drafter):
+    """The sampling device loop (the warm-up's largest program) has one branch per draft length by default: the
+    bucket holding every slot's ``1 + K_d`` tokens, as the greedy loop's largest; more on request, never more than
+    the greedy loop's; a count below 1 is refused before anything is built."""
+    table = CostTable.from_measurements({8: 1.0, 16: 1.5, 32: 2.0}, draft_lengths={0: 0.0, 3: 0.35})
+    eng = Engine(target, drafter, num_speculative_tokens=3, verification="adaptive", cost_table=table, **COMMON)
+    greedy, sampled = eng.loop_config, eng.sampling_loop_config
+    assert greedy.draft_lengths == sampled.draft_lengths == (0, 3)
+    assert greedy.token_buckets == ((8,), (16, 32)) and sampled.token_buckets == ((8,), (32,))
+    assert sampled.logit_rows == tuple(rows[-1:] for rows in greedy.logit_rows)
+    assert eng._loop_config_of(True) is sampled and eng._loop_config_of(False) is greedy
+    wide = Engine(target, drafter, num_speculative_tokens=3, verification="adaptive", cost_table=table,
+                  device_loop_sampling_token_buckets=8, **COMMON)
+    assert wide.sampling_loop_config.token_buckets == greedy.token_buckets
+    with pytest.raises(ValueError, match="device_loop_sampling_token_buckets must be an integer >= 1"):
+        Engine(target, drafter, num_speculative_tokens=3, cost_table=table, device_loop_sampling_token_buckets=0,
+               **COMMON)
