@@ -56,7 +56,8 @@ def meta(args) -> dict:
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"), "args": vars(args)}
 
 
-def startup_once(n: int, dtype_name: str, k: int, max_model_len: int, profile_to: str | None = None) -> dict:
+def startup_once(n: int, dtype_name: str, k: int, max_model_len: int, profile_to: str | None = None,
+                 sampling_loop_buckets: int = 1) -> dict:
     """Construction + warm-up of one engine (run inside a fresh process); with ``profile_to``, under cProfile,
     the 40 functions of largest cumulative time written to that file."""
     from spec_decode import Engine
@@ -71,7 +72,8 @@ def startup_once(n: int, dtype_name: str, k: int, max_model_len: int, profile_to
         prof.enable()
     t0 = time.perf_counter()
     eng = Engine(target, drafter, num_speculative_tokens=k, verification="adaptive", max_num_seqs=n,
-                 max_model_len=max_model_len, tokenizer=tokenizer, precompile=True)
+                 max_model_len=max_model_len, tokenizer=tokenizer, precompile=True,
+                 device_loop_sampling_token_buckets=sampling_loop_buckets)
     total = time.perf_counter() - t0
     if prof is not None:
         import io
@@ -107,10 +109,14 @@ def startup_once(n: int, dtype_name: str, k: int, max_model_len: int, profile_to
 def run_startup(args, out_rows: list) -> None:
     for n in args.startup:
         with tempfile.TemporaryDirectory() as cache:
-            env = {**os.environ, "MINIMAX_JAX_CACHE_DIR": cache, "MINIMAX_JAX_COMPILATION_CACHE": "1"}
+            # the executable store lives beside the cache directory ($MINIMAX_JAX_CACHE_DIR/../executables): a
+            # subdirectory keeps it inside this temporary one, so no earlier run's programs make a cold start warm
+            env = {**os.environ, "MINIMAX_JAX_CACHE_DIR": os.path.join(cache, "jax"),
+                   "MINIMAX_JAX_COMPILATION_CACHE": "1"}
             for phase in ("cold", "warm"):
                 cmd = [sys.executable, os.path.abspath(__file__), "--out", args.out, "--startup-child", str(n),
-                       "--dtype", args.dtype, "--k", str(args.k), "--max-model-len", str(args.max_model_len)]
+                       "--dtype", args.dtype, "--k", str(args.k), "--max-model-len", str(args.max_model_len),
+                       "--sampling-loop-buckets", str(args.sampling_loop_buckets)]
                 if args.startup_profile and phase == "warm":  # (cProfile would slow the cold tracing too)
                     cmd += ["--startup-profile-to", os.path.join(args.out, f"startup_profile_{n}_{phase}.txt")]
                 proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -119,6 +125,7 @@ def run_startup(args, out_rows: list) -> None:
                     raise SystemExit(f"start-up child failed ({phase}, {n} slots)")
                 row = json.loads(proc.stdout.strip().splitlines()[-1])
                 row["phase"] = phase
+                row["sampling_loop_buckets"] = args.sampling_loop_buckets
                 out_rows.append(row)
                 print(json.dumps(row), flush=True)
 
@@ -157,6 +164,7 @@ def run_throughput(args, target, drafter, tokenizer, out_rows: list, save) -> No
                        **{key: v for key, v in st.items() if key.startswith("host_") and key.endswith("_per_step")}}
                 if loop != "host" and "host" in tokens:
                     row["match"] = float(np.mean([a == b for a, b in zip(tokens["host"], tokens[loop])]))
+                row["sampling_loop_buckets"] = args.sampling_loop_buckets
                 out_rows.append(row)
                 print(json.dumps(row), flush=True)
                 save()
@@ -218,12 +226,15 @@ def main():
                     help="prefill chunk sizes (Engine(max_num_batched_tokens=...)) of the prefix-caching rows")
     ap.add_argument("--startup-profile", action="store_true",
                     help="run the warm start-up under cProfile: startup_profile_{slots}_warm.txt in --out")
+    ap.add_argument("--sampling-loop-buckets", type=int, default=1,
+                    help="start-up: Engine(device_loop_sampling_token_buckets=...), the sampling loop's verify sizes "
+                         "per draft length (4: the greedy loop's, as before 2026-12-05)")
     ap.add_argument("--startup-child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--startup-profile-to", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.startup_child is not None:
         print(json.dumps(startup_once(args.startup_child, args.dtype, args.k, args.max_model_len,
-                                      args.startup_profile_to)))
+                                      args.startup_profile_to, args.sampling_loop_buckets)))
         return
     os.makedirs(args.out, exist_ok=True)
     rows: list = []
