@@ -160,7 +160,8 @@ class Engine:
       device_loop_sampling_token_buckets: the same for the sampling device loop (waves with a sampled row), at
         most ``device_loop_token_buckets``. Default 1: per draft length the size holding every slot's drafts, so
         the sampling loop, the largest program of the warm-up, compiles and loads fastest (a sampled wave whose
-        plan trims verification still pays that size; docs/ENGINE.md, "The closed program set").
+        plan trims verification still pays that size; docs/ENGINE.md, "The device loop: jitted offline batch
+        decoding").
       max_stop_token_ids: stop ids a request may have (EOS included); part of every program's shape.
       enable_prefix_caching: requests that share a prompt prefix share its full pages (``docs/ENGINE.md``).
       async_scheduling: plan and launch each step before the previous one is read back (default); ``False``
@@ -708,11 +709,10 @@ class Engine:
 
     def _loop_branch_timer(self, program, *, sampling: bool = False):
         """``(branches, run, context)`` for timing runs of the device loop ``program`` (the greedy one, or with
-        ``sampling`` the sampling one): ``branches`` its
-        ``(draft length, tokens)`` in switch order, ``run(d, t, steps)`` the seconds of one call that runs branch
-        ``(d, t)`` in each of ``steps`` iterations (from the call to the read-back of its step count), on every
-        slot's state set to ``context`` tokens (a quarter of ``max_model_len``). Used by the cost-table profile
-        and by ``scripts/bench_loop_overhead.py``."""
+        ``sampling`` the sampling one): ``branches`` its ``(draft length, tokens)`` in switch order,
+        ``run(d, t, steps)`` the seconds of one call that runs branch ``(d, t)`` in each of ``steps`` iterations
+        (from the call to the read-back of its step count), on every slot's state set to ``context`` tokens (a
+        quarter of ``max_model_len``). Used by the cost-table profile and by ``scripts/bench_loop_overhead.py``."""
         cfg, r = self._loop_config_of(sampling), self.max_num_seqs
         branches = [(d, t) for d, buckets in zip(cfg.draft_lengths, cfg.token_buckets) for t in buckets]
         index = {p: i for i, p in enumerate(branches)}
