@@ -65,6 +65,7 @@ from minimax_jax.model import MiniMaxM3ForCausalLM, check_input_ids
 from minimax_jax.sharding import on_local_heads
 from pallas_kernels import draft_attention as draft_attention_kernel
 from pallas_kernels.metadata import token_to_request
+from pallas_kernels.platform import unroll_loops
 
 
 # ----------------------------------------------------------------------------------------------- modules
@@ -194,7 +195,7 @@ class MarkovHead(nnx.Module):
             return state, bias
 
         _, bias = jax.lax.scan(body, self.init_state(h.shape[0]),
-                               (jnp.swapaxes(prev_tokens, 0, 1), jnp.swapaxes(h, 0, 1)), unroll=True)
+                               (jnp.swapaxes(prev_tokens, 0, 1), jnp.swapaxes(h, 0, 1)), unroll=unroll_loops())
         return jnp.swapaxes(bias, 0, 1)
 
 
@@ -463,9 +464,10 @@ class DSparkDrafter(nnx.Module):
 
         xs = (u, h_t, jnp.arange(k, dtype=jnp.int32))
         drafted0 = jnp.full((r, k) if logit_filter is not None else (r, 0), -1, jnp.int32)
-        # unrolled: K is small, and a rolled scan is an XLA while loop that a GPU drives from the host (a launch
-        # and a predicate read-back per position, in the host loop's dispatch time)
-        _, ys = jax.lax.scan(body, (anchors.astype(jnp.int32), state0, drafted0), xs, unroll=True)
+        # unrolled on a GPU: K is small, and a rolled scan is an XLA while loop that a GPU drives from the host (a
+        # launch and a predicate read-back per position, in the host loop's dispatch time); rolled elsewhere, where
+        # one body compiles faster than K (pallas_kernels.platform.unroll_loops)
+        _, ys = jax.lax.scan(body, (anchors.astype(jnp.int32), state0, drafted0), xs, unroll=unroll_loops())
         ys = {name: jnp.swapaxes(val, 0, 1) for name, val in ys.items()}
         conf_logits = ys.get("confidence_logits")
         sts = self.cfg.sts_temperatures

@@ -33,6 +33,15 @@ def on_gpu() -> bool:
     return jax.default_backend() in _GPU_PLATFORMS
 
 
+def unroll_loops() -> bool:
+    """Whether the short loops of a decode program (the drafter's draft positions; the sampler's 32-step bisection
+    on vocabulary shards) are unrolled when traced. On a GPU they are: a rolled loop is an XLA while loop, which a
+    GPU drives from the host, a predicate read back and a launch per iteration (docs/BENCHMARKS.md, "The launch of
+    a host step"). Elsewhere (a CPU) a while loop runs where its body does, and a rolled body compiles once: the
+    test suite's engines warm up about a tenth faster (docs/ENGINE.md, "The closed program set"). Same math."""
+    return on_gpu()
+
+
 def resolve_auto(implementation: str, *, interpret: bool | None, supported, choices=("auto", "pallas", "reference"),
                  fallback: str = "reference") -> str:
     """The one ``"auto"`` rule every kernel family shares: a name of ``choices`` other than ``"auto"`` passes

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.platform import unroll_loops
 from spec_decode.logprobs import check_logprobs_setting
 from spec_decode.vocab_shards import Vocab, midpoint, ordered_key, split_vocab, vocab_shards
 
@@ -306,8 +307,9 @@ def filter_logits_by_search(logits: jax.Array, top_k: jax.Array, top_p: jax.Arra
         return (jnp.where(k_ok, k_mid, k_lo), jnp.where(k_ok, k_hi, k_mid),
                 jnp.where(p_ok, p_lo, p_mid), jnp.where(p_ok, p_mid, p_hi))
 
-    # unrolled: a rolled loop is an XLA while loop, which a GPU drives from the host (a predicate read back and a
-    # launch per iteration, docs/BENCHMARKS.md "The launch of a host step"): 32 of them in every sampling step
-    kth, _, _, nucleus = jax.lax.fori_loop(0, 32, halve, init, unroll=True)
+    # unrolled on a GPU: a rolled loop is an XLA while loop, which a GPU drives from the host (a predicate read
+    # back and a launch per iteration, docs/BENCHMARKS.md "The launch of a host step"): 32 of them in every sampling
+    # step. Rolled elsewhere (pallas_kernels.platform.unroll_loops): one body to compile
+    kth, _, _, nucleus = jax.lax.fori_loop(0, 32, halve, init, unroll=unroll_loops())
     threshold = jnp.maximum(kth, jnp.where(top_p < 1.0, nucleus, lowest))
     return jnp.where(keys >= threshold[:, None], x, _FILTERED)

@@ -466,6 +466,45 @@ def check_teacher_forced(d, cache, anchors, pos, temps, key):
     return out
 
 
+@pytest.mark.parametrize("kind", ["rnn", "gated"])
+def test_rolled_and_unrolled_draft_positions_agree(target, drafter, sequences, kind, monkeypatch):
+    """The scans over the draft positions (drawing, and the teacher-forced block bias) are unrolled on a GPU and
+    rolled elsewhere (``pallas_kernels.platform.unroll_loops``): both give the same drafts, distributions,
+    confidences and bias, on greedy and sampled rows, under a logit filter that depends on the drafts drawn before
+    the slot (as penalties do)."""
+    import minimax_jax.drafter as drafter_module
+
+    d = nnx.clone(drafter) if kind == "rnn" else init_drafter(make_cfg(markov_head_type=kind, num_draft_layers=1),
+                                                              target, seed=5)
+    d.markov_head.markov_w1[...] = randn(*d.markov_head.markov_w1.shape, scale=3.0)
+    d.markov_head.markov_w2.kernel[...] = randn(*d.markov_head.markov_w2.kernel.shape)
+    ids, feats = sequences
+    pos = jnp.array([11, 4, 19])
+    cache = d.append_context(d.init_cache(R, CAP), feats, ZERO, pos)
+    anchors = ids[ROWS, pos]
+    h = hidden(d, cache, anchors, pos) + randn(R, K, d.cfg.hidden_size, scale=0.5)  # fresh inputs, not the cache's
+    temps = jnp.array([0.0, 0.8, 1.4])
+    prev = jnp.asarray(RNG.integers(0, 250, (R, K)), jnp.int32)
+
+    def penalise_drawn(x, drafted):  # -3 on every token drawn at an earlier slot of the row
+        hit = (jnp.arange(x.shape[-1])[None, :, None] == drafted[:, None, :]).any(-1)
+        return jnp.where(hit, x - 3.0, x)
+
+    outs = {}
+    for unroll in (True, False):
+        monkeypatch.setattr(drafter_module, "unroll_loops", lambda unroll=unroll: unroll)
+        # a new function per setting: jit caches a trace by function, not by the module's switch
+        run = nnx.jit(lambda d, h, a, t, k, p: (d.sample_block(h, a, t, k, logit_filter=penalise_drawn),
+                                                 d.markov_head.block_bias(p, h)))
+        outs[unroll] = jax.tree.map(np.asarray, run(d, h, anchors, temps, jax.random.key(13), prev))
+    (drawn, bias), (drawn_rolled, bias_rolled) = outs[True], outs[False]
+    np.testing.assert_array_equal(drawn_rolled.tokens, drawn.tokens)
+    for name in ("probs", "confidences", "confidence_logits"):
+        np.testing.assert_allclose(getattr(drawn_rolled, name), getattr(drawn, name), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(bias_rolled, bias, rtol=1e-6, atol=1e-6)
+    assert len(np.unique(drawn.tokens[1:])) > 1  # the sampled rows drew something other than one token
+
+
 def test_markov_slot_depends_on_previous_draw(target, sequences):
     """W1 = identity (rank = V), W2 maps x -> f(x) = (3x + 7) mod V: drafts must follow f from the anchor on."""
     _ids, feats = sequences
