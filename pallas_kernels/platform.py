@@ -33,13 +33,30 @@ def on_gpu() -> bool:
     return jax.default_backend() in _GPU_PLATFORMS
 
 
+_unroll_override: bool | None = None  # set by loops_unrolled()
+
+
 def unroll_loops() -> bool:
     """Whether the short loops of a decode program (the drafter's draft positions; the sampler's 32-step bisection
     on vocabulary shards) are unrolled when traced. On a GPU they are: a rolled loop is an XLA while loop, which a
     GPU drives from the host, a predicate read back and a launch per iteration (docs/BENCHMARKS.md, "The launch of
     a host step"). Elsewhere (a CPU) a while loop runs where its body does, and a rolled body compiles once: the
-    test suite's engines warm up about a tenth faster (docs/ENGINE.md, "The closed program set"). Same math."""
-    return on_gpu()
+    test suite's engines warm up about a tenth faster (docs/ENGINE.md, "The closed program set"). Same math.
+    :func:`loops_unrolled` overrides it."""
+    return on_gpu() if _unroll_override is None else _unroll_override
+
+
+@contextlib.contextmanager
+def loops_unrolled(unroll: bool = True):
+    """Programs traced inside unroll their short loops (``unroll=False``: keep them rolled) on any backend.
+    ``scripts/profile_step.py`` profiles the program a GPU runs op by op, and in a CPU trace the ops of a rolled
+    loop lose their name scopes. Only tracing sees it: a program already compiled keeps its loops."""
+    global _unroll_override
+    before, _unroll_override = _unroll_override, bool(unroll)
+    try:
+        yield
+    finally:
+        _unroll_override = before
 
 
 def resolve_auto(implementation: str, *, interpret: bool | None, supported, choices=("auto", "pallas", "reference"),

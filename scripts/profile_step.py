@@ -101,7 +101,7 @@ from minimax_jax.draft_step import append_context_packed_step, draft_step
 from minimax_jax.drafter import DSparkDrafter
 from minimax_jax.drafter_config import DSparkConfig
 from minimax_jax.model import MiniMaxM3ForCausalLM
-from pallas_kernels.platform import on_gpu
+from pallas_kernels.platform import loops_unrolled, on_gpu
 from pallas_kernels.tuning import DEFAULT_PEAK, PEAKS, ChipPeak, detect_peak
 from scripts import bench_common, bench_shapes, op_trace
 
@@ -1299,7 +1299,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-    return run(parse_args(argv))
+    # the GPU's program on any backend: on a CPU a rolled loop's ops would lose their name scopes in the trace
+    with loops_unrolled():
+        return run(parse_args(argv))
 
 
 if __name__ == "__main__":

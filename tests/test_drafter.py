@@ -18,6 +18,7 @@ from minimax_jax.draft_step import compilation_counts, draft_step
 from minimax_jax.drafter import capture_target_features, init_drafter
 from minimax_jax.drafter_config import DSparkConfig, default_target_layer_ids, validate_target_layer_ids
 from minimax_jax.model import init_model
+from pallas_kernels.platform import loops_unrolled
 from spec_decode.page_pool import PageAllocator
 
 # A dense tiny target: the drafter only reads its embeddings, LM head and residual stream, and a dense target
@@ -467,13 +468,11 @@ def check_teacher_forced(d, cache, anchors, pos, temps, key):
 
 
 @pytest.mark.parametrize("kind", ["rnn", "gated"])
-def test_rolled_and_unrolled_draft_positions_agree(target, drafter, sequences, kind, monkeypatch):
+def test_rolled_and_unrolled_draft_positions_agree(target, drafter, sequences, kind):
     """The scans over the draft positions (drawing, and the teacher-forced block bias) are unrolled on a GPU and
     rolled elsewhere (``pallas_kernels.platform.unroll_loops``): both give the same drafts, distributions,
     confidences and bias, on greedy and sampled rows, under a logit filter that depends on the drafts drawn before
     the slot (as penalties do)."""
-    import minimax_jax.drafter as drafter_module
-
     d = nnx.clone(drafter) if kind == "rnn" else init_drafter(make_cfg(markov_head_type=kind, num_draft_layers=1),
                                                               target, seed=5)
     d.markov_head.markov_w1[...] = randn(*d.markov_head.markov_w1.shape, scale=3.0)
@@ -490,13 +489,15 @@ def test_rolled_and_unrolled_draft_positions_agree(target, drafter, sequences, k
         hit = (jnp.arange(x.shape[-1])[None, :, None] == drafted[:, None, :]).any(-1)
         return jnp.where(hit, x - 3.0, x)
 
-    outs = {}
+    outs, loops = {}, {}
     for unroll in (True, False):
-        monkeypatch.setattr(drafter_module, "unroll_loops", lambda unroll=unroll: unroll)
-        # a new function per setting: jit caches a trace by function, not by the module's switch
+        # a new function per setting: jit caches a trace by function, not by the switch
         run = nnx.jit(lambda d, h, a, t, k, p: (d.sample_block(h, a, t, k, logit_filter=penalise_drawn),
                                                  d.markov_head.block_bias(p, h)))
-        outs[unroll] = jax.tree.map(np.asarray, run(d, h, anchors, temps, jax.random.key(13), prev))
+        with loops_unrolled(unroll):
+            loops[unroll] = run.lower(d, h, anchors, temps, jax.random.key(13), prev).as_text().count("stablehlo.while")
+            outs[unroll] = jax.tree.map(np.asarray, run(d, h, anchors, temps, jax.random.key(13), prev))
+    assert loops[False] >= loops[True] + 2  # the two scans are while loops only when rolled
     (drawn, bias), (drawn_rolled, bias_rolled) = outs[True], outs[False]
     np.testing.assert_array_equal(drawn_rolled.tokens, drawn.tokens)
     for name in ("probs", "confidences", "confidence_logits"):
