@@ -9,10 +9,12 @@ in tests/test_engine_sampling.py. CPU, f32, reference kernels, one shared engine
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.platform import loops_unrolled
 from spec_decode import Engine, SamplingParams
 from spec_decode.programs import pack_plan, unpack_plan
 from spec_decode.sampling_params import apply_penalties, filter_logits, filter_logits_by_search
@@ -237,7 +239,8 @@ def test_transforms_match_numpy():
 
 def test_threshold_search_filter_equals_the_sort():
     """filter_logits_by_search (the vocabulary shards' filter, docs/PARALLELISM.md) keeps exactly what the sort keeps:
-    ties at the top-k and nucleus boundaries, -0.0 beside +0.0, a constant row, k past the vocabulary, min-p."""
+    ties at the top-k and nucleus boundaries, -0.0 beside +0.0, a constant row, k past the vocabulary, min-p; with
+    its bisection unrolled (a GPU's program) and rolled (a CPU's)."""
     rng = np.random.default_rng(11)
     n, v = 24, 96
     x = (rng.normal(size=(n, v)) * 3).astype(np.float32)
@@ -255,8 +258,10 @@ def test_threshold_search_filter_equals_the_sort():
     min_p[::2] = 0.0
     args = [jnp.asarray(a) for a in (x, top_k, top_p, min_p)]
     want = np.asarray(filter_logits(*args))
-    got = np.asarray(filter_logits_by_search(*args))
-    np.testing.assert_array_equal(got, want)
+    for unroll in (True, False):
+        with loops_unrolled(unroll):
+            got = np.asarray(jax.jit(lambda *a: filter_logits_by_search(*a))(*args))  # a new trace per setting
+        np.testing.assert_array_equal(got, want, err_msg=f"unrolled={unroll}")
     assert (want[~np.isin(np.arange(n), [1])] < -1e30).any()  # the filters did remove tokens
 
 
