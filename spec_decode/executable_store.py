@@ -8,8 +8,8 @@ each program by what determines it *before* tracing, and keeps the executable th
 
 - the software: this project's source (every ``.py`` file of ``pallas_kernels``, ``minimax_jax`` and
   ``spec_decode``), and the versions of jax, jaxlib and flax;
-- the machine: the backend, its platform version, the devices' kinds, ``XLA_FLAGS`` and the JAX options that change
-  what is compiled;
+- the machine: the backend, its platform version, the devices' kinds, ``XLA_FLAGS``, the JAX options that change
+  what is compiled, and whether short loops are traced unrolled (``pallas_kernels.platform.unroll_loops``);
 - the program: the models' graph definitions (their configs and every static attribute, the weights excluded), the
   shapes, dtypes and placements of every argument (parameters, decode state, plan), the step or loop
   configuration, and the program's key in the closed set.
@@ -45,6 +45,7 @@ import weakref
 import jax
 import numpy as np
 
+from pallas_kernels.platform import unroll_loops
 from spec_decode import compilation_cache
 
 __all__ = ["MAX_BYTES", "ExecutableStore", "abstract", "live_code", "program_digest", "recall", "remember",
@@ -88,7 +89,7 @@ def _environment() -> tuple:
     options = tuple((name, str(getattr(jax.config, name, None))) for name in _JAX_OPTIONS)
     return (jax.__version__, jaxlib.__version__, flax.__version__, jax.default_backend(),
             getattr(devices[0].client, "platform_version", ""), tuple(getattr(d, "device_kind", "") for d in devices),
-            os.environ.get("XLA_FLAGS", ""), options, source_digest())
+            os.environ.get("XLA_FLAGS", ""), options, ("unroll_loops", unroll_loops()), source_digest())
 
 
 def abstract(tree) -> tuple:

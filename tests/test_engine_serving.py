@@ -11,6 +11,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from pallas_kernels.platform import loops_unrolled, unroll_loops
 from spec_decode import Engine, SamplingParams
 from spec_decode.programs import compile_counter
 from spec_decode.scheduler import Scheduler
@@ -257,7 +258,8 @@ def test_engines_with_the_same_settings_share_their_programs(target, drafter):
 
 def test_the_executable_store_keys_change_with_the_engine(target, drafter):
     """A program's key in the executable store covers the engine's settings: the same engine gives the same keys,
-    another model length or another drafter config other keys (the weights are arguments: not in a key)."""
+    another model length or another drafter config other keys (the weights are arguments: not in a key), and so do
+    the step's short loops traced unrolled (a GPU's form) instead of rolled."""
     def keys(**kw):
         eng = Engine(target, kw.pop("drafter", drafter), num_speculative_tokens=3, verification="fixed",
                      **{**GREEDY, **kw})
@@ -270,6 +272,8 @@ def test_the_executable_store_keys_change_with_the_engine(target, drafter):
     assert not set(keys(max_model_len=GREEDY["max_model_len"] + 16).values()) & set(base.values())
     other = bigram_drafter(target, block_size=4)  # another drafter config (its weights alone would not count)
     assert not set(keys(drafter=other).values()) & set(base.values())
+    with loops_unrolled(not unroll_loops()):
+        assert not set(keys().values()) & set(base.values())
 
 
 def test_the_store_loads_the_device_loops_first(target, drafter, tmp_path):
