@@ -506,13 +506,14 @@ class Engine:
             t_loaded = time.perf_counter()
             todo = [name for name in names if name not in loaded]
             todo.sort(key=_compile_order)
+            from_cache: set = set()  # served by JAX's persistent cache, not compiled here
             done, lower_s = compile_in_pool(((name, self._lowering(name)) for name in todo), total=len(todo),
-                                            progress=show, desc="compiling", seconds=seconds)
+                                            progress=show, desc="compiling", seconds=seconds, from_cache=from_cache)
             t_compiled = time.perf_counter()
             for name, exe in done.items():
                 remember(digests[name], live, exe)
                 if self._executables is not None:
-                    self._executables.save(digests[name], exe)
+                    self._executables.save(digests[name], exe, from_cache=name in from_cache)
             done.update(loaded)
             for key in loops:
                 if ("loop",) + key in done:

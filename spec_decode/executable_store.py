@@ -49,7 +49,7 @@ from pallas_kernels.platform import unroll_loops
 from spec_decode import compilation_cache
 
 __all__ = ["MAX_BYTES", "ExecutableStore", "abstract", "live_code", "program_digest", "recall", "remember",
-           "source_digest"]
+           "source_digest", "stores_cache_loads"]
 
 MAX_BYTES = 8 << 30  # the store's size on disk, kept by removing the least recently used executables
 # (key, live code) -> a program some engine of this process holds (weakly: it goes with the last engine)
@@ -116,6 +116,15 @@ def abstract(tree) -> tuple:
 def program_digest(*parts) -> str:
     """The store's key of one program: the software and machine (see the module docstring) and ``parts``."""
     return hashlib.sha256(repr((_environment(),) + parts).encode()).hexdigest()
+
+
+def stores_cache_loads() -> bool:
+    """Whether an executable that JAX's persistent compilation cache loaded may be kept in the store. Not on a CPU:
+    with jax 0.11-0.12 such an executable serialises without its machine code, loads in the next process, and
+    fails at its first run (``NOT_FOUND: Function ... not found``). The program then comes from the JAX cache in
+    every process (traced and lowered, not compiled) until a compilation stores it: after the cache is cleared,
+    or when its key there changes too. ``tests/test_engine_serving.py`` runs the sequence."""
+    return jax.default_backend() != "cpu"
 
 
 def live_code() -> str:
@@ -189,8 +198,12 @@ class ExecutableStore:
             pass
         return compiled
 
-    def save(self, digest: str, compiled) -> None:
-        """Keep ``compiled`` under ``digest`` (written atomically); a failure warns and is otherwise ignored."""
+    def save(self, digest: str, compiled, *, from_cache: bool = False) -> None:
+        """Keep ``compiled`` under ``digest`` (written atomically); a failure warns and is otherwise ignored.
+        ``from_cache``: JAX's persistent compilation cache loaded it (nothing compiled); on a CPU it is not kept
+        (:func:`stores_cache_loads`)."""
+        if from_cache and not stores_cache_loads():
+            return
         try:
             from jax.experimental.serialize_executable import serialize
 

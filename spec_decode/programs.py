@@ -34,6 +34,7 @@ _listener_lock = threading.Lock()
 _counters: list[list[str]] = []
 _listening = False
 _pending_hits = threading.local()
+_thread_loads = threading.local()  # persistent-cache loads this thread has seen (never decremented)
 
 
 def _on_duration(name, secs, **kwargs):
@@ -49,6 +50,17 @@ def _on_duration(name, secs, **kwargs):
 def _on_event(name, **kwargs):
     if name == _CACHE_HIT:
         _pending_hits.n = getattr(_pending_hits, "n", 0) + 1
+        _thread_loads.n = getattr(_thread_loads, "n", 0) + 1
+
+
+def _listen() -> None:
+    """Register the monitoring listeners (once per process)."""
+    global _listening
+    with _listener_lock:
+        if not _listening:
+            jax.monitoring.register_event_duration_secs_listener(_on_duration)
+            jax.monitoring.register_event_listener(_on_event)
+            _listening = True
 
 
 @contextlib.contextmanager
@@ -56,12 +68,7 @@ def compile_counter():
     """``with compile_counter() as compiled: ...``: ``len(compiled)`` is the number of XLA backend compilations
     inside the block (all threads), as JAX's monitoring reports them; programs loaded from the persistent
     compilation cache do not count."""
-    global _listening
-    with _listener_lock:
-        if not _listening:
-            jax.monitoring.register_event_duration_secs_listener(_on_duration)
-            jax.monitoring.register_event_listener(_on_event)
-            _listening = True
+    _listen()
     seen: list[str] = []
     _counters.append(seen)
     try:
@@ -94,18 +101,23 @@ class CompileReport:
 
 
 def compile_in_pool(programs, *, total: int, progress: bool, desc: str,
-                    seconds: dict | None = None) -> tuple[dict, float]:
+                    seconds: dict | None = None, from_cache: set | None = None) -> tuple[dict, float]:
     """Lower each ``(key, lower)`` of ``programs`` in this thread (``lower()`` returns a ``jax.stages.Lowered``:
     tracing holds the GIL) and compile it in a thread pool as soon as it is lowered (XLA compiles outside the
     GIL), so tracing overlaps compiling. Put the longest compilations first: they start first and do not trail the
     rest. Returns ``({key: compiled}, seconds spent lowering)``; ``seconds``, when given, gets each key's compile
-    time (in its worker)."""
+    time (in its worker); ``from_cache``, when given, the keys that JAX's persistent compilation cache served
+    instead of a compilation."""
+    _listen()
 
     def timed(key, low):
         t = time.perf_counter()
+        loads = getattr(_thread_loads, "n", 0)  # the cache's load event fires in this (the compiling) thread
         out = low.compile()
         if seconds is not None:
             seconds[key] = time.perf_counter() - t
+        if from_cache is not None and getattr(_thread_loads, "n", 0) > loads:
+            from_cache.add(key)
         return out
 
     bar = None
