@@ -168,9 +168,10 @@ class Engine:
         reads every step back before planning the next.
       decode_steps_per_launch: the host loop's **multi-step launches** (``M``): while every running request
         decodes and no waiting request could be admitted, launch several decode steps at once through the device
-        loop's program (one launch and one read-back for all of them; ``docs/ENGINE.md``): ``M`` steps in the
-        first such launch after a single step, four times as many in each next one, up to ``16 M``. Streams then
-        receive a request's tokens a launch at a time. ``1`` launches every step on its own; so does an engine
+        loop's program (one launch and one read-back for all of them; ``docs/ENGINE.md``). A stream's first
+        such launch after a single step runs ``M`` steps, each next one four times as many, up to ``16 M``, and
+        the stream receives a request's tokens a launch at a time; ``generate`` launches ``16 M`` at once (its
+        caller sees no token before it returns). ``1`` launches every step on its own; so does an engine
         built with ``device_loop=False`` (the launches use the device loop's programs).
       precompile: compile the whole closed set now (else the first ``generate`` / ``stream`` does).
       device_loop: compile the device loop's programs at warm-up too (default); ``False`` leaves them out of the
@@ -850,7 +851,7 @@ class Engine:
     def _stream(self, requests: list[Request]) -> Iterator[tuple[int, list[int]]]:
         with self._exclusive():
             self._warmup(None)
-            yield from self._host_loop(requests, {})
+            yield from self._host_loop(requests, {}, ramp=True)
 
     def generate(self, prompts, *, max_new_tokens: int | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
@@ -897,7 +898,7 @@ class Engine:
                 bar = tqdm(total=len(requests), unit="req", desc="generate", file=sys.stderr)
             stats: dict = {}
             finished = 0
-            for _ in self._host_loop(requests, stats):
+            for _ in self._host_loop(requests, stats, ramp=False):
                 if bar is not None:
                     done = sum(r.finish_reason is not None for r in requests)
                     bar.update(done - finished)
@@ -1025,17 +1026,20 @@ class Engine:
         return self._launch_pool
 
     # ------------------------------------------------------------------ the host loop
-    def _schedule(self, sched: Scheduler) -> tuple[ScheduledStep | ScheduledBurst | None, object]:
+    def _schedule(self, sched: Scheduler, *, ramp: bool) -> tuple[ScheduledStep | ScheduledBurst | None, object]:
         """The next launch and what it sends: a multi-step launch and its loop inputs when one fits (see
         :meth:`Scheduler.schedule_burst`), else one step and its packed plan (None: nothing can run now, or
-        the launches in flight are expected to finish every request: wait for them)."""
+        the launches in flight are expected to finish every request: wait for them). ``ramp``: a stream's
+        multi-step launches grow from ``M`` steps (its consumer sees early tokens); without it (``generate``,
+        whose caller sees nothing before the call returns) each is the ramp's top, ``16 M``."""
         if sched.expects_in_flight_to_finish():
             return None, None
         m0 = self.decode_steps_per_launch
         if m0 > 1 and (False, None) in self._loop_programs:
-            # the first multi-step launch after a single step runs M0 steps, each next one 4x the one before, up
-            # to 16 M0 (few launches for a long decode, early tokens for streams); fewer when the pool is short
-            m = min(m0 * 4 ** self._burst_run, 16 * m0)
+            # a stream's first multi-step launch after a single step runs M0 steps, each next one 4x the one
+            # before, up to 16 M0 (few launches for a long decode, early tokens for the stream); generate's
+            # launches start at 16 M0; fewer steps when the pool is short
+            m = min(m0 * 4 ** self._burst_run, 16 * m0) if ramp else 16 * m0
             burst = None
             while burst is None and m >= m0:
                 burst = sched.schedule_burst(m, min_rows=self._burst_min_rows)
@@ -1052,7 +1056,7 @@ class Engine:
         self._burst_run = 0
         return step, (None if step is None else pack_plan(step.plan))
 
-    def _host_loop(self, requests: list[Request], stats: dict) -> Iterator[tuple[int, list[int]]]:
+    def _host_loop(self, requests: list[Request], stats: dict, *, ramp: bool) -> Iterator[tuple[int, list[int]]]:
         sched = self._scheduler()
         for r in requests:
             sched.add(r)
@@ -1072,7 +1076,7 @@ class Engine:
                     h0 = time.perf_counter()
                     commit_s = 0.0
                     # the plan is packed here: the launcher never reads the scheduler's arrays
-                    step, packed = self._schedule(sched) if sched.has_work else (None, None)
+                    step, packed = self._schedule(sched, ramp=ramp) if sched.has_work else (None, None)
                     if step is not None:
                         if depth:
                             prev = in_flight[-1][1] if in_flight else None
@@ -1113,6 +1117,7 @@ class Engine:
                             timeline.append({
                                 "kind": "multi_step" if isinstance(done, ScheduledBurst) else "step",
                                 "steps": int(out.steps) if isinstance(done, ScheduledBurst) else 1,
+                                "max_steps": done.max_steps if isinstance(done, ScheduledBurst) else 1,
                                 "submitted": submitted - t0, "launch_start": started - t0, "launch_end": ended - t0,
                                 "ready": h3 - t0, "committed": time.perf_counter() - t0})
                         for req, new in events:

@@ -221,11 +221,11 @@ class Scheduler:
         b[1] -= flight.emit_min
 
     @staticmethod
-    def _expected_per_step(req: Request) -> float:
+    def _expected_per_step(req: Request, default: float = 1.0) -> float:
         """Tokens a decode step of ``req`` is expected to emit: :data:`EXPECTED_SHARE` of what its decode steps
-        emitted so far on average (1 before its first one)."""
+        emitted so far on average (``default`` before its first one)."""
         steps = req.target_steps
-        return EXPECTED_SHARE * (len(req.output) - 1) / steps if steps and req.output else 1.0
+        return EXPECTED_SHARE * (len(req.output) - 1) / steps if steps and req.output else default
 
     def expects_in_flight_to_finish(self) -> bool:
         """Whether the steps in flight are expected to finish every running request, with nothing waiting that
@@ -234,11 +234,15 @@ class Scheduler:
         most likely run on finished requests only. A wrong guess costs one launch's latency, never a token."""
         if not self.running or (self.waiting and self.free_slots):
             return False
+        # a request with no decode step read back yet (its prefill just ended) is expected to do as the others
+        # have done on average: they draft from the same drafter (1 a step when none has decoded yet)
+        seen = [self._expected_per_step(r) for r in self.running.values() if r.target_steps and r.output]
+        default = max(1.0, sum(seen) / len(seen)) if seen else 1.0
         for r in self.running.values():
             flights = self._inflight[r.index]
             if not flights:
                 return False
-            rate = self._expected_per_step(r)  # the current estimate, not the one when the steps were planned
+            rate = self._expected_per_step(r, default)  # the current estimate, not the one when they were planned
             expected = sum(max(f.emit_min, min(f.emit_max, f.decode_steps * rate)) for f in flights)
             if len(r.output) + expected < r.limit:
                 return False

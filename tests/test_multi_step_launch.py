@@ -107,8 +107,10 @@ def test_no_launch_after_the_last_when_drafts_are_accepted(monkeypatch):
     target = damped_target(damping=0.02)  # nearly its own bigram table: the bigram drafter's drafts survive
     drafter = bigram_drafter(target, block_size=7)
     prompts = random_prompts(3, [20, 15, 30], seed=3)
+    # generate's launches are 16 M steps: M = 2 makes them 32, fewer than the 60 tokens a request's lower bound
+    # (one a step) must cover, so only the expectation stops the host from launching again
     eng = Engine(target, drafter, num_speculative_tokens=7, verification="fixed", cost_table=None,
-                 decode_steps_per_launch=4, sampling=False, enable_prefix_caching=False, **COMMON)
+                 decode_steps_per_launch=2, sampling=False, enable_prefix_caching=False, **COMMON)
     params = SamplingParams(max_new_tokens=60, ignore_eos=True)
     eng.record_launches = True
     res = eng.generate(prompts, sampling_params=params, progress=False)
@@ -118,6 +120,7 @@ def test_no_launch_after_the_last_when_drafts_are_accepted(monkeypatch):
     bursts = [t for t in timeline if t["kind"] == "multi_step"]
     assert len(bursts) == res.stats["multi_step_launches"]
     assert sum(t["steps"] for t in bursts) == res.stats["steps_in_multi_step_launches"]
+    assert all(t["steps"] <= t["max_steps"] == 32 for t in bursts)
     assert len(timeline) - len(bursts) + res.stats["steps_in_multi_step_launches"] == res.stats["steps"]
     for t in timeline:
         assert 0 <= t["launch_start"] <= t["launch_end"] <= t["ready"] <= t["committed"]
@@ -128,3 +131,30 @@ def test_no_launch_after_the_last_when_drafts_are_accepted(monkeypatch):
     assert control.stats["empty_launches"] >= 1
     assert [r.token_ids for r in control] == [r.token_ids for r in res]
     assert [len(r.token_ids) for r in res] == [60] * 3
+
+
+def test_generate_launches_the_ramps_top_and_a_stream_ramps(target, drafter, prompts, references, monkeypatch):
+    """A stream's multi-step launches grow from M steps (its consumer sees early tokens); generate's are 16 M from
+    the first (nobody sees a token before it returns, and every launch costs the host). Same tokens either way."""
+    asked = []
+    schedule_burst = Scheduler.schedule_burst
+
+    def spy(self, max_steps, **kw):
+        burst = schedule_burst(self, max_steps, **kw)
+        if burst is not None:
+            asked.append(max_steps)
+        return burst
+
+    monkeypatch.setattr(Scheduler, "schedule_burst", spy)
+    eng = Engine(target, drafter, num_speculative_tokens=3, verification="adaptive", cost_table=None,
+                 decode_steps_per_launch=2, sampling=False, **COMMON)
+    params = [SamplingParams(max_new_tokens=m) for m in MAX_NEW]
+    res = eng.generate(prompts, sampling_params=params, progress=False)
+    generated, asked[:] = list(asked), []
+    streamed = {i: [] for i in range(len(prompts))}
+    for i, new in eng.stream(prompts, sampling_params=params):
+        streamed[i].extend(new)
+    assert [r.token_ids for r in res] == references
+    assert [streamed[i] for i in range(len(prompts))] == references
+    assert generated and set(generated) == {32}
+    assert asked[0] == 2 and set(asked) <= {2, 8, 32} and 8 in asked
