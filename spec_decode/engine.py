@@ -91,7 +91,7 @@ PROFILE_LOOP_STEPS = (4, 32)
 # an engine without a device loop: host-launched steps back to back per timed call
 PROFILE_STEPS_PER_CALL = 3
 # how the cost table is profiled (part of its cache key: a table profiled another way is profiled again)
-COST_PROFILE_VERSION = "profile 4: the device loop's branches timed inside the loop, the longer of two shapes"
+COST_PROFILE_VERSION = "profile 3: the device loop's branches timed inside the loop"
 # (cost-table key, live code) -> the table an engine of this process profiled or loaded: a second engine with the
 # same settings (a notebook cell re-run, another verification run beside it) plans from it instead of profiling
 # again, with or without the cache on disk (one process only: a multi-process profile runs on every process)
@@ -689,14 +689,10 @@ class Engine:
         and keep them per draft length (docs/ADAPTIVE_VERIFICATION.md, "Cost tables"); returns how many.
 
         A timing run (``LoopInputs.timing_branch``) runs one branch every iteration on the same state, committing
-        nothing, its slots decoding at a context of a quarter of ``max_model_len``. A branch's step is the
-        difference between a run of ``1 + n`` iterations and one of 1, over ``n``: the launch and the read-back
-        cancel, the loop's own planning and branch choice stay in, as in a decode wave. A branch below its
-        length's full size (``T < R (1 + K_d)``) is reached two ways, and is timed in both shapes
-        (:func:`_timing_shapes`), keeping the longer: every slot decoding with ``T - R`` drafts among them (a
-        trimmed budget), and ``T // (1 + K_d)`` slots drafting ``K_d`` each (the wave's tail, once most rows
-        have finished). Timed in the first shape alone, a length-7 branch of 256 tokens at 256 slots cost
-        less than length 3's smallest (512 tokens), and the plan drafted 7 in the tail where it was slower."""
+        nothing: ``min(R, T)`` slots decode at a context of a quarter of ``max_model_len`` and verify
+        ``T - min(R, T)`` drafts (at most ``K_d`` each). A branch's step is the difference between a run of ``1 + n`` iterations
+        and one of 1, over ``n``: the launch and the read-back cancel, the loop's own planning and branch choice
+        stay in, as in a decode wave."""
         cfg = self.loop_config
         branches, run, context = self._loop_branch_timer(program)
         lo, hi = PROFILE_LOOP_STEPS
@@ -706,24 +702,19 @@ class Engine:
         n = int(min(hi, max(min(lo, hi), math.ceil(PROFILE_LOOP_SECONDS / max(estimate, 1e-9)))))
 
         def time_branch(d: int, t: int) -> float:
-            return max((run(d, t, 1 + n, rows) - run(d, t, 1, rows)) / n
-                       for rows, _ in _timing_shapes(d, t, self.max_num_seqs))
+            return (run(d, t, 1 + n) - run(d, t, 1)) / n
 
         self.planner.profile(branches, time_branch, repeats=PROFILE_REPEATS, per_length=True, progress=bar,
                              source="engine warm-up profile: the device loop's branches, timed inside the loop",
-                             metadata={"loop_iterations": [1, 1 + n], "context": context,
-                                       "shapes": "the longer of: every slot decoding, T - R drafts among them; "
-                                                 "T // (1 + K_d) slots drafting K_d each"})
+                             metadata={"loop_iterations": [1, 1 + n], "context": context})
         return len(branches)
 
     def _loop_branch_timer(self, program, *, sampling: bool = False):
         """``(branches, run, context)`` for timing runs of the device loop ``program`` (the greedy one, or with
         ``sampling`` the sampling one): ``branches`` its ``(draft length, tokens)`` in switch order,
-        ``run(d, t, steps, rows=None)`` the seconds of one call that runs branch ``(d, t)`` in each of ``steps``
-        iterations (from the call to the read-back of its step count), on every slot's state set to ``context``
-        tokens (a quarter of ``max_model_len``), ``rows`` of them decoding (default ``min(R, t)``) and verifying
-        ``t - rows`` drafts, at most ``d`` each. Used by the cost-table profile and by
-        ``scripts/bench_loop_overhead.py``."""
+        ``run(d, t, steps)`` the seconds of one call that runs branch ``(d, t)`` in each of ``steps`` iterations
+        (from the call to the read-back of its step count), on every slot's state set to ``context`` tokens (a
+        quarter of ``max_model_len``). Used by the cost-table profile and by ``scripts/bench_loop_overhead.py``."""
         cfg, r = self._loop_config_of(sampling), self.max_num_seqs
         branches = [(d, t) for d, buckets in zip(cfg.draft_lengths, cfg.token_buckets) for t in buckets]
         index = {p: i for i, p in enumerate(branches)}
@@ -733,8 +724,8 @@ class Engine:
                                    limit=np.full(r, self.max_model_len, np.int32),
                                    cost_table=self.planner.device_table())
 
-        def run(d: int, t: int, steps: int, live: int | None = None) -> float:
-            n = min(r, t) if live is None else live
+        def run(d: int, t: int, steps: int) -> float:
+            n = min(r, t)
             rows = np.where(np.arange(r) < n, np.arange(r), -1).astype(np.int32)
             inputs = self._programs.put(dataclasses.replace(
                 base, rows=rows, max_steps=np.asarray(steps, np.int32),
@@ -1260,19 +1251,6 @@ class Engine:
             pages += need
         if wave:
             yield wave
-
-
-def _timing_shapes(d: int, t: int, slots: int) -> list[tuple[int, int]]:
-    """``(rows, drafts)`` of the timing runs of the device-loop branch of draft length ``d`` at ``t`` packed tokens
-    with ``slots`` rows: every slot decoding, ``t - slots`` drafts among them (at most ``d`` each); and, when that
-    leaves a slot without its ``d`` drafts, also ``t // (1 + d)`` slots with ``d`` each (a wave's tail; none when not
-    even one slot's ``1 + d`` fit)."""
-    full = min(slots, t)
-    shapes = [(full, min(t - full, full * d))]
-    tail = t // (1 + d)
-    if d and 0 < tail < full:
-        shapes.append((tail, tail * d))
-    return shapes
 
 
 def generate_offline(target, drafter, prompts, *, sampling_params=None, **kwargs) -> GenerationResults:
