@@ -1,7 +1,7 @@
 """The device loop's cost per call and per iteration, and whether changing branches between calls costs.
 
     PYTHONPATH=. python3 scripts/bench_loop_overhead.py --out FILE.json [--slots 512] [--modes adaptive fixed3]
-        [--sampling-loop]
+        [--sampling-loop | --contexts 112 240 368 [--rounds 5]]
 
 For each mode an engine of the embedded default (bf16, greedy programs, ``--slots`` slots, 2048-token prefill
 chunks) is built and warmed up; then its greedy device-loop program runs timing calls (``LoopInputs.timing_branch``:
@@ -16,6 +16,12 @@ committed, as the engine's cost-table profile does):
   previous call did not run pays whatever XLA redoes for it (a CUDA graph's update) here.
 
 Wall time from the call to the read-back of its step count, on the host (``time.perf_counter``).
+
+``--contexts C ...``: instead, what the engine's cost table leaves out (it times every branch once, at a quarter
+of ``max_model_len``, every slot decoding): each branch's time per iteration at each context ``C`` (every slot's
+state set to ``C`` tokens), in two shapes: a full batch (``min(R, T)`` slots, ``T - min(R, T)`` drafts among them)
+and, for a branch below its length's full size, a wave's tail (``T // (1 + K_d)`` slots drafting ``K_d`` each);
+one iteration as the slope of calls of 1 and 13 iterations, medians of ``--rounds`` interleaved rounds.
 
 ``--sampling-loop``: instead, what it would cost to serve greedy rows with the sampling loop (one device loop per
 engine instead of two). The engine is built with the sampling programs and only its two device loops are compiled
@@ -66,6 +72,41 @@ def measure(eng) -> dict:
             "alternating_other_ms": float(np.median([v for b, v in alternating if b != name] or [np.nan]))}
 
 
+def shapes(d: int, t: int, slots: int) -> list[tuple[str, int]]:
+    """``(name, live slots)`` of the timing runs of branch ``(d, t)`` (module docstring, ``--contexts``)."""
+    full = min(slots, t)
+    out = [("full", full)]
+    tail = t // (1 + d)
+    if d and 0 < tail < full:
+        out.append(("tail", tail))
+    return out
+
+
+def context_sweep(eng, contexts, rounds: int = 5) -> dict:
+    """The ``--contexts`` timings of the module docstring on ``eng`` (warmed up, with a greedy device loop)."""
+    program = eng._loop_programs[(False, None)]
+    out = {"contexts": list(contexts), "rounds": rounds, "rows": []}
+    for c in contexts:
+        branch_list, timer, context = eng._loop_branch_timer(program, context=c)
+        runs = [(d, t, name, live) for d, t in branch_list for name, live in shapes(d, t, eng.max_num_seqs)]
+        calls = {(i, n): [] for i in range(len(runs)) for n in (1, 13)}
+        for d, t, _, live in runs:  # a first call of each shape, untimed
+            timer(d, t, 1, live)
+        for _ in range(rounds):
+            for i, (d, t, _, live) in enumerate(runs):
+                for n in (1, 13):
+                    calls[i, n].append(1e3 * timer(d, t, n, live))
+        for i, (d, t, name, live) in enumerate(runs):
+            ms = float((np.median(calls[i, 13]) - np.median(calls[i, 1])) / 12)
+            out["rows"].append({"context": context, "branch": f"{d}/{t}", "shape": name, "live": live,
+                                "drafts": min(t - live, live * d), "ms_per_iteration": ms,
+                                "calls_ms": {str(n): calls[i, n] for n in (1, 13)}})
+            print(f"bench_loop_overhead: context {context} {d}/{t} {name} ({live} slots): {ms:.3f} ms per iteration",
+                  flush=True)
+    eng._state = eng._init_state()  # the timing runs left every slot at a context: start clean
+    return out
+
+
 def compare_loops(eng, rounds: int = 6) -> dict:
     """The ``--sampling-loop`` timings of the module docstring on ``eng`` (both device loops compiled)."""
     timers = {name: eng._loop_branch_timer(eng._loop_programs[(sampled, None)], sampling=sampled)
@@ -109,7 +150,15 @@ def main(argv=None) -> int:
     ap.add_argument("--max-model-len", type=int, default=448)
     ap.add_argument("--sampling-loop", action="store_true",
                     help="greedy rows in the sampling loop against the greedy loop, per branch (module docstring)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=None,
+                    help="each branch's time per iteration at these contexts, full batch and tail (module docstring)")
+    ap.add_argument("--rounds", type=int, default=5, help="--contexts: interleaved rounds per timing")
     args = ap.parse_args(argv)
+    if args.sampling_loop and args.contexts:
+        ap.error("--sampling-loop and --contexts are separate runs")
+    for c in args.contexts or ():
+        if not 0 < c < args.max_model_len - 8:
+            ap.error(f"--contexts: {c} does not leave a step's room within --max-model-len {args.max_model_len}")
 
     import jax
     import jax.numpy as jnp
@@ -131,6 +180,10 @@ def main(argv=None) -> int:
         eng = Engine(target, drafter, max_num_seqs=args.slots, max_model_len=args.max_model_len,
                      max_num_batched_tokens=2048, sampling=False, **MODES[mode])
         eng.warmup()
+        if args.contexts:
+            rows[mode] = context_sweep(eng, args.contexts, args.rounds)
+            del eng
+            continue
         rows[mode] = measure(eng)
         summary = {k: round(v, 3) for k, v in rows[mode].items() if k.endswith("_ms") and isinstance(v, float)}
         print(f"bench_loop_overhead: {mode}: {json.dumps(summary)}", flush=True)

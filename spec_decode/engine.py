@@ -709,23 +709,28 @@ class Engine:
                              metadata={"loop_iterations": [1, 1 + n], "context": context})
         return len(branches)
 
-    def _loop_branch_timer(self, program, *, sampling: bool = False):
+    def _loop_branch_timer(self, program, *, sampling: bool = False, context: int | None = None):
         """``(branches, run, context)`` for timing runs of the device loop ``program`` (the greedy one, or with
         ``sampling`` the sampling one): ``branches`` its ``(draft length, tokens)`` in switch order,
-        ``run(d, t, steps)`` the seconds of one call that runs branch ``(d, t)`` in each of ``steps`` iterations
-        (from the call to the read-back of its step count), on every slot's state set to ``context`` tokens (a
-        quarter of ``max_model_len``). Used by the cost-table profile and by ``scripts/bench_loop_overhead.py``."""
+        ``run(d, t, steps, live=None)`` the seconds of one call that runs branch ``(d, t)`` in each of ``steps``
+        iterations (from the call to the read-back of its step count), on every slot's state set to ``context``
+        tokens (default a quarter of ``max_model_len``), ``live`` slots decoding (default ``min(R, t)``) with
+        ``t - live`` drafts among them (at most ``d`` each). Used by the cost-table profile and by
+        ``scripts/bench_loop_overhead.py``."""
         cfg, r = self._loop_config_of(sampling), self.max_num_seqs
         branches = [(d, t) for d, buckets in zip(cfg.draft_lengths, cfg.token_buckets) for t in buckets]
         index = {p: i for i, p in enumerate(branches)}
-        context = max(1, self.max_model_len // 4)
+        context = max(1, self.max_model_len // 4) if context is None else int(context)
+        if not 0 < context <= self.max_model_len - 1 - self.k:
+            raise ValueError(f"a timing run's context must leave room for a step of 1 + K tokens within "
+                             f"max_model_len {self.max_model_len}: got {context}")
         self._state = self._placed(_with_lengths(self._state, np.full(r, context, np.int32)))
         base = dataclasses.replace(self._example_loop_inputs(), block_tables=self._profile_tables(context + 1 + self.k),
                                    limit=np.full(r, self.max_model_len, np.int32),
                                    cost_table=self.planner.device_table())
 
-        def run(d: int, t: int, steps: int) -> float:
-            n = min(r, t)
+        def run(d: int, t: int, steps: int, live: int | None = None) -> float:
+            n = min(r, t) if live is None else int(live)
             rows = np.where(np.arange(r) < n, np.arange(r), -1).astype(np.int32)
             inputs = self._programs.put(dataclasses.replace(
                 base, rows=rows, max_steps=np.asarray(steps, np.int32),

@@ -151,6 +151,13 @@ def test_profiled_cost_table_times_the_loop_branches_inside_the_loop(target, pro
     assert out.budget_per_step[:5].tolist() == [8] * 5 and out.live_per_step[:5].tolist() == [8] * 5
     assert np.asarray(eng._state.num_cached).tolist() == [20] * r
     assert not np.asarray(eng._state.num_emitted).any() and not np.asarray(eng._state.done).any()
+    # the timer at another context, with fewer slots decoding (as scripts/bench_loop_overhead.py --contexts runs
+    # it): every slot's state at that context, the given slots live
+    _, timer, context = eng._loop_branch_timer(program, context=30)
+    assert context == 30 and timer(3, 16, 2, 4) > 0
+    assert np.asarray(eng._state.num_cached).tolist() == [30] * r
+    with pytest.raises(ValueError, match="context"):
+        eng._loop_branch_timer(program, context=eng.max_model_len)
     eng._state = eng._placed(_with_lengths(eng._state, np.zeros(r, np.int32)))
     eng.pool.clear_cache()
 
