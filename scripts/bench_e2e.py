@@ -155,7 +155,8 @@ def config_key(row: dict) -> tuple:
     return (row["n"], row["mode"], row["loop"], row["prompt_len"], row["max_new_tokens"], row["dtype"],
             row.get("model", "default"), tuple(rates) if rates else None, row.get("shared_prefix", 0),
             row.get("tensor_parallel_size"), row.get("max_num_batched_tokens", 512), row.get("temperature", 0.0),
-            row.get("sampling_loop_buckets", 1) if row.get("temperature") else None)
+            row.get("sampling_loop_buckets", 1) if row.get("temperature") else None,
+            row.get("draft_length_buckets", 2))
 
 
 def loop_and_steps(loop: str, args) -> tuple[str, int]:
@@ -172,7 +173,8 @@ def this_row(args, n: int, mode: str, loop: str) -> dict:
             "dtype": args.dtype, "model": args.model, "shared_prefix": args.shared_prefix,
             "tensor_parallel_size": args.tensor_parallel_size, "max_num_batched_tokens": args.max_num_batched_tokens,
             "synthetic_rates": list(args.synthetic_rates) if args.synthetic_rates else None,
-            "temperature": args.temperature, "sampling_loop_buckets": args.sampling_loop_buckets}
+            "temperature": args.temperature, "sampling_loop_buckets": args.sampling_loop_buckets,
+            "draft_length_buckets": args.draft_length_buckets}
 
 
 def load_rows(path: str) -> list[dict]:
@@ -250,7 +252,8 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
                  device_loop=any(loop_and_steps(lp, args) != ("host", 1) for lp in loops),
                  decode_steps_per_launch=args.decode_steps_per_launch, precompile=False,
                  sampling=args.sampling or args.temperature > 0,
-                 device_loop_sampling_token_buckets=args.sampling_loop_buckets, **extra)
+                 device_loop_sampling_token_buckets=args.sampling_loop_buckets,
+                 draft_length_buckets=args.draft_length_buckets, **extra)
     construct_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     report = eng.warmup()
@@ -743,6 +746,8 @@ def parse_args(argv=None):
                     help="compile the sampling programs too (the sweep is greedy: Engine(sampling=False) by default)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample every request at this temperature (seeded; the sampling programs and loop run)")
+    ap.add_argument("--draft-length-buckets", type=int, default=2,
+                    help="Engine(draft_length_buckets=...): the packed-token sizes each draft length below K compiles")
     ap.add_argument("--sampling-loop-buckets", type=int, default=1,
                     help="Engine(device_loop_sampling_token_buckets=...): the sampling device loop's verify sizes "
                          "per draft length")

@@ -16,9 +16,12 @@ compiles the whole list before the first request (``docs/ENGINE.md``, "The close
 * **draft length** ``K_d``: the positions each row drafts, one of the engine's ``draft_lengths`` (adaptive
   verification with a profiled cost table: ``0, 1, 3, K`` by default; otherwise ``K`` alone). The longest length
   has every token bucket. A shorter one serves decode steps only (no prefill chunk rides along) at the
-  ``length_buckets`` (2) largest buckets up to the one holding every slot's ``1 + K_d`` tokens: a plan that
-  drafts less is for steps where many slots decode, and the smaller buckets would multiply the programs to compile
-  for steps the longest length serves as well. The planner only chooses a length that has a bucket for the step.
+  ``length_buckets`` (2; ``Engine(draft_length_buckets=...)``) largest buckets up to the one holding every
+  slot's ``1 + K_d`` tokens: a plan that drafts less is for steps where many slots decode, and the smaller
+  buckets would multiply the programs to compile for steps the longest length serves as well. The planner only
+  chooses a length that has a bucket for the step. (In a wave's tail, where few slots decode, that leaves the
+  shorter lengths at sizes well above the step: on an H100 the plan then drafted ``K`` there, slower than a
+  shorter length at a small size would have been; docs/ADAPTIVE_VERIFICATION.md, "What the table does not see".)
 * **prefill-only steps draft nothing**: a speculative engine whose slots' draft positions reach half a prefill
   chunk (``2 * max_num_seqs * K >= max_num_batched_tokens``) always has length ``0`` programs, and these also take
   the bucket holding ``max_num_batched_tokens`` (a full prefill chunk). Below that, the drafter's work on a

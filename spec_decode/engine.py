@@ -155,6 +155,10 @@ class Engine:
       tokenizer: encodes string prompts and decodes outputs (``encode(str) -> list[int]``, ``decode(ids)``).
       implementation / interpret: the kernels (``decode.choose_implementation``).
       min_token_bucket: the smallest packed-token bucket of the closed set.
+      draft_length_buckets: the packed-token sizes each draft length below ``K`` compiles: the largest ones up to
+        the size holding every slot's ``1 + K_d`` tokens (``K`` has every size; ``spec_decode/buckets.py``). More
+        let a shorter length serve the tail of a wave, where few rows decode, at a small size; each adds a step
+        program per shorter length and sampling mode, and a branch to the greedy device loop.
       device_loop_token_buckets: verify sizes compiled into the greedy device loop (``loop="device"``), per
         draft length: the largest decode buckets of the closed set; each is one branch of the loop's program.
       device_loop_sampling_token_buckets: the same for the sampling device loop (waves with a sampled row), at
@@ -186,7 +190,7 @@ class Engine:
                  memory_fraction: float | None = None, max_num_batched_tokens: int = 512,
                  max_total_logit_rows: int | None = None, cost_table="profile", tokenizer=None,
                  implementation: str = "auto", interpret: bool | None = None, cache_dtype=None,
-                 min_token_bucket: int = 8, device_loop_token_buckets: int = 4,
+                 min_token_bucket: int = 8, draft_length_buckets: int = 2, device_loop_token_buckets: int = 4,
                  device_loop_sampling_token_buckets: int = 1, max_stop_token_ids: int = 16,
                  enable_prefix_caching: bool = True, async_scheduling: bool = True, precompile: bool = False,
                  compilation_cache: bool = True, device_loop: bool = True, draft_lengths=None,
@@ -209,6 +213,7 @@ class Engine:
                                  f"block size), got {num_speculative_tokens}")
         for name, v, lo in (("max_num_seqs", max_num_seqs, 1), ("max_num_batched_tokens", max_num_batched_tokens, 1),
                             ("max_stop_token_ids", max_stop_token_ids, 1), ("min_token_bucket", min_token_bucket, 1),
+                            ("draft_length_buckets", draft_length_buckets, 1),
                             ("device_loop_token_buckets", device_loop_token_buckets, 1),
                             ("device_loop_sampling_token_buckets", device_loop_sampling_token_buckets, 1),
                             ("decode_steps_per_launch", decode_steps_per_launch, 1)):
@@ -266,7 +271,8 @@ class Engine:
         self.step_keys = step_keys(max_num_seqs=max_num_seqs, num_speculative_tokens=k,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    min_token_bucket=min_token_bucket, max_total_logit_rows=self.max_total_logit_rows,
-                                   draft_lengths=self.draft_lengths, sampling=bool(sampling))
+                                   draft_lengths=self.draft_lengths, length_buckets=draft_length_buckets,
+                                   sampling=bool(sampling))
         self.sampling = bool(sampling)
         # per draft length of the programs: the planner's lengths, and 0 for prefill-only steps (spec_decode.buckets)
         self.buckets_by_length = {d: tuple(sorted(key.tokens for key in self.step_keys

@@ -227,3 +227,21 @@ def test_the_sampling_loop_compiles_the_largest_bucket_of_each_draft_length(targ
     with pytest.raises(ValueError, match="device_loop_sampling_token_buckets must be an integer >= 1"):
         Engine(target, drafter, num_speculative_tokens=3, cost_table=table, device_loop_sampling_token_buckets=0,
                **COMMON)
+
+
+def test_draft_length_buckets_sets_the_sizes_of_the_shorter_lengths(target, drafter):
+    """A draft length below K compiles the largest ``draft_length_buckets`` sizes up to every slot's ``1 + K_d``
+    (2 by default): one keeps only that size, more reach down to the smallest; K keeps every size, and the device
+    loop's branches follow. A count below 1 is refused before anything is built."""
+    table = CostTable.from_measurements({8: 1.0, 16: 1.5, 32: 2.0}, draft_lengths={1: 0.1, 3: 0.35})
+    kw = dict(num_speculative_tokens=3, verification="adaptive", cost_table=table, draft_lengths=(1, 3), **COMMON)
+    sizes = {}
+    for n in (1, 2, 3):
+        eng = Engine(target, drafter, draft_length_buckets=n, **kw)
+        sizes[n] = eng.buckets_by_length[1]
+        assert eng.buckets_by_length[3][:3] == (8, 16, 32)  # K: every size (prefill chunks' above)
+        assert dict(zip(eng.loop_config.draft_lengths, eng.loop_config.token_buckets))[1] == sizes[n]
+    assert sizes == {1: (16,), 2: (8, 16), 3: (8, 16)}  # 8 slots: 1 + 1 tokens each fit 16
+    assert sizes[2] == Engine(target, drafter, **kw).buckets_by_length[1]  # the default
+    with pytest.raises(ValueError, match="draft_length_buckets must be an integer >= 1"):
+        Engine(target, drafter, draft_length_buckets=0, **kw)
