@@ -156,9 +156,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.sampling_loop and args.contexts:
         ap.error("--sampling-loop and --contexts are separate runs")
+    step = 1 + max(MODES[m]["num_speculative_tokens"] for m in args.modes)  # a step's positions (the engine's rule)
     for c in args.contexts or ():
-        if not 0 < c < args.max_model_len - 8:
-            ap.error(f"--contexts: {c} does not leave a step's room within --max-model-len {args.max_model_len}")
+        if not 0 < c <= args.max_model_len - step:
+            ap.error(f"--contexts: {c} does not leave a step's {step} positions within --max-model-len "
+                     f"{args.max_model_len}")
 
     import jax
     import jax.numpy as jnp
