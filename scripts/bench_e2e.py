@@ -156,7 +156,7 @@ def config_key(row: dict) -> tuple:
             row.get("model", "default"), tuple(rates) if rates else None, row.get("shared_prefix", 0),
             row.get("tensor_parallel_size"), row.get("max_num_batched_tokens", 512), row.get("temperature", 0.0),
             row.get("sampling_loop_buckets", 1) if row.get("temperature") else None,
-            row.get("draft_length_buckets", 2))
+            row.get("draft_length_buckets", 2), row.get("prompt_sets", 1))
 
 
 def loop_and_steps(loop: str, args) -> tuple[str, int]:
@@ -174,7 +174,10 @@ def this_row(args, n: int, mode: str, loop: str) -> dict:
             "tensor_parallel_size": args.tensor_parallel_size, "max_num_batched_tokens": args.max_num_batched_tokens,
             "synthetic_rates": list(args.synthetic_rates) if args.synthetic_rates else None,
             "temperature": args.temperature, "sampling_loop_buckets": args.sampling_loop_buckets,
-            "draft_length_buckets": args.draft_length_buckets}
+            "draft_length_buckets": args.draft_length_buckets,
+            # 2: the warm-up on training-split windows at the timed concurrency, the timed sets from held-out window
+            # 0 (1: a warm-up of min(n, 64) held-out windows, the timed sets after them)
+            "prompt_sets": 2}
 
 
 def load_rows(path: str) -> list[dict]:
@@ -226,7 +229,7 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
                write_row) -> None:
     """One (n, mode): build and warm up an engine, then a warm-up and a timed generate per loop in ``loops``."""
     from minimax_jax.cache import page_size_for
-    from scripts.workloads import heldout_windows
+    from scripts.workloads import heldout_windows, warmup_windows
     from spec_decode import Engine
     from spec_decode.programs import compile_counter
 
@@ -260,22 +263,26 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
     startup_s = time.perf_counter() - t1
     loop_hlo = dump_loop_hlo(eng, args.out, n, mode) if args.dump_loop_hlo else None
     bos = tokenizer.bos_token_id
-    # the warm-up runs every program the timed calls run (the closed set is compiled already): 64 prompts do, and
-    # leave the held-out windows to the timed sets at large n
-    n_warm = min(n, 64)
-    # --shared-prefix: every prompt starts with the same P tokens (a system prompt; the warm-up uses another one)
+    # the warm-up call runs at the timed calls' concurrency (the first device-loop call at a new occupancy is slower
+    # than later ones, docs/BENCHMARKS.md) on windows of the training split, so every held-out window is left to
+    # the timed sets; with --shared-prefix its prompts share another prefix than the timed ones
+    n_warm = min(n, args.warm_requests or n)
     share = dict(shared_prefix=args.shared_prefix, prefix_index=0) if args.shared_prefix else {}
-    warm_prompts = heldout_windows(tokenizer, n_warm, args.prompt_len, offset=0, bos=bos,
-                                   **({**share, "prefix_index": 1} if share else {}))
+    head = 1 if bos is not None else 0
+    if args.shared_prefix:
+        other = heldout_windows(tokenizer, 1, args.prompt_len, bos=bos, **{**share, "prefix_index": 1})[0]
+        warm_prompts = [other[:head + args.shared_prefix] + w[head:]
+                        for w in warmup_windows(tokenizer, n_warm, args.prompt_len - args.shared_prefix, bos=bos)]
+    else:
+        warm_prompts = warmup_windows(tokenizer, n_warm, args.prompt_len, bos=bos)
     timed_sets = []  # the first is every mode's common set (its tokens are compared); later ones add timing
     for i in range(args.timed_sets):
         try:
-            timed_sets.append(heldout_windows(tokenizer, n, args.prompt_len, offset=n_warm + n * i, bos=bos,
-                                              **share))
+            timed_sets.append(heldout_windows(tokenizer, n, args.prompt_len, offset=n * i, bos=bos, **share))
         except ValueError:  # the held-out files give no more distinct windows
             break
     if not timed_sets:
-        raise SystemExit(f"bench_e2e: the held-out files give fewer than {n_warm + n} windows of {args.prompt_len} "
+        raise SystemExit(f"bench_e2e: the held-out files give fewer than {n} windows of {args.prompt_len} "
                          f"tokens: no timed set at n={n}")
     # sampled rows (--temperature): one seed per request, so every mode and loop draws from the same streams
     kw = {"max_new_tokens": args.max_new_tokens, "ignore_eos": True, "temperature": args.temperature,
@@ -712,6 +719,8 @@ def parse_args(argv=None):
     ap.add_argument("--min-token-bucket", type=int, default=8)
     ap.add_argument("--implementation", default="auto", help="Engine(implementation=...): auto, pallas, reference")
     ap.add_argument("--prefix-caching", action="store_true", help="keep the prefix cache on (off by default)")
+    ap.add_argument("--warm-requests", type=int, default=None,
+                    help="prompts in the warm-up call (default: the requests; training-split windows)")
     ap.add_argument("--timed-sets", type=int, default=3,
                     help="distinct prompt sets timed per configuration (tokens and wall summed; the first set's "
                          "tokens are compared across modes)")

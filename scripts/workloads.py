@@ -27,6 +27,27 @@ def _heldout_tokens(tokenizer) -> list[list[int]]:
     return _TOKENS[id(tokenizer)]
 
 
+def warmup_windows(tokenizer, n: int, length: int, *, bos: int | None = None) -> list[list[int]]:
+    """``n`` distinct prompts of ``length`` tokens cut from the *training* split (files in path order, consecutive
+    windows), for a warm-up call at the timed call's concurrency: it shares no text with any held-out window, so
+    every held-out window stays free for the timed sets. Tokenizes only as many files as the windows need."""
+    from minimax_jax.training.corpus import list_sources, read_documents, split_paths
+
+    body = length - (1 if bos is not None else 0)
+    if body < 1:
+        raise ValueError(f"a warm-up window of {length} tokens leaves no room after the BOS")
+    out: list[list[int]] = []
+    for path in sorted(split_paths(list_sources(None))["train"]):
+        docs, _ = read_documents(None, [path])
+        for doc in docs:
+            tokens = list(tokenizer.encode(doc.text))
+            for start in range(0, len(tokens) - body + 1, body):
+                out.append(([bos] if bos is not None else []) + tokens[start:start + body])
+                if len(out) == n:
+                    return out
+    raise ValueError(f"the training files give {len(out)} windows of {body} tokens, {n} asked")
+
+
 def heldout_windows(tokenizer, n: int, length: int, *, offset: int = 0, shared_prefix: int = 0,
                     prefix_index: int = 0, bos: int | None = None) -> list[list[int]]:
     """``n`` prompts of ``length`` tokens (see the module docstring); ``offset`` skips that many windows first.
