@@ -572,20 +572,23 @@ def _latest(rows: list[dict]) -> dict:
     return out
 
 
-def ratio_rows(rows: list[dict]) -> list[dict]:
-    """Per (loop, n): the best baseline (none, fixed1..7) and each adaptive mode's ratio to it and to fixed7."""
-    table = _latest(rows)
+def ratio_rows(rows: list[dict], metric: str = "output_tokens_per_s") -> list[dict]:
+    """Per (loop, n): the best baseline (none, fixed1..7) and each adaptive mode's ratio to it and to fixed7, on
+    ``metric`` (a row's whole-call tokens/s, or ``decode_loop_tokens_per_s``: the device loop's own, without the
+    prefill waves and the host, where the whole call's varies by 10-20% between runs at 256-512 requests). Rows
+    without the metric are left out."""
+    table = {key: r for key, r in _latest(rows).items() if r.get(metric)}
     out = []
     for loop in _loops(rows):
         for n in sorted({r["n"] for r in rows if r["loop"] == loop}):
-            base = {m: table[(loop, m, n)]["output_tokens_per_s"] for m in BASELINES if (loop, m, n) in table}
+            base = {m: table[(loop, m, n)][metric] for m in BASELINES if (loop, m, n) in table}
             if not base:
                 continue
             best = max(base, key=base.get)
             entry = {"loop": loop, "n": n, "best_baseline": best, "best_tokens_per_s": base[best]}
             for m in adaptive_modes(rows):
                 if (loop, m, n) in table:
-                    v = table[(loop, m, n)]["output_tokens_per_s"]
+                    v = table[(loop, m, n)][metric]
                     entry[f"{m}/best"] = v / base[best]
                     entry[f"{m}/fixed7"] = v / base["fixed7"] if "fixed7" in base else None
             out.append(entry)
@@ -606,12 +609,14 @@ def markdown(rows: list[dict]) -> str:
                      for m in modes]
             lines.append(f"| {n} | " + " | ".join(cells) + " |")
         lines.append("")
-    ratios = ratio_rows(rows)
-    if ratios:
+    for metric, title in (("output_tokens_per_s", "whole call"), ("decode_loop_tokens_per_s", "decode loop only")):
+        ratios = ratio_rows(rows, metric)
+        if not ratios:
+            continue
         present = [m for m in adaptive_modes(rows) if any(f"{m}/best" in e for e in ratios)]
         cols = [f"{m}/best" for m in present] + [f"{m}/fixed7" for m in present]
-        lines += ["### adaptive / best of none, fixed1..7 (target >= 0.98) and / fixed7 (target >= 1.05)", "",
-                  "| loop | requests | best baseline | its tokens/s | " + " | ".join(cols) + " |",
+        lines += [f"### adaptive / best of none, fixed1..7 (target >= 0.98) and / fixed7 (target >= 1.05), {title}",
+                  "", "| loop | requests | best baseline | its tokens/s | " + " | ".join(cols) + " |",
                   "|---" * (len(cols) + 4) + "|"]
         for e in ratios:
             cells = [f"{e[c]:.3f}" if e.get(c) is not None else "-" for c in cols]

@@ -104,6 +104,14 @@ def test_modes_and_tables():
     assert bench_e2e.adaptive_modes(held) == ["adaptive", "adaptive@3"]
     assert {e["n"]: e for e in bench_e2e.ratio_rows(held)}[8]["adaptive@3/best"] == pytest.approx(0.96)
     assert "adaptive@3/best" in bench_e2e.markdown(held)
+    # the decode loop's own tokens/s (device rows): a second table, from the rows that carry it
+    loop_rows = [{"n": 8, "mode": m, "loop": "device", "output_tokens_per_s": 1.0, "decode_loop_tokens_per_s": v}
+                 for m, v in (("none", 500.0), ("fixed3", 800.0), ("adaptive", 820.0))]
+    (e,) = bench_e2e.ratio_rows(loop_rows, "decode_loop_tokens_per_s")
+    assert e["best_baseline"] == "fixed3" and e["adaptive/best"] == pytest.approx(1.025)
+    assert bench_e2e.ratio_rows(rows, "decode_loop_tokens_per_s") == []  # host rows carry none
+    md = bench_e2e.markdown(loop_rows)
+    assert "decode loop only" in md and "| device | 8 | fixed3 | 800 | 1.025 | - |" in md
 
     # the prefill chunk is part of a configuration: a resumed sweep at another chunk size runs again, and rows
     # from before rows recorded it were measured at 512
