@@ -364,7 +364,10 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
         same.append(row)
         done_rows.append(row)
         write_row(row)
-        print(f"bench_e2e: n={n} {mode} {loop}: {row['output_tokens_per_s']:.1f} tok/s, "
+        loop_s = row["per_set_decode_loop_s"]
+        in_loop = (f" (decode loop {row['decode_loop_tokens_per_s']:.0f} tok/s, sets "
+                   + " / ".join(f"{1e3 * x:.1f}" for x in loop_s) + " ms)") if row.get("decode_loop_tokens_per_s") else ""
+        print(f"bench_e2e: n={n} {mode} {loop}: {row['output_tokens_per_s']:.1f} tok/s{in_loop}, "
               f"{row['ms_per_output_token'] or 0:.3f} ms/token, acceptance {row['mean_acceptance_length']:.2f}, "
               f"compiles {row['timed_compiles']}, match_none {row['match_none']}", flush=True)
         del res
