@@ -266,7 +266,7 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
     # the warm-up call runs at the timed calls' concurrency (the first device-loop call at a new occupancy is slower
     # than later ones, docs/BENCHMARKS.md) on windows of the training split, so every held-out window is left to
     # the timed sets; with --shared-prefix its prompts share another prefix than the timed ones
-    n_warm = min(n, args.warm_requests or n)
+    n_warm = min(n, args.warm_requests or n)  # parse_args: at least 1
     share = dict(shared_prefix=args.shared_prefix, prefix_index=0) if args.shared_prefix else {}
     head = 1 if bos is not None else 0
     if args.shared_prefix:
@@ -791,6 +791,8 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.plot_only is None and not args.out:
         ap.error("--out is required (or --plot-only ROWS.jsonl)")
+    if args.warm_requests is not None and args.warm_requests < 1:
+        ap.error(f"--warm-requests must be at least 1, got {args.warm_requests}")
     for lp in args.loops:
         loop_and_steps(lp, args)
     for m in args.modes:

@@ -33,6 +33,8 @@ def warmup_windows(tokenizer, n: int, length: int, *, bos: int | None = None) ->
     every held-out window stays free for the timed sets. Tokenizes only as many files as the windows need."""
     from minimax_jax.training.corpus import list_sources, read_documents, split_paths
 
+    if n < 1:
+        raise ValueError(f"warm-up windows: n must be at least 1, got {n}")
     body = length - (1 if bos is not None else 0)
     if body < 1:
         raise ValueError(f"a warm-up window of {length} tokens leaves no room after the BOS")

@@ -20,8 +20,9 @@ compiles the whole list before the first request (``docs/ENGINE.md``, "The close
   slot's ``1 + K_d`` tokens: a plan that drafts less is for steps where many slots decode, and the smaller
   buckets would multiply the programs to compile for steps the longest length serves as well. The planner only
   chooses a length that has a bucket for the step. (In a wave's tail, where few slots decode, that leaves the
-  shorter lengths at sizes well above the step: on an H100 the plan then drafted ``K`` there, slower than a
-  shorter length at a small size would have been; docs/ADAPTIVE_VERIFICATION.md, "What the table does not see".)
+  shorter lengths at sizes well above the step, and the plan drafts ``K`` there. With four buckets the plan
+  drafts the shorter length instead, but an H100 decoded the wave no faster; docs/ADAPTIVE_VERIFICATION.md, "What
+  the table does not see".)
 * **prefill-only steps draft nothing**: a speculative engine whose slots' draft positions reach half a prefill
   chunk (``2 * max_num_seqs * K >= max_num_batched_tokens``) always has length ``0`` programs, and these also take
   the bucket holding ``max_num_batched_tokens`` (a full prefill chunk). Below that, the drafter's work on a

@@ -115,6 +115,8 @@ def test_modes_and_tables():
 
     # the prefill chunk is part of a configuration: a resumed sweep at another chunk size runs again, and rows
     # from before rows recorded it were measured at 512
+    with pytest.raises(SystemExit):  # a clear argparse error before any model loads
+        bench_e2e.parse_args(["--out", "x", "--warm-requests", "0"])
     args = bench_e2e.parse_args(["--out", "x"])
     assert args.max_num_batched_tokens == 2048
     row = bench_e2e.this_row(args, 8, "fixed3", "device")

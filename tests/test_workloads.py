@@ -34,5 +34,7 @@ def test_warmup_windows_are_training_text_of_the_asked_length(tok):
     assert not any(tuple(w[i:i + 16]) in runs for w in warm for i in range(1, length - 16))
     plain = warmup_windows(tok, 3, 10)  # without a BOS: the whole window is text, and the sets are reproducible
     assert [len(w) for w in plain] == [10] * 3 and plain == warmup_windows(tok, 3, 10)
+    with pytest.raises(ValueError, match="at least 1"):
+        warmup_windows(tok, 0, length)
     with pytest.raises(ValueError, match="no room"):
         warmup_windows(tok, 1, 1, bos=tok.bos_token_id)
