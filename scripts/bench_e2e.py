@@ -579,7 +579,12 @@ def ratio_rows(rows: list[dict], metric: str = "output_tokens_per_s") -> list[di
     """Per (loop, n): the best baseline (none, fixed1..7) and each adaptive mode's ratio to it and to fixed7, on
     ``metric`` (a row's whole-call tokens/s, or ``decode_loop_tokens_per_s``: the device loop's own, without the
     prefill waves and the host, where the whole call's varies by 10-20% between runs at 256-512 requests). Rows
-    without the metric are left out."""
+    without the metric are left out.
+
+    ``{mode}/same_tokens``: the share of requests whose tokens equal the best baseline's (first timed set; None
+    without digests). In bf16 a near-tie can flip a token between modes; a request's continuation then differs,
+    and with it the number of iterations the closed batch needs, so below 1.0 the ratio also compares different
+    text (docs/BENCHMARKS.md, session 26)."""
     table = {key: r for key, r in _latest(rows).items() if r.get(metric)}
     out = []
     for loop in _loops(rows):
@@ -591,9 +596,11 @@ def ratio_rows(rows: list[dict], metric: str = "output_tokens_per_s") -> list[di
             entry = {"loop": loop, "n": n, "best_baseline": best, "best_tokens_per_s": base[best]}
             for m in adaptive_modes(rows):
                 if (loop, m, n) in table:
-                    v = table[(loop, m, n)][metric]
-                    entry[f"{m}/best"] = v / base[best]
-                    entry[f"{m}/fixed7"] = v / base["fixed7"] if "fixed7" in base else None
+                    row = table[(loop, m, n)]
+                    entry[f"{m}/best"] = row[metric] / base[best]
+                    entry[f"{m}/fixed7"] = row[metric] / base["fixed7"] if "fixed7" in base else None
+                    entry[f"{m}/same_tokens"] = matches(table[(loop, best, n)].get("token_digests"),
+                                                        row.get("token_digests"))
             out.append(entry)
     return out
 
@@ -618,14 +625,17 @@ def markdown(rows: list[dict]) -> str:
             continue
         present = [m for m in adaptive_modes(rows) if any(f"{m}/best" in e for e in ratios)]
         cols = [f"{m}/best" for m in present] + [f"{m}/fixed7" for m in present]
+        same = [f"{m}/same_tokens" for m in present]
         lines += [f"### adaptive / best of none, fixed1..7 (target >= 0.98) and / fixed7 (target >= 1.05), {title}",
-                  "", "| loop | requests | best baseline | its tokens/s | " + " | ".join(cols) + " |",
-                  "|---" * (len(cols) + 4) + "|"]
+                  "", "| loop | requests | best baseline | its tokens/s | " + " | ".join(cols) + " | "
+                  + " | ".join(f"{m}: tokens as best's" for m in present) + " |",
+                  "|---" * (len(cols) + len(same) + 4) + "|"]
         for e in ratios:
-            cells = [f"{e[c]:.3f}" if e.get(c) is not None else "-" for c in cols]
+            cells = [f"{e[c]:.3f}" if e.get(c) is not None else "-" for c in cols + same]
             lines.append(f"| {e['loop']} | {e['n']} | {e['best_baseline']} | {e['best_tokens_per_s']:,.0f} | "
                          + " | ".join(cells) + " |")
-        lines.append("")
+        lines += ["", "(tokens as best's: the share of requests whose tokens equal the best baseline's; below 1.000, "
+                  "bf16 near-ties made the two decode different text, and the ratio compares different work)", ""]
     return "\n".join(lines)
 
 

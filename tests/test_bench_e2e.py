@@ -111,7 +111,13 @@ def test_modes_and_tables():
     assert e["best_baseline"] == "fixed3" and e["adaptive/best"] == pytest.approx(1.025)
     assert bench_e2e.ratio_rows(rows, "decode_loop_tokens_per_s") == []  # host rows carry none
     md = bench_e2e.markdown(loop_rows)
-    assert "decode loop only" in md and "| device | 8 | fixed3 | 800 | 1.025 | - |" in md
+    assert "decode loop only" in md and "| device | 8 | fixed3 | 800 | 1.025 | - | - |" in md
+    # whether adaptive decoded the best baseline's text: the share of requests with its tokens (bf16 ties differ)
+    digests = {"none": ["a", "b", "c", "d"], "fixed3": ["a", "x", "c", "y"], "adaptive": ["a", "b", "c", "d"]}
+    tok_rows = [{**r, "token_digests": digests[r["mode"]]} for r in loop_rows]
+    (e,) = bench_e2e.ratio_rows(tok_rows, "decode_loop_tokens_per_s")
+    assert e["adaptive/same_tokens"] == pytest.approx(0.5)
+    assert "| device | 8 | fixed3 | 800 | 1.025 | - | 0.500 |" in bench_e2e.markdown(tok_rows)
 
     # the prefill chunk is part of a configuration: a resumed sweep at another chunk size runs again, and rows
     # from before rows recorded it were measured at 512
