@@ -43,8 +43,10 @@ timed call's wall time); ``ms_per_output_token`` = wall / (output tokens / n): t
 report them); ``per_position_acceptance`` / ``predicted_per_position_acceptance`` / ``calibration_error`` (observed
 vs predicted survival at the verified positions); ``host_time_per_step_s`` (the first timed set's); ``wall_time_s``
 (every timed set's together) and ``per_set_wall_s``; ``per_set_decode_loop_s`` (device rows: the decode loop's
-seconds of each set, the rest being its prefill waves and host work; None on the host loop) and
-``decode_loop_tokens_per_s`` (the tokens the loop emitted, all but each request's first, over those seconds);
+seconds of each set, the rest being its prefill waves and host work; None on the host loop),
+``per_set_verify_steps`` (each set's verify steps: on the device loop, its iterations) with
+``per_set_ms_per_loop_iteration`` (device rows), and ``decode_loop_tokens_per_s`` (the tokens the loop emitted,
+all but each request's first, over those seconds);
 ``match_host`` (device rows: fraction of
 requests whose tokens equal the host loop's) and ``match_none`` (fraction equal to mode ``none``'s at the same
 ``n`` and loop; greedy, so every mode should give 1.0 in f32; bf16 near-ties can flip). Rows carry a digest per
@@ -321,6 +323,12 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
             # the host), and the loop's own tokens/s (every token but each request's first, which its prefill emits)
             "per_set_wall_s": [r.stats["wall_time_s"] for r in runs],
             "per_set_decode_loop_s": [r.stats.get("device_time_s") for r in runs],
+            # each set's verify steps (device rows: the loop's iterations over the set's waves; in a closed wave
+            # the slowest request sets them) and the loop's milliseconds per iteration
+            "per_set_verify_steps": [r.stats["verify_steps"] for r in runs],
+            "per_set_ms_per_loop_iteration": [1e3 * r.stats["device_time_s"] / r.stats["verify_steps"]
+                                              if r.stats.get("device_time_s") and r.stats["verify_steps"] else None
+                                              for r in runs],
             "decode_loop_tokens_per_s": _loop_tokens_per_s(runs, n),
             "ms_per_output_token": 1e3 * wall / (out_tokens / n) if out_tokens else None,
             "mean_draft_length": st.get("mean_draft_length"),
@@ -366,7 +374,9 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
         write_row(row)
         loop_s = row["per_set_decode_loop_s"]
         in_loop = (f" (decode loop {row['decode_loop_tokens_per_s']:.0f} tok/s, sets "
-                   + " / ".join(f"{1e3 * x:.1f}" for x in loop_s) + " ms)") if row.get("decode_loop_tokens_per_s") else ""
+                   + " / ".join(f"{1e3 * x:.1f}" for x in loop_s) + " ms in "
+                   + " / ".join(str(x) for x in row["per_set_verify_steps"]) + " iterations)"
+                   ) if row.get("decode_loop_tokens_per_s") else ""
         print(f"bench_e2e: n={n} {mode} {loop}: {row['output_tokens_per_s']:.1f} tok/s{in_loop}, "
               f"{row['ms_per_output_token'] or 0:.3f} ms/token, acceptance {row['mean_acceptance_length']:.2f}, "
               f"compiles {row['timed_compiles']}, match_none {row['match_none']}", flush=True)

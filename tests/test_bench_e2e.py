@@ -13,7 +13,8 @@ ROW_KEYS = {"n", "mode", "loop", "K", "draft_lengths", "output_tokens_per_s", "m
             "mean_acceptance_length", "mean_verified_drafts_per_step", "mean_drafted_tokens_per_step",
             "draft_length_per_step", "per_position_acceptance", "predicted_per_position_acceptance",
             "calibration_error", "timed_compiles", "startup_s", "host_time_per_step_s", "wall_time_s",
-            "match_none", "token_digests", "per_set_wall_s", "per_set_decode_loop_s", "decode_loop_tokens_per_s"}
+            "match_none", "token_digests", "per_set_wall_s", "per_set_decode_loop_s", "decode_loop_tokens_per_s",
+            "per_set_verify_steps", "per_set_ms_per_loop_iteration"}
 
 TINY = ["--dtype", "float32", "--requests", "2", "--modes", "none", "fixed2", "adaptive", "--loops", "host",
         "device", "--prompt-len", "32", "--max-new-tokens", "8", "--min-token-bucket", "32",
@@ -46,8 +47,15 @@ def test_sweep_and_calibration_on_cpu(tmp_path, capsys):
             if r["mode"] == "adaptive":  # several draft lengths: a switch over them
                 assert any(": branch " in role for role in roles)
             assert 0 < r["per_set_decode_loop_s"][0] < r["per_set_wall_s"][0] and r["decode_loop_tokens_per_s"] > 0
+            # the loop's iterations: 8 new tokens, the first from the prefill, so 7 one token at a time (none)
+            # and fewer with accepted drafts; its milliseconds per iteration from them
+            assert all(1 <= it <= 7 for it in r["per_set_verify_steps"])
+            assert r["K"] > 0 or r["per_set_verify_steps"] == [7] * len(r["per_set_verify_steps"])
+            assert r["per_set_ms_per_loop_iteration"][0] == pytest.approx(
+                1e3 * r["per_set_decode_loop_s"][0] / r["per_set_verify_steps"][0])
         else:
             assert set(r["per_set_decode_loop_s"]) == {None} and r["decode_loop_tokens_per_s"] is None
+            assert set(r["per_set_ms_per_loop_iteration"]) == {None}
         assert sum(r["per_set_wall_s"]) == pytest.approx(r["wall_time_s"])
         assert r["K"] == {"none": 0, "fixed2": 2, "adaptive": 7}[r["mode"]]
         if r["mode"] != "none":
