@@ -158,7 +158,7 @@ def config_key(row: dict) -> tuple:
             row.get("model", "default"), tuple(rates) if rates else None, row.get("shared_prefix", 0),
             row.get("tensor_parallel_size"), row.get("max_num_batched_tokens", 512), row.get("temperature", 0.0),
             row.get("sampling_loop_buckets", 1) if row.get("temperature") else None,
-            row.get("draft_length_buckets", 2), row.get("prompt_sets", 1))
+            row.get("draft_length_buckets", 2), row.get("prompt_sets", 1), row.get("plan_interval", 1))
 
 
 def loop_and_steps(loop: str, args) -> tuple[str, int]:
@@ -176,7 +176,7 @@ def this_row(args, n: int, mode: str, loop: str) -> dict:
             "tensor_parallel_size": args.tensor_parallel_size, "max_num_batched_tokens": args.max_num_batched_tokens,
             "synthetic_rates": list(args.synthetic_rates) if args.synthetic_rates else None,
             "temperature": args.temperature, "sampling_loop_buckets": args.sampling_loop_buckets,
-            "draft_length_buckets": args.draft_length_buckets,
+            "draft_length_buckets": args.draft_length_buckets, "plan_interval": args.plan_interval,
             # 2: the warm-up on training-split windows at the timed concurrency, the timed sets from held-out window
             # 0 (1: a warm-up of min(n, 64) held-out windows, the timed sets after them)
             "prompt_sets": 2}
@@ -258,7 +258,8 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
                  decode_steps_per_launch=args.decode_steps_per_launch, precompile=False,
                  sampling=args.sampling or args.temperature > 0,
                  device_loop_sampling_token_buckets=args.sampling_loop_buckets,
-                 draft_length_buckets=args.draft_length_buckets, **extra)
+                 draft_length_buckets=args.draft_length_buckets,
+                 device_loop_plan_interval=args.plan_interval, **extra)
     construct_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     report = eng.warmup()
@@ -785,6 +786,8 @@ def parse_args(argv=None):
                     help="sample every request at this temperature (seeded; the sampling programs and loop run)")
     ap.add_argument("--draft-length-buckets", type=int, default=2,
                     help="Engine(draft_length_buckets=...): the packed-token sizes each draft length below K compiles")
+    ap.add_argument("--plan-interval", type=int, default=1,
+                    help="Engine(device_loop_plan_interval=...): device-loop iterations per plan (every mode)")
     ap.add_argument("--sampling-loop-buckets", type=int, default=1,
                     help="Engine(device_loop_sampling_token_buckets=...): the sampling device loop's verify sizes "
                          "per draft length")

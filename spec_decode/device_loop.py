@@ -20,6 +20,13 @@ most ``max_num_seqs`` requests whose pages fit the pool:
    * the program: for the chosen draft length, the smallest of a few packed-token buckets of the closed set
      holding ``rows + budget``; every (draft length, bucket) is one branch of a ``lax.switch`` over the step
      compiled at that shape;
+   * how long the plan holds: ``LoopConfig.plan_interval`` iterations (an *epoch*). The branch runs them in a
+     loop of its own, each step's budget re-clipped to what its live rows may still verify (rows only finish
+     within an epoch, so the branch's tokens still hold every step). On a GPU every plan and every switch is a
+     round trip to the host (XLA reads the branch index back before it launches the branch) plus the planner's
+     kernels, which an iteration of a few hundred microseconds feels; an epoch pays them once. The plan still
+     reads confidences of an earlier step only, so it stays lossless. ``1``: plan every step, the host loop's
+     rule, step for step;
 
    the loop ends when every row has finished. One read-back per wave.
 
@@ -87,6 +94,7 @@ class LoopConfig:
     max_blocks: int
     min_predicted_gain: float = DEFAULT_MIN_PREDICTED_GAIN
     logprobs: int | None = None  # top alternatives carried per token (None: no log-probabilities; sampling only)
+    plan_interval: int = 1  # iterations each plan holds for (its draft length and bucket; the budget re-clipped)
 
 
 @jax.tree_util.register_dataclass
@@ -170,21 +178,24 @@ def make_loop_fn(target, drafter, config: LoopConfig):
     r, w = config.rows, config.output_len
     mode = step_cfg.mode
     lengths = tuple(config.draft_lengths)
-    branches, offsets = [], []  # (step fn, tokens) per (draft length, bucket); offsets[i]: length i's first
+    branches, offsets = [], []  # (step fn, tokens, K_d) per (draft length, bucket); offsets[i]: length i's first
     for d, buckets, rows in zip(lengths, config.token_buckets, config.logit_rows):
         offsets.append(len(branches))
-        branches += [(make_step_fn(target, drafter, dataclasses.replace(step_cfg, num_logit_rows=nl, draft_len=d)), t)
-                     for t, nl in zip(buckets, rows)]
+        branches += [(make_step_fn(target, drafter, dataclasses.replace(step_cfg, num_logit_rows=nl, draft_len=d)), t,
+                      d) for t, nl in zip(buckets, rows)]
     offsets_arr = np.asarray(offsets, np.int32)
     branch_length = np.asarray([i for i, b in enumerate(config.token_buckets) for _ in b], np.int32)
     counts_arr = np.asarray([len(b) for b in config.token_buckets], np.int32)
-    sizes_arr = np.asarray([t for _, t in branches], np.int32)
+    sizes_arr = np.asarray([t for _, t, _ in branches], np.int32)
     lengths_arr = np.asarray(lengths, np.int32)
     kk = max(k, 1)
     # the plan's ranking pass: Pallas kernels on a GPU (pallas_kernels.plan_ranking), jnp where the engine asks for
     # reference kernels or runs on a mesh (every rank plans the same, replicated)
     plan_impl = "reference" if step_cfg.implementation == "reference" or step_cfg.mesh is not None else "auto"
     width = config.logprobs
+    interval = int(config.plan_interval)
+    if interval < 1:
+        raise ValueError(f"LoopConfig.plan_interval must be >= 1, got {config.plan_interval}")
     if width is not None and not (step_cfg.sampling and 0 <= width <= MAX_LOGPROBS):
         raise ValueError(f"LoopConfig.logprobs={width}: log-probabilities need the sampling programs "
                          f"(step.sampling=True) and a width in [0, {MAX_LOGPROBS}]")
@@ -216,10 +227,10 @@ def make_loop_fn(target, drafter, config: LoopConfig):
             ended = inputs.end_on_finish & jnp.any(given & c.state.done[slot])
             return (c.step < max_steps) & jnp.any(live_rows(c.state)) & ~ended
 
-        def body(c: _Carry):
+        def choose(c: _Carry):
+            """This epoch's plan: ``(budget, branch)`` from the carried (previous step's) confidences."""
             live = live_rows(c.state)
-            max_emit = inputs.limit - c.state.num_emitted[slot]
-            sched = jnp.where(live, jnp.clip(max_emit - 1, 0, k), 0)
+            sched = jnp.where(live, jnp.clip(inputs.limit - c.state.num_emitted[slot] - 1, 0, k), 0)
             n_live = jnp.sum(live, dtype=jnp.int32)
             cap = config.max_total_logit_rows
             last_length = jnp.asarray(len(lengths) - 1, jnp.int32)
@@ -239,49 +250,44 @@ def make_loop_fn(target, drafter, config: LoopConfig):
             forced = jnp.clip(inputs.timing_branch, 0, len(branches) - 1)
             li = jnp.where(timing, jnp.asarray(branch_length)[forced], li)
             budget = jnp.where(timing, inputs.timing_budget, budget)
-            draft_len = jnp.asarray(lengths_arr)[li]
-            sched = jnp.minimum(sched, draft_len)
-            budget = jnp.minimum(budget, jnp.sum(sched))
+            budget = jnp.minimum(budget, jnp.sum(jnp.minimum(sched, jnp.asarray(lengths_arr)[li])))
             # the length's smallest bucket holding the step (its last always does: every row's 1 + K_d)
             first, count = jnp.asarray(offsets_arr)[li], jnp.asarray(counts_arr)[li]
             idx = jnp.arange(len(branches), dtype=jnp.int32)
             fits = (idx >= first) & (idx < first + count) & (jnp.asarray(sizes_arr) >= n_live + budget)
             bucket = jnp.where(jnp.any(fits), jnp.argmax(fits), first + count - 1).astype(jnp.int32)
-            bucket = jnp.where(timing, forced, bucket)
-            plan = StepPlan(rows=jnp.where(live, inputs.rows, -1), prefill_tokens=None, prefill_len=zeros_r,
-                            prefill_start=zeros_r, prefill_last=jnp.zeros((r,), bool),
+            return budget, jnp.where(timing, forced, bucket)
+
+        def iteration(c: _Carry, fn, t: int, d: int, planned):
+            """One step on branch ``(d, t)``: the epoch's budget, clipped to what the live rows may verify now
+            (rows only finish within an epoch, so the branch's ``t`` tokens still hold the step)."""
+            live = live_rows(c.state)
+            sched = jnp.where(live, jnp.clip(inputs.limit - c.state.num_emitted[slot] - 1, 0, min(k, d)), 0)
+            budget = jnp.minimum(planned, jnp.sum(sched))
+            n_live = jnp.sum(live, dtype=jnp.int32)
+            plan = StepPlan(rows=jnp.where(live, inputs.rows, -1), prefill_tokens=jnp.zeros((t,), jnp.int32),
+                            prefill_len=zeros_r, prefill_start=zeros_r, prefill_last=jnp.zeros((r,), bool),
                             resume_token=jnp.full((r,), -1, jnp.int32), block_tables=inputs.block_tables,
                             scheduled=sched, budget=budget, temperature=inputs.temperature, top_k=inputs.top_k,
                             top_p=inputs.top_p, seed=inputs.seed, limit=inputs.limit, prefill_emitted=zeros_r,
-                            stop_ids=inputs.stop_ids, commit=~timing,
+                            stop_ids=inputs.stop_ids, commit=inputs.timing_branch < 0,
                             closed=jnp.asarray(True),  # a wave admits nothing until it ends
                             min_tokens=inputs.min_tokens, min_p=inputs.min_p,
                             repetition_penalty=inputs.repetition_penalty,
                             presence_penalty=inputs.presence_penalty, frequency_penalty=inputs.frequency_penalty)
-
-            def branch(fn, t):
-                def run(state, plan):
-                    st, out = fn(target_params, drafter_params, state,
-                                 dataclasses.replace(plan, prefill_tokens=jnp.zeros((t,), jnp.int32)))
-                    # the prompt rows of the log-probabilities are shaped by the bucket (and a decode step has
-                    # none): dropped, so the branches agree; without LoopConfig.logprobs all of them are dropped
-                    # (and XLA skips computing them)
-                    lp = out.logprobs
-                    kept = None if width is None else (lp.token_logprobs, lp.token_top_ids[:, :, :width],
-                                                       lp.token_top_logprobs[:, :, :width])
-                    return st, dataclasses.replace(out, logprobs=None), kept
-                return run
-
             with jax.named_scope("step"):
-                st, out, lp = jax.lax.switch(bucket, [branch(fn, t) for fn, t in branches], c.state, plan)
+                st, out = fn(target_params, drafter_params, c.state, plan)
             count = jnp.where(live, out.num_emitted, 0)
             cols = jnp.arange(out.tokens.shape[1], dtype=jnp.int32)[None, :]
             dest = jnp.where(cols < count[:, None], c.emitted[:, None] + cols, w)  # w: dropped
             tokens = c.tokens.at[jnp.arange(r)[:, None], dest].set(out.tokens, mode="drop")
             logprobs = None
-            if width is not None:  # beside the tokens, column by column
-                logprobs = tuple(buf.at[jnp.arange(r)[:, None], dest].set(new, mode="drop")
-                                 for buf, new in zip(c.logprobs, lp))
+            if width is not None:  # beside the tokens, column by column; the prompt rows (shaped by the bucket,
+                # none in a decode step) are not kept
+                lp = out.logprobs
+                new = (lp.token_logprobs, lp.token_top_ids[:, :, :width], lp.token_top_logprobs[:, :, :width])
+                logprobs = tuple(buf.at[jnp.arange(r)[:, None], dest].set(x, mode="drop")
+                                 for buf, x in zip(c.logprobs, new))
             j = jnp.arange(kk, dtype=jnp.int32)[None, :]
             acc = jnp.minimum(out.num_accepted, out.num_emitted)[:, None]
             in_verified = (j < out.num_verified[:, None]) & live[:, None]
@@ -295,11 +301,26 @@ def make_loop_fn(target, drafter, config: LoopConfig):
                 predicted=c.predicted + jnp.where(in_verified, survival, 0.0) if k else c.predicted,
                 verified_per_step=c.verified_per_step.at[:, s].set(jnp.where(live, out.num_verified, -1)),
                 budget_per_step=c.budget_per_step.at[s].set(budget),
-                draft_len_per_step=c.draft_len_per_step.at[s].set(draft_len),
+                draft_len_per_step=c.draft_len_per_step.at[s].set(d),
                 live_per_step=c.live_per_step.at[s].set(n_live),
                 step=s + 1,
                 logprobs=logprobs,
             )
+
+        def branch(fn, t: int, d: int):
+            def run(c: _Carry, planned):
+                c = iteration(c, fn, t, d, planned)  # the epoch's first step (cond held when it was planned)
+                if interval == 1:
+                    return c
+                # the rest of the epoch on the same branch: no plan, no switch (docs/ADAPTIVE_VERIFICATION.md)
+                _, c = jax.lax.while_loop(lambda ic: (ic[0] < interval) & cond(ic[1]),
+                                          lambda ic: (ic[0] + 1, iteration(ic[1], fn, t, d, planned)), (1, c))
+                return c
+            return run
+
+        def body(c: _Carry):
+            planned, bucket = choose(c)
+            return jax.lax.switch(bucket, [branch(fn, t, d) for fn, t, d in branches], c, planned)
 
         carry = jax.lax.while_loop(cond, body, carry)
         finished = (inputs.rows >= 0) & carry.state.done[slot]

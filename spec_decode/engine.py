@@ -177,6 +177,10 @@ class Engine:
         the stream receives a request's tokens a launch at a time; ``generate`` launches ``16 M`` at once (its
         caller sees no token before it returns). ``1`` launches every step on its own; so does an engine
         built with ``device_loop=False`` (the launches use the device loop's programs).
+      device_loop_plan_interval: the device loop's iterations per plan (``N``): it chooses the draft length,
+        budget and bucket, then runs ``N`` steps on that branch before it plans again, each step's budget clipped
+        to what its rows may still verify (docs/ENGINE.md, "The device loop"). On a GPU each plan costs the
+        planner's kernels and a read-back of the branch index; ``1`` plans every step, as the host loop does.
       precompile: compile the whole closed set now (else the first ``generate`` / ``stream`` does).
       device_loop: compile the device loop's programs at warm-up too (default); ``False`` leaves them out of the
         warm-up (fewer programs when only the host loop is used: the first ``loop="device"`` call compiles those
@@ -197,7 +201,7 @@ class Engine:
                  confidence: str | None = None, sampling: bool = True, synthetic_acceptance_rates=None,
                  synthetic_acceptance_length=None, synthetic_confidence_noise: float = 0.0,
                  synthetic_concentration: float = 10.0, tensor_parallel_size: int = 1, mesh=None,
-                 decode_steps_per_launch: int = 16):
+                 decode_steps_per_launch: int = 16, device_loop_plan_interval: int = 1):
         cfg = target.cfg
         if verification not in MODES:
             raise ValueError(f"verification must be one of {MODES}, got {verification!r}")
@@ -216,7 +220,8 @@ class Engine:
                             ("draft_length_buckets", draft_length_buckets, 1),
                             ("device_loop_token_buckets", device_loop_token_buckets, 1),
                             ("device_loop_sampling_token_buckets", device_loop_sampling_token_buckets, 1),
-                            ("decode_steps_per_launch", decode_steps_per_launch, 1)):
+                            ("decode_steps_per_launch", decode_steps_per_launch, 1),
+                            ("device_loop_plan_interval", device_loop_plan_interval, 1)):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
         max_model_len = min(cfg.max_position_embeddings, 4096) if max_model_len is None else int(max_model_len)
@@ -264,6 +269,7 @@ class Engine:
         self.interpret = interpret
         self.num_pages = self._pool_size(num_pages, memory_fraction)
         self.num_stop_ids = max_stop_token_ids
+        self.device_loop_plan_interval = device_loop_plan_interval
         self.async_scheduling = bool(async_scheduling)
         self.pool = PagePool(self.num_pages, self.page_size, self.max_blocks,
                              enable_prefix_caching=bool(enable_prefix_caching))
@@ -437,7 +443,7 @@ class Engine:
         return LoopConfig(step=self._step_config, rows=self.max_num_seqs, output_len=self.max_model_len,
                           draft_lengths=self.draft_lengths, token_buckets=tuple(per_length), logit_rows=tuple(rows),
                           max_total_logit_rows=self.max_total_logit_rows, num_stop_ids=self.num_stop_ids,
-                          max_blocks=self.max_blocks)
+                          max_blocks=self.max_blocks, plan_interval=self.device_loop_plan_interval)
 
     @property
     def acceptance(self) -> str:

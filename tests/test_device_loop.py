@@ -191,6 +191,46 @@ def test_draft_lengths_device_loop_is_the_engine_step_for_step(target, drafter, 
     assert set(host.stats["draft_length_per_step"]) == {0, 3}, host.stats["draft_length_per_step"]
 
 
+def test_a_plan_held_for_several_iterations(target, drafter, prompts, references):
+    """``device_loop_plan_interval=2``: the loop plans at iterations 0, 2, 4, ... and runs each plan's branch for
+    two steps, re-clipping the budget to the rows still decoding. Greedy tokens stay the
+    target's, the first plan is the every-step loop's, every epoch keeps one draft length with a budget that
+    never grows, and a timing run still repeats its branch for exactly ``max_steps`` iterations."""
+    table = CostTable.from_measurements({128: 1.0, 256: 2.0}, draft_lengths={0: 0.0, 3: 0.35})
+    kw = dict(num_speculative_tokens=3, verification="adaptive", cost_table=table, sampling=False,
+              **{**COMMON, "min_token_bucket": 128, "device_loop_token_buckets": 1})
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in MAX_NEW]
+    every = Engine(target, drafter, **kw).generate(prompts, sampling_params=params, loop="device")
+    eng = Engine(target, drafter, device_loop_plan_interval=2, **kw)
+    assert eng.loop_config.plan_interval == 2
+    held = eng.generate(prompts, sampling_params=params, loop="device")
+    assert [r.token_ids for r in held] == [greedy_reference(target, p, n, stop=()) for p, n in zip(prompts, MAX_NEW)]
+    st = held.stats
+    lengths, budgets = st["draft_length_per_step"], st["budget_per_step"]
+    assert (lengths[0], budgets[0]) == (every.stats["draft_length_per_step"][0], every.stats["budget_per_step"][0])
+    for e in range(0, len(lengths), 2):
+        assert len(set(lengths[e:e + 2])) == 1, lengths
+        assert budgets[e:e + 2] == sorted(budgets[e:e + 2], reverse=True), budgets
+    assert set(lengths) == {0, 3}, lengths  # the plans still change between epochs (the last drafts nothing)
+    assert all(0 <= v <= b for v, b in zip(st["verified_drafts_per_step"], budgets))
+    assert st["compiles"] == 0
+
+    # a timing run of branch 1 (length 3 at 128 tokens): 5 iterations (epochs of 2, 2 and 1), nothing committed
+    program, r = eng._loop_programs[(False, None)], eng.max_num_seqs
+    eng._state = eng._placed(_with_lengths(eng._state, np.full(r, 20, np.int32)))
+    inputs = dataclasses.replace(eng._example_loop_inputs(), rows=np.arange(r, dtype=np.int32),
+                                 block_tables=eng._profile_tables(24), limit=np.full(r, 50, np.int32),
+                                 max_steps=np.asarray(5, np.int32), timing_branch=np.asarray(1, np.int32),
+                                 timing_budget=np.asarray(8, np.int32), cost_table=eng.planner.device_table())
+    eng._state, out = program(eng._target_params, eng._drafter_params, eng._state, eng._programs.put(inputs))
+    out = jax.device_get(out)
+    assert int(out.steps) == 5 and out.draft_len_per_step[:6].tolist() == [3] * 5 + [0]
+    assert out.budget_per_step[:5].tolist() == [8] * 5 and out.live_per_step[:5].tolist() == [8] * 5
+    assert np.asarray(eng._state.num_cached).tolist() == [20] * r and not np.asarray(eng._state.done).any()
+    with pytest.raises(ValueError, match="device_loop_plan_interval"):
+        Engine(target, drafter, device_loop_plan_interval=0, **kw)
+
+
 def test_waves_that_fit_the_pool_and_the_logits_cap(target, drafter, prompts, references):
     """20 pages hold 2-3 of the requests at once: the device loop decodes in waves and gives the reference tokens;
     with a verify-logits cap of 6 rows, no step verifies more than 6 - (live rows) drafts."""
