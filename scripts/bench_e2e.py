@@ -786,8 +786,9 @@ def parse_args(argv=None):
                     help="sample every request at this temperature (seeded; the sampling programs and loop run)")
     ap.add_argument("--draft-length-buckets", type=int, default=2,
                     help="Engine(draft_length_buckets=...): the packed-token sizes each draft length below K compiles")
-    ap.add_argument("--plan-interval", type=int, default=1,
-                    help="Engine(device_loop_plan_interval=...): device-loop iterations per plan (every mode)")
+    ap.add_argument("--plan-interval", type=int, default=None,
+                    help="Engine(device_loop_plan_interval=...): device-loop iterations per plan, every mode (default: "
+                         "the Engine's; rows before session 27 planned every iteration)")
     ap.add_argument("--sampling-loop-buckets", type=int, default=1,
                     help="Engine(device_loop_sampling_token_buckets=...): the sampling device loop's verify sizes "
                          "per draft length")
@@ -825,6 +826,12 @@ def parse_args(argv=None):
             ap.error(str(e))
     if args.calibration_prompt_len is None:
         args.calibration_prompt_len = args.prompt_len
+    if args.plan_interval is None:
+        from spec_decode.engine import DEVICE_LOOP_PLAN_INTERVAL
+
+        args.plan_interval = DEVICE_LOOP_PLAN_INTERVAL
+    elif args.plan_interval < 1:
+        ap.error(f"--plan-interval must be at least 1, got {args.plan_interval}")
     if args.workload == "published":
         args.prompt_len, args.shared_prefix, args.max_new_tokens = 550, 200, 150
     named = args.synthetic_acceptance_profile

@@ -142,6 +142,7 @@ class LoopOutputs:
     budget_per_step: jax.Array  # int32[S]
     draft_len_per_step: jax.Array  # int32[S]        K_d of each decode step
     live_per_step: jax.Array  # int32[S]        rows that decoded at each step
+    tokens_per_step: jax.Array  # int32[S]        packed-token size of the branch each step ran
     finished: jax.Array  # bool[R]
     steps: jax.Array  # int32[]         decode iterations run
     confidences: jax.Array  # f32[R, K]       the last step's confidences per row (the host loop plans from them)
@@ -165,6 +166,7 @@ class _Carry:
     budget_per_step: jax.Array
     draft_len_per_step: jax.Array
     live_per_step: jax.Array
+    tokens_per_step: jax.Array
     step: jax.Array
     logprobs: tuple | None  # (f32[R, W], int32[R, W, L], f32[R, W, L]) with LoopConfig.logprobs, else None
 
@@ -184,9 +186,12 @@ def make_loop_fn(target, drafter, config: LoopConfig):
         branches += [(make_step_fn(target, drafter, dataclasses.replace(step_cfg, num_logit_rows=nl, draft_len=d)), t,
                       d) for t, nl in zip(buckets, rows)]
     offsets_arr = np.asarray(offsets, np.int32)
-    branch_length = np.asarray([i for i, b in enumerate(config.token_buckets) for _ in b], np.int32)
+    branch_length_list = [i for i, b in enumerate(config.token_buckets) for _ in b]
+    branch_length = np.asarray(branch_length_list, np.int32)
     counts_arr = np.asarray([len(b) for b in config.token_buckets], np.int32)
     sizes_arr = np.asarray([t for _, t, _ in branches], np.int32)
+    # per branch, the next smaller size of its draft length (0: none)
+    below_arr = [int(sizes_arr[i - 1]) if i > offsets[li] else 0 for i, li in enumerate(branch_length_list)]
     lengths_arr = np.asarray(lengths, np.int32)
     kk = max(k, 1)
     # the plan's ranking pass: Pallas kernels on a GPU (pallas_kernels.plan_ranking), jnp where the engine asks for
@@ -207,7 +212,8 @@ def make_loop_fn(target, drafter, config: LoopConfig):
                        accepted=jnp.zeros((r, kk), jnp.int32), verified=jnp.zeros((r, kk), jnp.int32),
                        predicted=jnp.zeros((r, kk), jnp.float32), verified_per_step=jnp.full((r, w), -1, jnp.int32),
                        budget_per_step=jnp.zeros((w,), jnp.int32), draft_len_per_step=jnp.zeros((w,), jnp.int32),
-                       live_per_step=jnp.zeros((w,), jnp.int32), step=jnp.zeros((), jnp.int32),
+                       live_per_step=jnp.zeros((w,), jnp.int32), tokens_per_step=jnp.zeros((w,), jnp.int32),
+                       step=jnp.zeros((), jnp.int32),
                        logprobs=None if width is None else (jnp.zeros((r, w), jnp.float32),
                                                             jnp.full((r, w, width), -1, jnp.int32),
                                                             jnp.zeros((r, w, width), jnp.float32)))
@@ -258,13 +264,17 @@ def make_loop_fn(target, drafter, config: LoopConfig):
             bucket = jnp.where(jnp.any(fits), jnp.argmax(fits), first + count - 1).astype(jnp.int32)
             return budget, jnp.where(timing, forced, bucket)
 
-        def iteration(c: _Carry, fn, t: int, d: int, planned):
-            """One step on branch ``(d, t)``: the epoch's budget, clipped to what the live rows may verify now
-            (rows only finish within an epoch, so the branch's ``t`` tokens still hold the step)."""
+        def held(c: _Carry, d: int, planned):
+            """``(live, sched, budget, n_live)`` of a step on a branch of draft length ``d`` under the epoch's plan:
+            the planned budget clipped to what the live rows may verify now (rows only finish within an epoch, so
+            the branch's tokens still hold the step)."""
             live = live_rows(c.state)
             sched = jnp.where(live, jnp.clip(inputs.limit - c.state.num_emitted[slot] - 1, 0, min(k, d)), 0)
-            budget = jnp.minimum(planned, jnp.sum(sched))
-            n_live = jnp.sum(live, dtype=jnp.int32)
+            return live, sched, jnp.minimum(planned, jnp.sum(sched)), jnp.sum(live, dtype=jnp.int32)
+
+        def iteration(c: _Carry, fn, t: int, d: int, planned):
+            """One step on branch ``(d, t)`` under the epoch's plan."""
+            live, sched, budget, n_live = held(c, d, planned)
             plan = StepPlan(rows=jnp.where(live, inputs.rows, -1), prefill_tokens=jnp.zeros((t,), jnp.int32),
                             prefill_len=zeros_r, prefill_start=zeros_r, prefill_last=jnp.zeros((r,), bool),
                             resume_token=jnp.full((r,), -1, jnp.int32), block_tables=inputs.block_tables,
@@ -303,24 +313,34 @@ def make_loop_fn(target, drafter, config: LoopConfig):
                 budget_per_step=c.budget_per_step.at[s].set(budget),
                 draft_len_per_step=c.draft_len_per_step.at[s].set(d),
                 live_per_step=c.live_per_step.at[s].set(n_live),
+                tokens_per_step=c.tokens_per_step.at[s].set(t),
                 step=s + 1,
                 logprobs=logprobs,
             )
 
-        def branch(fn, t: int, d: int):
+        def branch(fn, t: int, d: int, below: int):
             def run(c: _Carry, planned):
+                # the first epoch of a call is one step: its plan read the confidences the call started with (a
+                # fresh slot's are 1.0)
+                steps = jnp.where(c.step == 0, 1, interval)
                 c = iteration(c, fn, t, d, planned)  # the epoch's first step (cond held when it was planned)
                 if interval == 1:
                     return c
-                # the rest of the epoch on the same branch: no plan, no switch (docs/ADAPTIVE_VERIFICATION.md)
-                _, c = jax.lax.while_loop(lambda ic: (ic[0] < interval) & cond(ic[1]),
-                                          lambda ic: (ic[0] + 1, iteration(ic[1], fn, t, d, planned)), (1, c))
+
+                def going(ic):  # the epoch goes on while the loop does, and while no smaller size of the length
+                    # would hold the step (as rows finish, a new plan can take it; a timing run keeps its branch)
+                    _, _, budget, n_live = held(ic[1], d, planned)
+                    return (ic[0] < steps) & cond(ic[1]) & ((n_live + budget > below) | (inputs.timing_branch >= 0))
+
+                # the rest of the epoch on the same branch: no plan, no switch (docs/ENGINE.md, "The device loop")
+                _, c = jax.lax.while_loop(going, lambda ic: (ic[0] + 1, iteration(ic[1], fn, t, d, planned)), (1, c))
                 return c
             return run
 
         def body(c: _Carry):
             planned, bucket = choose(c)
-            return jax.lax.switch(bucket, [branch(fn, t, d) for fn, t, d in branches], c, planned)
+            return jax.lax.switch(bucket, [branch(fn, t, d, below) for (fn, t, d), below in zip(branches, below_arr)],
+                                  c, planned)
 
         carry = jax.lax.while_loop(cond, body, carry)
         finished = (inputs.rows >= 0) & carry.state.done[slot]
@@ -331,7 +351,8 @@ def make_loop_fn(target, drafter, config: LoopConfig):
                                         verified_per_step=carry.verified_per_step,
                                         budget_per_step=carry.budget_per_step,
                                         draft_len_per_step=carry.draft_len_per_step,
-                                        live_per_step=carry.live_per_step, finished=finished, steps=carry.step,
+                                        live_per_step=carry.live_per_step, tokens_per_step=carry.tokens_per_step,
+                                        finished=finished, steps=carry.step,
                                         confidences=carry.state.prev_confidences[slot, :k],
                                         **({} if width is None else dict(zip(("token_logprobs", "top_ids",
                                                                               "top_logprobs"), carry.logprobs))))

@@ -84,6 +84,8 @@ __all__ = ["Engine", "GenerationResult", "GenerationResults", "generate_offline"
 
 # the cost table's profile: rounds over every program
 PROFILE_REPEATS = 5
+# the device loop's iterations per plan (Engine(device_loop_plan_interval=...); docs/ENGINE.md, "The device loop")
+DEVICE_LOOP_PLAN_INTERVAL = 4
 # inside the device loop: a timed branch runs 1 and 1 + n iterations, n the smallest that fills this many
 # seconds (from a first estimate of the largest branch), within PROFILE_LOOP_STEPS
 PROFILE_LOOP_SECONDS = 0.02
@@ -180,7 +182,9 @@ class Engine:
       device_loop_plan_interval: the device loop's iterations per plan (``N``): it chooses the draft length,
         budget and bucket, then runs ``N`` steps on that branch before it plans again, each step's budget clipped
         to what its rows may still verify (docs/ENGINE.md, "The device loop"). On a GPU each plan costs the
-        planner's kernels and a read-back of the branch index; ``1`` plans every step, as the host loop does.
+        planner's kernels and a read-back of the branch index; holding it for 4 made the adaptive decode loop 4%
+        faster at 64 requests on an H100 (docs/BENCHMARKS.md, session 27). ``1`` plans every step, as the host
+        loop does.
       precompile: compile the whole closed set now (else the first ``generate`` / ``stream`` does).
       device_loop: compile the device loop's programs at warm-up too (default); ``False`` leaves them out of the
         warm-up (fewer programs when only the host loop is used: the first ``loop="device"`` call compiles those
@@ -201,7 +205,7 @@ class Engine:
                  confidence: str | None = None, sampling: bool = True, synthetic_acceptance_rates=None,
                  synthetic_acceptance_length=None, synthetic_confidence_noise: float = 0.0,
                  synthetic_concentration: float = 10.0, tensor_parallel_size: int = 1, mesh=None,
-                 decode_steps_per_launch: int = 16, device_loop_plan_interval: int = 1):
+                 decode_steps_per_launch: int = 16, device_loop_plan_interval: int = DEVICE_LOOP_PLAN_INTERVAL):
         cfg = target.cfg
         if verification not in MODES:
             raise ValueError(f"verification must be one of {MODES}, got {verification!r}")
@@ -1126,7 +1130,8 @@ class Engine:
                             events = sched.commit(done, out)
                             if done.num_decode:
                                 verify_log.add(verified=np.sum(out.num_verified), budget=done.budget,
-                                             draft_length=done.key.draft_len, rows=done.num_decode)
+                                             draft_length=done.key.draft_len, rows=done.num_decode,
+                                             tokens=done.key.tokens)
                         if not events and (isinstance(done, ScheduledBurst) or done.num_decode):
                             launches["empty"] += 1  # a decode launch whose requests had all finished
                         commit_s += time.perf_counter() - h3

@@ -85,15 +85,18 @@ def request_result(req: Request, *, k: int, tokenizer=None) -> GenerationResult:
 @dataclasses.dataclass
 class VerifySteps:
     """What each decode (verify) step of a run did, batch totals, in step order: the drafts it verified, its
-    budget, the draft length ``K_d`` it drafted, and the draft tokens it produced (decode rows times ``K_d``)."""
+    budget, the draft length ``K_d`` it drafted, the draft tokens it produced (decode rows times ``K_d``), and the
+    packed-token size of the program that ran it (prefill chunks of the same host step included)."""
 
     verified: list[int] = dataclasses.field(default_factory=list)
     budget: list[int] = dataclasses.field(default_factory=list)
     draft_length: list[int] = dataclasses.field(default_factory=list)
     drafted: list[int] = dataclasses.field(default_factory=list)
+    tokens: list[int] = dataclasses.field(default_factory=list)
 
-    def add(self, *, verified: int, budget: int, draft_length: int, rows: int) -> None:
-        """One host step that decoded ``rows`` requests."""
+    def add(self, *, verified: int, budget: int, draft_length: int, rows: int, tokens: int) -> None:
+        """One host step that decoded ``rows`` requests in a program of ``tokens`` packed tokens."""
+        self.tokens.append(int(tokens))
         self.verified.append(int(verified))
         self.budget.append(int(budget))
         self.draft_length.append(max(int(draft_length), 0))
@@ -109,6 +112,7 @@ class VerifySteps:
         self.budget.extend(int(x) for x in out.budget_per_step[:n])
         self.draft_length.extend(int(x) for x in out.draft_len_per_step[:n])
         self.drafted.extend(int(x) for x in out.draft_len_per_step[:n] * out.live_per_step[:n])
+        self.tokens.extend(int(x) for x in out.tokens_per_step[:n])
 
 
 def run_stats(requests: Sequence[Request], *, k: int, mode: str, loop: str, wall: float, steps: int,
@@ -148,6 +152,7 @@ def run_stats(requests: Sequence[Request], *, k: int, mode: str, loop: str, wall
         mean_draft_length=float(np.mean(draft_length_per_step)) if len(draft_length_per_step) else 0.0,
         drafted_tokens_per_step=[int(x) for x in drafted_per_step],
         mean_drafted_tokens_per_step=float(np.mean(drafted_per_step)) if len(drafted_per_step) else 0.0,
+        verify_tokens_per_step=[int(x) for x in per_step.tokens],
         host_time_per_step_s=host_s / steps if steps else 0.0, compiles=compiles, preemptions=preemptions,
         verification=mode, num_speculative_tokens=k, loop=loop,
         prefill_tokens=prefill_tokens, prefix_cache_tokens=prefix_tokens_reused,

@@ -57,6 +57,7 @@ def test_adaptive_device_loop_is_the_engine_step_for_step(target, drafter, promp
     # one step per launch: the host loop plans every step on the host (the comparison is host planner vs device)
     eng = Engine(target, drafter, num_speculative_tokens=7, verification="adaptive", cost_table=STEEP,
                  async_scheduling=False, decode_steps_per_launch=1,
+                 device_loop_plan_interval=1,  # the host loop's rule: a plan every step
                  **{**COMMON, "min_token_bucket": 64, "device_loop_token_buckets": 1})
     dev = eng.generate(prompts, sampling_params=params, loop="device")
     host = eng.generate(prompts, sampling_params=params, loop="host")
@@ -177,6 +178,7 @@ def test_draft_lengths_device_loop_is_the_engine_step_for_step(target, drafter, 
     table = CostTable.from_measurements({128: 1.0, 256: 2.0}, draft_lengths={0: 0.0, 3: 0.35})
     eng = Engine(target, drafter, num_speculative_tokens=3, verification="adaptive", cost_table=table,
                  async_scheduling=False, decode_steps_per_launch=1, sampling=False,
+                 device_loop_plan_interval=1,
                  **{**COMMON, "min_token_bucket": 128, "device_loop_token_buckets": 1})
     assert eng.draft_lengths == (0, 3)
     params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in MAX_NEW]
@@ -192,30 +194,33 @@ def test_draft_lengths_device_loop_is_the_engine_step_for_step(target, drafter, 
 
 
 def test_a_plan_held_for_several_iterations(target, drafter, prompts, references):
-    """``device_loop_plan_interval=2``: the loop plans at iterations 0, 2, 4, ... and runs each plan's branch for
-    two steps, re-clipping the budget to the rows still decoding. Greedy tokens stay the
-    target's, the first plan is the every-step loop's, every epoch keeps one draft length with a budget that
-    never grows, and a timing run still repeats its branch for exactly ``max_steps`` iterations."""
+    """``device_loop_plan_interval=N``: a plan holds for up to ``N`` steps on its branch, each step's budget
+    re-clipped to the rows still decoding. The call's first plan (from the confidences it started with) holds for
+    one step, and an epoch ends early once a smaller size of its draft length would hold the step. Greedy tokens
+    stay the target's; a timing run still repeats its branch for exactly ``max_steps`` iterations."""
     table = CostTable.from_measurements({128: 1.0, 256: 2.0}, draft_lengths={0: 0.0, 3: 0.35})
     kw = dict(num_speculative_tokens=3, verification="adaptive", cost_table=table, sampling=False,
               **{**COMMON, "min_token_bucket": 128, "device_loop_token_buckets": 1})
     params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in MAX_NEW]
-    every = Engine(target, drafter, **kw).generate(prompts, sampling_params=params, loop="device")
-    eng = Engine(target, drafter, device_loop_plan_interval=2, **kw)
-    assert eng.loop_config.plan_interval == 2
+    want = [greedy_reference(target, p, n, stop=()) for p, n in zip(prompts, MAX_NEW)]
+    every = Engine(target, drafter, device_loop_plan_interval=1, **kw).generate(prompts, sampling_params=params,
+                                                                              loop="device")
+    # one size per length: epochs are steps [0], [1..7], [8] (15 new tokens at most: 9 steps here)
+    eng = Engine(target, drafter, device_loop_plan_interval=7, **kw)
+    assert eng.loop_config.plan_interval == 7
     held = eng.generate(prompts, sampling_params=params, loop="device")
-    assert [r.token_ids for r in held] == [greedy_reference(target, p, n, stop=()) for p, n in zip(prompts, MAX_NEW)]
-    st = held.stats
-    lengths, budgets = st["draft_length_per_step"], st["budget_per_step"]
-    assert (lengths[0], budgets[0]) == (every.stats["draft_length_per_step"][0], every.stats["budget_per_step"][0])
-    for e in range(0, len(lengths), 2):
-        assert len(set(lengths[e:e + 2])) == 1, lengths
-        assert budgets[e:e + 2] == sorted(budgets[e:e + 2], reverse=True), budgets
-    assert set(lengths) == {0, 3}, lengths  # the plans still change between epochs (the last drafts nothing)
-    assert all(0 <= v <= b for v, b in zip(st["verified_drafts_per_step"], budgets))
-    assert st["compiles"] == 0
+    assert [r.token_ids for r in held] == [r.token_ids for r in every] == want
+    lengths, budgets = held.stats["draft_length_per_step"], held.stats["budget_per_step"]
+    ref_lengths, ref_budgets = every.stats["draft_length_per_step"], every.stats["budget_per_step"]
+    assert len(lengths) == len(ref_lengths) == 9 and ref_lengths[-1] == 0 != ref_lengths[-2]
+    # the first and the last epoch start where the every-step loop plans: the same plans
+    for s in (0, 1, 8):
+        assert (lengths[s], budgets[s]) == (ref_lengths[s], ref_budgets[s]), s
+    assert len(set(lengths[1:8])) == 1 and budgets[1:8] == sorted(budgets[1:8], reverse=True), (lengths, budgets)
+    assert all(0 <= v <= b for v, b in zip(held.stats["verified_drafts_per_step"], budgets))
+    assert held.stats["compiles"] == 0
 
-    # a timing run of branch 1 (length 3 at 128 tokens): 5 iterations (epochs of 2, 2 and 1), nothing committed
+    # a timing run of branch 1 (length 3 at 128 tokens): 5 iterations (epochs of 1 and 4), nothing committed
     program, r = eng._loop_programs[(False, None)], eng.max_num_seqs
     eng._state = eng._placed(_with_lengths(eng._state, np.full(r, 20, np.int32)))
     inputs = dataclasses.replace(eng._example_loop_inputs(), rows=np.arange(r, dtype=np.int32),
@@ -225,10 +230,27 @@ def test_a_plan_held_for_several_iterations(target, drafter, prompts, references
     eng._state, out = program(eng._target_params, eng._drafter_params, eng._state, eng._programs.put(inputs))
     out = jax.device_get(out)
     assert int(out.steps) == 5 and out.draft_len_per_step[:6].tolist() == [3] * 5 + [0]
-    assert out.budget_per_step[:5].tolist() == [8] * 5 and out.live_per_step[:5].tolist() == [8] * 5
+    assert out.budget_per_step[:5].tolist() == [8] * 5 and out.tokens_per_step[:5].tolist() == [128] * 5
     assert np.asarray(eng._state.num_cached).tolist() == [20] * r and not np.asarray(eng._state.done).any()
     with pytest.raises(ValueError, match="device_loop_plan_interval"):
         Engine(target, drafter, device_loop_plan_interval=0, **kw)
+
+
+def test_a_held_plan_moves_to_a_smaller_size_as_rows_finish(target, drafter, prompts, references):
+    """Fixed K with two sizes per length: as rows finish, an epoch ends once the smaller size holds the step, so
+    every step runs at the size the every-step loop picks (same budgets, same sizes), with the target's tokens."""
+    kw = dict(num_speculative_tokens=3, verification="fixed", sampling=False, **COMMON)
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in MAX_NEW]
+    every = Engine(target, drafter, device_loop_plan_interval=1, **kw).generate(prompts, sampling_params=params,
+                                                                              loop="device")
+    held = Engine(target, drafter, device_loop_plan_interval=8, **kw).generate(prompts, sampling_params=params,
+                                                                             loop="device")
+    assert [r.token_ids for r in held] == [r.token_ids for r in every] == [
+        greedy_reference(target, p, n, stop=()) for p, n in zip(prompts, MAX_NEW)]
+    for key in ("budget_per_step", "verify_tokens_per_step", "draft_length_per_step"):
+        assert held.stats[key] == every.stats[key], key
+    sizes = held.stats["verify_tokens_per_step"]
+    assert len(set(sizes)) == 2 and sizes == sorted(sizes, reverse=True), sizes  # it moved to the smaller size
 
 
 def test_waves_that_fit_the_pool_and_the_logits_cap(target, drafter, prompts, references):
