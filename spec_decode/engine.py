@@ -642,12 +642,13 @@ class Engine:
                            cost_table=CostTableArrays.from_table(None), max_steps=0)
 
     def _cost_table_key(self) -> str:
-        """What the profiled timings depend on: device, model and drafter shapes, dtypes, the engine's programs."""
+        """What the profiled timings depend on: device, model and drafter shapes, dtypes, the engine's programs
+        (the device loop's too: the profile times its branches, epochs included)."""
         dev = jax.devices()[0]
         parts = [COST_PROFILE_VERSION, dev.platform, getattr(dev, "device_kind", ""), jax.__version__, repr(self.target.cfg),
                  repr(self.drafter.cfg) if self.drafter is not None else "", str(self.target.dtype),
                  str(jnp.dtype(self.cache_dtype)), repr(self._step_config), repr(self.step_keys), self.max_model_len,
-                 self.num_pages]
+                 self.num_pages, repr(self.loop_config)]
         return hashlib.sha256("\n".join(map(str, parts)).encode()).hexdigest()[:32]
 
     def _load_or_profile_costs(self, show: bool) -> None:
