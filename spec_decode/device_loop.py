@@ -224,7 +224,7 @@ def make_loop_fn(target, drafter, config: LoopConfig):
 
         given = inputs.rows >= 0
 
-        # the table's costs at the loop's sizes, once (the planner reads them in every iteration)
+        # the table's costs at the loop's sizes, once (every plan reads them)
         prepared = (prepare_plan_device(inputs.cost_table, draft_lengths=lengths,
                                         token_buckets=tuple(config.token_buckets), max_rows=r)
                     if mode == "adaptive" else None)
