@@ -230,6 +230,14 @@ def dump_loop_hlo(eng, out: str, n: int, mode: str) -> dict | None:
 def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[str], done_rows: list[dict],
                write_row) -> None:
     """One (n, mode): build and warm up an engine, then a warm-up and a timed generate per loop in ``loops``."""
+    for _ in config_steps(args, target, drafter, tokenizer, n, mode, loops, done_rows, write_row):
+        pass
+
+
+def config_steps(args, target, drafter, tokenizer, n: int, mode: str, loops: list[str], done_rows: list[dict],
+                 write_row):
+    """:func:`run_config` as a generator: it yields once its engine is warm (the warm-up call run) and after each
+    timed set, so that ``--interleave`` can run the modes' timed sets in turns; the row is written at the end."""
     from minimax_jax.cache import page_size_for
     from scripts.workloads import heldout_windows, warmup_windows
     from spec_decode import Engine
@@ -303,10 +311,15 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
         # timed call still shares it between its own requests)
         eng.reset_prefix_cache()
         eng.generate(warm_prompts, loop=base, **kw)
-        eng.record_launches = bool(args.launch_timeline)  # the timed calls' launch timeline (host loop)
+        yield
+        runs = []
+        # interleaved, another mode's timed sets run between these; a compile there would count here too
         with compile_counter() as compiled:
-            runs = [eng.generate(prompts, loop=base, **kw) for prompts in timed_sets]
-        eng.record_launches = False
+            for prompts in timed_sets:
+                eng.record_launches = bool(args.launch_timeline)  # the timed calls' launch timeline (host loop)
+                runs.append(eng.generate(prompts, loop=base, **kw))
+                eng.record_launches = False
+                yield
         profile = loop_profile(eng, timed_sets[0], kw) if args.trace_loop and base == "device" else None
         res = runs[0]
         st = res.stats
@@ -363,6 +376,8 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
         }
         if loop != "host" and "host" in by_loop:
             row["match_host"] = matches(by_loop["host"]["token_digests"], row["token_digests"])
+        # rows on these timed prompts recorded since this configuration began (interleaved modes finish together)
+        same += [r for r in done_rows if r not in same and config_key(r)[:1] + config_key(r)[3:] == here[:1] + here[3:]]
         none_rows = [r for r in same if r["mode"] == "none"]
         ref = next((r for r in none_rows if r["loop"] == loop), none_rows[0] if none_rows else None)
         if mode == "none" and ref is None:
@@ -404,6 +419,7 @@ def run_sweep(args, pair, rows: list[dict], rows_path: str, t_start: float, writ
             os.fsync(f.fileno())
 
         for n in args.requests:
+            group = []  # --interleave: the modes of this n, run together below
             for mode in args.modes:
                 loops = [lp for lp in args.loops if config_key(this_row(args, n, mode, lp)) not in done]
                 if not loops:
@@ -415,6 +431,9 @@ def run_sweep(args, pair, rows: list[dict], rows_path: str, t_start: float, writ
                     print(f"bench_e2e: n={n} {mode}: skipped: this Engine has no {', '.join(missing)} argument",
                           flush=True)
                     continue
+                if args.interleave:
+                    group.append((mode, loops))
+                    continue
                 elapsed = time.perf_counter() - t_start
                 if args.time_budget_s is not None and elapsed + last_config_s > args.time_budget_s:
                     print(f"bench_e2e: time budget: {elapsed:.0f} s elapsed + {last_config_s:.0f} s for the last "
@@ -425,6 +444,37 @@ def run_sweep(args, pair, rows: list[dict], rows_path: str, t_start: float, writ
                 last_config_s = time.perf_counter() - c0
                 print(f"bench_e2e: n={n} {mode}: configuration took {last_config_s:.1f} s", flush=True)
                 write_outputs()
+            if group:
+                elapsed = time.perf_counter() - t_start
+                if args.time_budget_s is not None and elapsed + last_config_s > args.time_budget_s:
+                    print(f"bench_e2e: time budget: {elapsed:.0f} s elapsed + {last_config_s:.0f} s for the last "
+                          f"configuration > {args.time_budget_s:.0f} s; stopping before n={n}", flush=True)
+                    return
+                c0 = time.perf_counter()
+                run_interleaved(args, pair, n, group, rows, write_row)
+                last_config_s = time.perf_counter() - c0
+                print(f"bench_e2e: n={n} {', '.join(m for m, _ in group)} interleaved: took {last_config_s:.1f} s",
+                      flush=True)
+                write_outputs()
+
+
+def run_interleaved(args, pair, n: int, group: list[tuple[str, list[str]]], rows: list[dict], write_row) -> None:
+    """``--interleave``: every mode of ``group`` builds and warms up its engine (all alive at once), then the
+    timed sets run in rounds, set ``i`` of every mode in round ``i``, the modes' order rotated by one each round,
+    so that a drift of the machine (clocks, another tenant) or a first-set penalty falls on every mode alike. The
+    rows are written at the end, ``none`` first (the others' ``match_none`` reads it)."""
+    target, drafter, tokenizer = pair
+    steps = [(mode, config_steps(args, target, drafter, tokenizer, n, mode, loops, rows, write_row))
+             for mode, loops in group]
+    for _, gen in steps:
+        next(gen)  # build, warm up, the warm-up call
+    for i in range(args.timed_sets):
+        k = i % len(steps)
+        for _, gen in steps[k:] + steps[:k]:
+            next(gen, None)  # one timed set (a mode whose sets ran out writes its row)
+    for _, gen in sorted(steps, key=lambda s: s[0] != "none"):
+        for _ in gen:
+            pass
 
 
 # Named emulated-acceptance profiles: the unconditional rates P(the first k drafts are accepted), k = 1..7.
@@ -786,6 +836,9 @@ def parse_args(argv=None):
                     help="sample every request at this temperature (seeded; the sampling programs and loop run)")
     ap.add_argument("--draft-length-buckets", type=int, default=2,
                     help="Engine(draft_length_buckets=...): the packed-token sizes each draft length below K compiles")
+    ap.add_argument("--interleave", action="store_true",
+                    help="build every mode's engine of a concurrency first (all alive at once), then run their "
+                         "timed sets in rounds, the modes' order rotated each round (one loop only)")
     ap.add_argument("--plan-interval", type=int, default=None,
                     help="Engine(device_loop_plan_interval=...): device-loop iterations per plan, every mode (default: "
                          "the Engine's; rows before session 27 planned every iteration)")
@@ -826,6 +879,8 @@ def parse_args(argv=None):
             ap.error(str(e))
     if args.calibration_prompt_len is None:
         args.calibration_prompt_len = args.prompt_len
+    if args.interleave and len(args.loops) != 1:
+        ap.error(f"--interleave takes one loop, got --loops {' '.join(args.loops)}")
     if args.plan_interval is None:
         from spec_decode.engine import DEVICE_LOOP_PLAN_INTERVAL
 

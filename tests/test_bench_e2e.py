@@ -85,6 +85,37 @@ def test_sweep_and_calibration_on_cpu(tmp_path, capsys):
     assert {"tokens_per_s.png", "adaptive_ratio.png", "bench_e2e.md"} <= set(os.listdir(redraw))
 
 
+@pytest.mark.slow
+def test_interleaved_timed_sets(tmp_path, monkeypatch):
+    """``--interleave``: both engines warm up first, then the timed sets run in rounds with the modes' order
+    rotated (fixed2 then none, then none then fixed2); ``none``'s row is written first and the other's
+    ``match_none`` reads it."""
+    from spec_decode import Engine
+
+    calls, generate = [], Engine.generate
+
+    def logged(self, prompts, **kw):
+        calls.append((self.mode, tuple(prompts[0][:8])))
+        return generate(self, prompts, **kw)
+
+    monkeypatch.setattr(Engine, "generate", logged)
+    out = tmp_path / "il"
+    bench_e2e.main(["--out", str(out), "--dtype", "float32", "--requests", "2", "--modes", "fixed2", "none",
+                    "--loops", "device", "--prompt-len", "32", "--max-new-tokens", "6", "--min-token-bucket", "32",
+                    "--max-num-batched-tokens", "32", "--timed-sets", "2", "--interleave"])
+    rows = [json.loads(line) for line in (out / "bench_e2e.jsonl").read_text().splitlines()]
+    assert [r["mode"] for r in rows] == ["none", "fixed2"]
+    assert all(r["timed_compiles"] == 0 and len(r["per_set_wall_s"]) == 2 for r in rows)
+    assert rows[1]["match_none"] == 1.0  # f32: the same tokens
+    # two warm-up calls (their prompts: training-split windows), then the rounds on the held-out sets
+    modes = [m for m, _ in calls]
+    assert modes == ["fixed", "none", "fixed", "none", "none", "fixed"], modes
+    first, second = calls[2][1], calls[4][1]
+    assert calls[3][1] == first and calls[5][1] == second and first != second and calls[0][1] not in (first, second)
+    with pytest.raises(SystemExit):
+        bench_e2e.main(["--out", str(out), "--interleave", "--loops", "host", "device"])
+
+
 def test_modes_and_tables():
     assert bench_e2e.mode_settings("fixed3", 7) == {"verification": "fixed", "num_speculative_tokens": 3}
     assert bench_e2e.mode_settings("adaptive-held", 7)["draft_lengths"] == (7,)
