@@ -20,9 +20,11 @@ most ``max_num_seqs`` requests whose pages fit the pool:
    * the program: for the chosen draft length, the smallest of a few packed-token buckets of the closed set
      holding ``rows + budget``; every (draft length, bucket) is one branch of a ``lax.switch`` over the step
      compiled at that shape;
-   * how long the plan holds: ``LoopConfig.plan_interval`` iterations (an *epoch*). The branch runs them in a
-     loop of its own, each step's budget re-clipped to what its live rows may still verify (rows only finish
-     within an epoch, so the branch's tokens still hold every step). On a GPU every plan and every switch is a
+   * how long the plan holds: up to ``LoopConfig.plan_interval`` iterations (an *epoch*). The branch runs them in
+     a loop of its own, each step's budget re-clipped to what its live rows may still verify (rows only finish
+     within an epoch, so the branch's tokens still hold every step). A call's first epoch is one step (its plan
+     read the confidences the call started with), and an epoch ends once a smaller size of its draft length
+     would hold the step, so a wave's tail moves down the sizes as promptly as planning every step. On a GPU every plan and every switch is a
      round trip to the host (XLA reads the branch index back before it launches the branch) plus the planner's
      kernels, which an iteration of a few hundred microseconds feels; an epoch pays them once. The plan still
      reads confidences of an earlier step only, so it stays lossless. ``1``: plan every step, the host loop's

@@ -180,8 +180,9 @@ class Engine:
         caller sees no token before it returns). ``1`` launches every step on its own; so does an engine
         built with ``device_loop=False`` (the launches use the device loop's programs).
       device_loop_plan_interval: the device loop's iterations per plan (``N``): it chooses the draft length,
-        budget and bucket, then runs ``N`` steps on that branch before it plans again, each step's budget clipped
-        to what its rows may still verify (docs/ENGINE.md, "The device loop"). On a GPU each plan costs the
+        budget and bucket, then runs up to ``N`` steps on that branch before it plans again, each step's budget
+        clipped to what its rows may still verify (a call's first plan holds one step; an epoch ends early once a
+        smaller bucket holds the step: docs/ENGINE.md, "The device loop"). On a GPU each plan costs the
         planner's kernels and a read-back of the branch index; holding it for 4 made the adaptive decode loop 4%
         faster at 64 requests on an H100 (docs/BENCHMARKS.md, session 27). ``1`` plans every step, as the host
         loop does.
