@@ -419,7 +419,7 @@ def run_sweep(args, pair, rows: list[dict], rows_path: str, t_start: float, writ
             os.fsync(f.fileno())
 
         for n in args.requests:
-            group = []  # --interleave: the modes of this n, run together below
+            todo = []
             for mode in args.modes:
                 loops = [lp for lp in args.loops if config_key(this_row(args, n, mode, lp)) not in done]
                 if not loops:
@@ -431,30 +431,25 @@ def run_sweep(args, pair, rows: list[dict], rows_path: str, t_start: float, writ
                     print(f"bench_e2e: n={n} {mode}: skipped: this Engine has no {', '.join(missing)} argument",
                           flush=True)
                     continue
-                if args.interleave:
-                    group.append((mode, loops))
-                    continue
+                todo.append((mode, loops))
+            # what runs as one configuration: each mode, or (--interleave) all of them together
+            if args.interleave and todo:
+                units = [(" ".join(m for m, _ in todo) + " interleaved",
+                          lambda: run_interleaved(args, pair, n, todo, rows, write_row))]
+            else:
+                units = [(mode, lambda mode=mode, loops=loops: run_config(args, target, drafter, tokenizer, n, mode,
+                                                                          loops, rows, write_row))
+                         for mode, loops in todo]
+            for label, run in units:
                 elapsed = time.perf_counter() - t_start
                 if args.time_budget_s is not None and elapsed + last_config_s > args.time_budget_s:
                     print(f"bench_e2e: time budget: {elapsed:.0f} s elapsed + {last_config_s:.0f} s for the last "
-                          f"configuration > {args.time_budget_s:.0f} s; stopping before n={n} {mode}", flush=True)
+                          f"configuration > {args.time_budget_s:.0f} s; stopping before n={n} {label}", flush=True)
                     return
                 c0 = time.perf_counter()
-                run_config(args, target, drafter, tokenizer, n, mode, loops, rows, write_row)
+                run()
                 last_config_s = time.perf_counter() - c0
-                print(f"bench_e2e: n={n} {mode}: configuration took {last_config_s:.1f} s", flush=True)
-                write_outputs()
-            if group:
-                elapsed = time.perf_counter() - t_start
-                if args.time_budget_s is not None and elapsed + last_config_s > args.time_budget_s:
-                    print(f"bench_e2e: time budget: {elapsed:.0f} s elapsed + {last_config_s:.0f} s for the last "
-                          f"configuration > {args.time_budget_s:.0f} s; stopping before n={n}", flush=True)
-                    return
-                c0 = time.perf_counter()
-                run_interleaved(args, pair, n, group, rows, write_row)
-                last_config_s = time.perf_counter() - c0
-                print(f"bench_e2e: n={n} {', '.join(m for m, _ in group)} interleaved: took {last_config_s:.1f} s",
-                      flush=True)
+                print(f"bench_e2e: n={n} {label}: configuration took {last_config_s:.1f} s", flush=True)
                 write_outputs()
 
 

@@ -45,6 +45,19 @@ def references(target, prompts):
     return [greedy_reference(target, p, n) for p, n in zip(prompts, MAX_NEW)]
 
 
+def _timing_run(eng, *, branch: int, budget: int, steps: int, context: int):
+    """A timing run of the greedy loop's ``branch`` (its index in switch order) with ``budget`` drafts, every slot
+    decoding at ``context`` tokens, for ``steps`` iterations: the loop's outputs (numpy)."""
+    program, r = eng._loop_programs[(False, None)], eng.max_num_seqs
+    eng._state = eng._placed(_with_lengths(eng._state, np.full(r, context, np.int32)))
+    inputs = dataclasses.replace(eng._example_loop_inputs(), rows=np.arange(r, dtype=np.int32),
+                                 block_tables=eng._profile_tables(context + 4), limit=np.full(r, 50, np.int32),
+                                 max_steps=np.asarray(steps, np.int32), timing_branch=np.asarray(branch, np.int32),
+                                 timing_budget=np.asarray(budget, np.int32), cost_table=eng.planner.device_table())
+    eng._state, out = program(eng._target_params, eng._drafter_params, eng._state, eng._programs.put(inputs))
+    return jax.device_get(out)
+
+
 def test_adaptive_device_loop_is_the_engine_step_for_step(target, drafter, prompts, references):
     """Mixed greedy and T = 1 / top-p rows, adaptive K = 7 under a trimming cost table: the device loop gives the
     host engine's tokens and per-request statistics exactly (same budgets every step: the jnp planner over the
@@ -141,13 +154,7 @@ def test_profiled_cost_table_times_the_loop_branches_inside_the_loop(target, pro
 
     # a timing run of branch 3/16 (index 1) on 8 decoding slots at context 20: 5 iterations, none committed
     program, r = eng._loop_programs[(False, None)], eng.max_num_seqs
-    eng._state = eng._placed(_with_lengths(eng._state, np.full(r, 20, np.int32)))
-    inputs = dataclasses.replace(eng._example_loop_inputs(), rows=np.arange(r, dtype=np.int32),
-                                 block_tables=eng._profile_tables(24), limit=np.full(r, 50, np.int32),
-                                 max_steps=np.asarray(5, np.int32), timing_branch=np.asarray(1, np.int32),
-                                 timing_budget=np.asarray(8, np.int32), cost_table=eng.planner.device_table())
-    eng._state, out = program(eng._target_params, eng._drafter_params, eng._state, eng._programs.put(inputs))
-    out = jax.device_get(out)
+    out = _timing_run(eng, branch=1, budget=8, steps=5, context=20)
     assert int(out.steps) == 5 and out.draft_len_per_step[:5].tolist() == [3] * 5
     assert out.budget_per_step[:5].tolist() == [8] * 5 and out.live_per_step[:5].tolist() == [8] * 5
     assert np.asarray(eng._state.num_cached).tolist() == [20] * r
@@ -221,14 +228,8 @@ def test_a_plan_held_for_several_iterations(target, drafter, prompts, references
     assert held.stats["compiles"] == 0
 
     # a timing run of branch 1 (length 3 at 128 tokens): 5 iterations (epochs of 1 and 4), nothing committed
-    program, r = eng._loop_programs[(False, None)], eng.max_num_seqs
-    eng._state = eng._placed(_with_lengths(eng._state, np.full(r, 20, np.int32)))
-    inputs = dataclasses.replace(eng._example_loop_inputs(), rows=np.arange(r, dtype=np.int32),
-                                 block_tables=eng._profile_tables(24), limit=np.full(r, 50, np.int32),
-                                 max_steps=np.asarray(5, np.int32), timing_branch=np.asarray(1, np.int32),
-                                 timing_budget=np.asarray(8, np.int32), cost_table=eng.planner.device_table())
-    eng._state, out = program(eng._target_params, eng._drafter_params, eng._state, eng._programs.put(inputs))
-    out = jax.device_get(out)
+    r = eng.max_num_seqs
+    out = _timing_run(eng, branch=1, budget=8, steps=5, context=20)
     assert int(out.steps) == 5 and out.draft_len_per_step[:6].tolist() == [3] * 5 + [0]
     assert out.budget_per_step[:5].tolist() == [8] * 5 and out.tokens_per_step[:5].tolist() == [128] * 5
     assert np.asarray(eng._state.num_cached).tolist() == [20] * r and not np.asarray(eng._state.done).any()
