@@ -299,9 +299,12 @@ def config_steps(args, target, drafter, tokenizer, n: int, mode: str, loops: lis
     kw = {"max_new_tokens": args.max_new_tokens, "ignore_eos": True, "temperature": args.temperature,
           "progress": False, **({"seed": 0} if args.temperature > 0 else {})}
     here = config_key(this_row(args, n, mode, ""))
-    same = [r for r in done_rows if config_key(r)[:1] + config_key(r)[3:] == here[:1] + here[3:]]
-    # rows whose timed prompts are this call's (any mode and loop)
-    by_loop = {r["loop"]: r for r in same if r["mode"] == mode}
+
+    def on_these_prompts():  # rows recorded so far on this n's timed prompts (any mode and loop; interleaved
+        # modes finish together, so it is read again when a row is made)
+        return [r for r in done_rows if config_key(r)[:1] + config_key(r)[3:] == here[:1] + here[3:]]
+
+    by_loop = {r["loop"]: r for r in on_these_prompts() if r["mode"] == mode}
     for loop in loops:
         base, steps_per_launch = loop_and_steps(loop, args)
         if base == "host":
@@ -376,16 +379,13 @@ def config_steps(args, target, drafter, tokenizer, n: int, mode: str, loops: lis
         }
         if loop != "host" and "host" in by_loop:
             row["match_host"] = matches(by_loop["host"]["token_digests"], row["token_digests"])
-        # rows on these timed prompts recorded since this configuration began (interleaved modes finish together)
-        same += [r for r in done_rows if r not in same and config_key(r)[:1] + config_key(r)[3:] == here[:1] + here[3:]]
-        none_rows = [r for r in same if r["mode"] == "none"]
+        none_rows = [r for r in on_these_prompts() if r["mode"] == "none"]
         ref = next((r for r in none_rows if r["loop"] == loop), none_rows[0] if none_rows else None)
         if mode == "none" and ref is None:
             ref = row
         row["match_none"] = matches(ref["token_digests"], row["token_digests"]) if ref is not None else None
         row = clean(row)
         by_loop[loop] = row
-        same.append(row)
         done_rows.append(row)
         write_row(row)
         loop_s = row["per_set_decode_loop_s"]

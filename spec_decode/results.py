@@ -96,11 +96,11 @@ class VerifySteps:
 
     def add(self, *, verified: int, budget: int, draft_length: int, rows: int, tokens: int) -> None:
         """One host step that decoded ``rows`` requests in a program of ``tokens`` packed tokens."""
-        self.tokens.append(int(tokens))
         self.verified.append(int(verified))
         self.budget.append(int(budget))
         self.draft_length.append(max(int(draft_length), 0))
         self.drafted.append(int(rows) * max(int(draft_length), 0))
+        self.tokens.append(int(tokens))
 
     def add_loop(self, out) -> None:
         """The steps of one device-loop program run (its :class:`~spec_decode.device_loop.LoopOutputs`, numpy):
