@@ -235,9 +235,13 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
 
 
 def config_steps(args, target, drafter, tokenizer, n: int, mode: str, loops: list[str], done_rows: list[dict],
-                 write_row):
+                 write_row, settle: bool = False):
     """:func:`run_config` as a generator: it yields once its engine is warm (the warm-up call run) and after each
-    timed set, so that ``--interleave`` can run the modes' timed sets in turns; the row is written at the end."""
+    timed set, so that ``--interleave`` can run the modes' timed sets in turns; the row is written at the end.
+
+    ``settle``: after that first yield, one more untimed call on the warm-up prompts (and a yield), which
+    ``--interleave`` runs once every engine is built: an engine's first call after other engines were built and
+    warmed up ran 20-70 ms slower than its later ones (docs/BENCHMARKS.md, session 28)."""
     from minimax_jax.cache import page_size_for
     from scripts.workloads import heldout_windows, warmup_windows
     from spec_decode import Engine
@@ -315,6 +319,11 @@ def config_steps(args, target, drafter, tokenizer, n: int, mode: str, loops: lis
         eng.reset_prefix_cache()
         eng.generate(warm_prompts, loop=base, **kw)
         yield
+        if settle:
+            eng.reset_prefix_cache()
+            eng.generate(warm_prompts, loop=base, **kw)
+            eng.reset_prefix_cache()  # the timed sets start from an empty prefix cache either way
+            yield
         runs = []
         # interleaved, another mode's timed sets run between these; a compile there would count here too
         with compile_counter() as compiled:
@@ -360,6 +369,7 @@ def config_steps(args, target, drafter, tokenizer, n: int, mode: str, loops: lis
             "predicted_per_position_acceptance": st["predicted_per_position_acceptance"],
             "calibration_error": st["calibration_error"],
             "timed_compiles": len(compiled), "construct_s": construct_s, "startup_s": startup_s,
+            "interleaved": settle,  # --interleave: timed in rounds with the other modes, after a settling call
             "warmup_programs": report.programs, "warmup_compiled": report.compiled,
             "host_time_per_step_s": st["host_time_per_step_s"],
             **{key: st[key] for key in ("host_schedule_ms_per_step", "host_dispatch_ms_per_step",
@@ -454,15 +464,19 @@ def run_sweep(args, pair, rows: list[dict], rows_path: str, t_start: float, writ
 
 
 def run_interleaved(args, pair, n: int, group: list[tuple[str, list[str]]], rows: list[dict], write_row) -> None:
-    """``--interleave``: every mode of ``group`` builds and warms up its engine (all alive at once), then the
+    """``--interleave``: every mode of ``group`` builds and warms up its engine (all alive at once); each engine
+    then makes one more untimed call (the settling round: on an H100 an engine's first call after the others were
+    built ran 20-70 ms slower, more the more loop branches it has, and ``none`` not at all, session 28); then the
     timed sets run in rounds, set ``i`` of every mode in round ``i``, the modes' order rotated by one each round,
-    so that a drift of the machine (clocks, another tenant) or a first-set penalty falls on every mode alike. The
-    rows are written at the end, ``none`` first (the others' ``match_none`` reads it)."""
+    so that a drift of the machine (clocks, another tenant) falls on every mode alike. The rows are written at the
+    end, ``none`` first (the others' ``match_none`` reads it)."""
     target, drafter, tokenizer = pair
-    steps = [(mode, config_steps(args, target, drafter, tokenizer, n, mode, loops, rows, write_row))
+    steps = [(mode, config_steps(args, target, drafter, tokenizer, n, mode, loops, rows, write_row, settle=True))
              for mode, loops in group]
     for _, gen in steps:
         next(gen)  # build, warm up, the warm-up call
+    for _, gen in steps:
+        next(gen)  # the settling call, once every engine exists
     for i in range(args.timed_sets):
         k = i % len(steps)
         for _, gen in steps[k:] + steps[:k]:

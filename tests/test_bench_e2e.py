@@ -87,9 +87,9 @@ def test_sweep_and_calibration_on_cpu(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_interleaved_timed_sets(tmp_path, monkeypatch):
-    """``--interleave``: both engines warm up first, then the timed sets run in rounds with the modes' order
-    rotated (fixed2 then none, then none then fixed2); ``none``'s row is written first and the other's
-    ``match_none`` reads it."""
+    """``--interleave``: both engines warm up first, then each makes one settling call, then the timed sets run in
+    rounds with the modes' order rotated (fixed2 then none, then none then fixed2); ``none``'s row is written
+    first and the other's ``match_none`` reads it."""
     from spec_decode import Engine
 
     calls, generate = [], Engine.generate
@@ -105,13 +105,15 @@ def test_interleaved_timed_sets(tmp_path, monkeypatch):
                     "--max-num-batched-tokens", "32", "--timed-sets", "2", "--interleave"])
     rows = [json.loads(line) for line in (out / "bench_e2e.jsonl").read_text().splitlines()]
     assert [r["mode"] for r in rows] == ["none", "fixed2"]
-    assert all(r["timed_compiles"] == 0 and len(r["per_set_wall_s"]) == 2 for r in rows)
+    assert all(r["timed_compiles"] == 0 and len(r["per_set_wall_s"]) == 2 and r["interleaved"] for r in rows)
     assert rows[1]["match_none"] == 1.0  # f32: the same tokens
-    # two warm-up calls (their prompts: training-split windows), then the rounds on the held-out sets
+    # two warm-up calls, then the two settling calls (their prompts: training-split windows, the same as the
+    # warm-up's), then the rounds on the held-out sets
     modes = [m for m, _ in calls]
-    assert modes == ["fixed", "none", "fixed", "none", "none", "fixed"], modes
-    first, second = calls[2][1], calls[4][1]
-    assert calls[3][1] == first and calls[5][1] == second and first != second and calls[0][1] not in (first, second)
+    assert modes == ["fixed", "none", "fixed", "none", "fixed", "none", "none", "fixed"], modes
+    assert calls[2][1] == calls[0][1] and calls[3][1] == calls[1][1]
+    first, second = calls[4][1], calls[6][1]
+    assert calls[5][1] == first and calls[7][1] == second and first != second and calls[0][1] not in (first, second)
     with pytest.raises(SystemExit):
         bench_e2e.main(["--out", str(out), "--interleave", "--loops", "host", "device"])
 
