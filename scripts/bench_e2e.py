@@ -241,7 +241,7 @@ def config_steps(args, target, drafter, tokenizer, n: int, mode: str, loops: lis
 
     ``settle``: after that first yield, one more untimed call on the warm-up prompts (and a yield), which
     ``--interleave`` runs once every engine is built: an engine's first call after other engines were built and
-    warmed up ran 20-70 ms slower than its later ones (docs/BENCHMARKS.md, session 28)."""
+    warmed up ran 14-65 ms slower than its later ones (docs/BENCHMARKS.md, session 28)."""
     from minimax_jax.cache import page_size_for
     from scripts.workloads import heldout_windows, warmup_windows
     from spec_decode import Engine
@@ -466,7 +466,7 @@ def run_sweep(args, pair, rows: list[dict], rows_path: str, t_start: float, writ
 def run_interleaved(args, pair, n: int, group: list[tuple[str, list[str]]], rows: list[dict], write_row) -> None:
     """``--interleave``: every mode of ``group`` builds and warms up its engine (all alive at once); each engine
     then makes one more untimed call (the settling round: on an H100 an engine's first call after the others were
-    built ran 20-70 ms slower, more the more loop branches it has, and ``none`` not at all, session 28); then the
+    built ran 14-65 ms slower, more the more loop branches it has, and ``none`` not at all, session 28); then the
     timed sets run in rounds, set ``i`` of every mode in round ``i``, the modes' order rotated by one each round,
     so that a drift of the machine (clocks, another tenant) falls on every mode alike. The rows are written at the
     end, ``none`` first (the others' ``match_none`` reads it)."""
