@@ -49,8 +49,9 @@ seconds of each set, the rest being its prefill waves and host work; None on the
 all but each request's first, over those seconds);
 ``match_host`` (device rows: fraction of
 requests whose tokens equal the host loop's) and ``match_none`` (fraction equal to mode ``none``'s at the same
-``n`` and loop; greedy, so every mode should give 1.0 in f32; bf16 near-ties can flip). Rows carry a digest per
-request's tokens so the matches survive split runs.
+``n`` and loop; greedy, so every mode should give 1.0 in f32; bf16 near-ties can flip); ``interleaved`` (timed
+with ``--interleave``: in rounds with the other modes, after a settling call). Rows carry a digest per request's
+tokens so the matches survive split runs.
 
 **Outputs** in ``--out``: ``bench_e2e.jsonl`` (a row per (n, mode, loop), appended and flushed as each finishes;
 an existing file resumes: its configurations are skipped), ``bench_e2e.json`` (``meta`` + all rows),
