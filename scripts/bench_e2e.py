@@ -847,8 +847,9 @@ def parse_args(argv=None):
     ap.add_argument("--draft-length-buckets", type=int, default=2,
                     help="Engine(draft_length_buckets=...): the packed-token sizes each draft length below K compiles")
     ap.add_argument("--interleave", action="store_true",
-                    help="build every mode's engine of a concurrency first (all alive at once), then run their "
-                         "timed sets in rounds, the modes' order rotated each round (one loop only)")
+                    help="build every mode's engine of a concurrency first (all alive at once), make one untimed "
+                         "settling call on each, then run their timed sets in rounds, the modes' order rotated each "
+                         "round (one loop only)")
     ap.add_argument("--plan-interval", type=int, default=None,
                     help="Engine(device_loop_plan_interval=...): device-loop iterations per plan, every mode (default: "
                          "the Engine's; rows before session 27 planned every iteration)")

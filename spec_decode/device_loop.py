@@ -24,11 +24,11 @@ most ``max_num_seqs`` requests whose pages fit the pool:
      a loop of its own, each step's budget re-clipped to what its live rows may still verify (rows only finish
      within an epoch, so the branch's tokens still hold every step). A call's first epoch is one step (its plan
      read the confidences the call started with), and an epoch ends once a smaller size of its draft length
-     would hold the step, so a wave's tail moves down the sizes as promptly as planning every step. On a GPU every plan and every switch is a
-     round trip to the host (XLA reads the branch index back before it launches the branch) plus the planner's
-     kernels, which an iteration of a few hundred microseconds feels; an epoch pays them once. The plan still
-     reads confidences of an earlier step only, so it stays lossless. ``1``: plan every step, the host loop's
-     rule, step for step;
+     would hold the step, so a wave's tail moves down the sizes as promptly as planning every step. On a GPU
+     every plan and every switch is a round trip to the host (XLA reads the branch index back before it launches
+     the branch) plus the planner's kernels, which an iteration of a few hundred microseconds feels; an epoch pays
+     them once. The plan still reads confidences of an earlier step only, so it stays lossless. ``1``: plan every
+     step, the host loop's rule, step for step;
 
    the loop ends when every row has finished. One read-back per wave.
 
@@ -331,8 +331,11 @@ def make_loop_fn(target, drafter, config: LoopConfig):
 
                 def going(ic):  # the epoch goes on while the loop does, and while no smaller size of the length
                     # would hold the step (as rows finish, a new plan can take it; a timing run keeps its branch)
+                    on = (ic[0] < steps) & cond(ic[1])
+                    if below == 0:  # the length's smallest size: none to move down to
+                        return on
                     _, _, budget, n_live = held(ic[1], d, planned)
-                    return (ic[0] < steps) & cond(ic[1]) & ((n_live + budget > below) | (inputs.timing_branch >= 0))
+                    return on & ((n_live + budget > below) | (inputs.timing_branch >= 0))
 
                 # the rest of the epoch on the same branch: no plan, no switch (docs/ENGINE.md, "The device loop")
                 _, c = jax.lax.while_loop(going, lambda ic: (ic[0] + 1, iteration(ic[1], fn, t, d, planned)), (1, c))
