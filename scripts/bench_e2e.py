@@ -46,7 +46,8 @@ vs predicted survival at the verified positions); ``host_time_per_step_s`` (the 
 seconds of each set, the rest being its prefill waves and host work; None on the host loop),
 ``per_set_verify_steps`` (each set's verify steps: on the device loop, its iterations) with
 ``per_set_ms_per_loop_iteration`` (device rows), and ``decode_loop_tokens_per_s`` (the tokens the loop emitted,
-all but each request's first, over those seconds);
+all but each request's first, over those seconds); ``per_set_plan`` (each set's draft length, packed tokens, budget
+and verified drafts per step, where ``draft_length_per_step`` holds the first set's lengths only);
 ``match_host`` (device rows: fraction of
 requests whose tokens equal the host loop's) and ``match_none`` (fraction equal to mode ``none``'s at the same
 ``n`` and loop; greedy, so every mode should give 1.0 in f32; bf16 near-ties can flip); ``interleaved`` (timed
@@ -356,6 +357,12 @@ def config_steps(args, target, drafter, tokenizer, n: int, mode: str, loops: lis
             "per_set_ms_per_loop_iteration": [1e3 * r.stats["device_time_s"] / r.stats["verify_steps"]
                                               if r.stats.get("device_time_s") and r.stats["verify_steps"] else None
                                               for r in runs],
+            # each set's plan, step by step (``draft_length_per_step`` below is the first set's alone): the draft
+            # length, the packed tokens of the program that ran, the budget and the drafts verified
+            "per_set_plan": [{"draft_length": r.stats.get("draft_length_per_step"),
+                              "verify_tokens": r.stats.get("verify_tokens_per_step"),
+                              "budget": r.stats.get("budget_per_step"),
+                              "verified": r.stats.get("verified_drafts_per_step")} for r in runs],
             "decode_loop_tokens_per_s": _loop_tokens_per_s(runs, n),
             "ms_per_output_token": 1e3 * wall / (out_tokens / n) if out_tokens else None,
             "mean_draft_length": st.get("mean_draft_length"),

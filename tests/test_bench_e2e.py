@@ -14,7 +14,7 @@ ROW_KEYS = {"n", "mode", "loop", "K", "draft_lengths", "output_tokens_per_s", "m
             "draft_length_per_step", "per_position_acceptance", "predicted_per_position_acceptance",
             "calibration_error", "timed_compiles", "startup_s", "host_time_per_step_s", "wall_time_s",
             "match_none", "token_digests", "per_set_wall_s", "per_set_decode_loop_s", "decode_loop_tokens_per_s",
-            "per_set_verify_steps", "per_set_ms_per_loop_iteration"}
+            "per_set_verify_steps", "per_set_ms_per_loop_iteration", "per_set_plan"}
 
 TINY = ["--dtype", "float32", "--requests", "2", "--modes", "none", "fixed2", "adaptive", "--loops", "host",
         "device", "--prompt-len", "32", "--max-new-tokens", "8", "--min-token-bucket", "32",
@@ -57,6 +57,13 @@ def test_sweep_and_calibration_on_cpu(tmp_path, capsys):
             assert set(r["per_set_decode_loop_s"]) == {None} and r["decode_loop_tokens_per_s"] is None
             assert set(r["per_set_ms_per_loop_iteration"]) == {None}
         assert sum(r["per_set_wall_s"]) == pytest.approx(r["wall_time_s"])
+        # each set's plan, one entry per verify step; the first set's lengths are draft_length_per_step
+        assert len(r["per_set_plan"]) == len(r["per_set_verify_steps"])
+        for plan, steps in zip(r["per_set_plan"], r["per_set_verify_steps"]):
+            assert {key: len(v) for key, v in plan.items()} == dict.fromkeys(plan, steps), plan
+            assert all(0 <= v <= b for v, b in zip(plan["verified"], plan["budget"])), plan
+            assert all(t > 0 for t in plan["verify_tokens"]) and set(plan["draft_length"]) <= {0, *r["draft_lengths"]}
+        assert r["per_set_plan"][0]["draft_length"] == r["draft_length_per_step"]
         assert r["K"] == {"none": 0, "fixed2": 2, "adaptive": 7}[r["mode"]]
         if r["mode"] != "none":
             assert r["mean_acceptance_length"] >= 1.0
