@@ -321,10 +321,9 @@ def config_steps(args, target, drafter, tokenizer, n: int, mode: str, loops: lis
         eng.reset_prefix_cache()
         eng.generate(warm_prompts, loop=base, **kw)
         yield
-        if settle:
+        if settle:  # the warm-up call again: the timed sets see the prefix cache the warm-up call left either way
             eng.reset_prefix_cache()
             eng.generate(warm_prompts, loop=base, **kw)
-            eng.reset_prefix_cache()  # the timed sets start from an empty prefix cache either way
             yield
         runs = []
         # interleaved, another mode's timed sets run between these; a compile there would count here too
