@@ -6,6 +6,7 @@ Timing follows the device METHOD: warm up, then the median of many timed replays
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
@@ -15,6 +16,18 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+
+
+def draft_lengths_arg(text: str) -> tuple[int, ...]:
+    """The argparse type of ``--draft-lengths`` (and of ``bench_e2e.py``'s ``adaptive@D1,D2,...`` modes):
+    ``"0,3,7"`` -> ``(0, 3, 7)``, sorted and distinct; ``Engine(draft_lengths=...)`` checks them against K."""
+    try:
+        lengths = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        lengths = ()
+    if not lengths:
+        raise argparse.ArgumentTypeError(f"draft lengths are comma-separated integers such as 0,3,7, got {text!r}")
+    return lengths
 
 
 def device_name() -> str:

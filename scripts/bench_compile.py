@@ -41,6 +41,7 @@ os.environ.setdefault("MINIMAX_JAX_COMPILATION_CACHE", "0")  # every compile a r
 import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from scripts.bench_common import draft_lengths_arg  # noqa: E402
 
 OPTIONS = {
     "default": {},
@@ -89,6 +90,8 @@ def main():
     ap.add_argument("--sampling-loop-buckets", type=int, default=1,
                     help="Engine(device_loop_sampling_token_buckets=...): the sampling loop's sizes per draft length")
     ap.add_argument("--options", nargs="+", default=["default", "parallel"], choices=sorted(OPTIONS))
+    ap.add_argument("--draft-lengths", type=draft_lengths_arg, default=None, metavar="D1,D2,...",
+                    help="Engine(draft_lengths=...) (default: 0,1,3,K): the loops' branches follow them")
     args = ap.parse_args()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
 
@@ -101,12 +104,13 @@ def main():
     eng = Engine(target, drafter, num_speculative_tokens=args.k, verification="adaptive", max_num_seqs=args.slots,
                  max_model_len=args.max_model_len, tokenizer=tokenizer, compilation_cache=False,
                  implementation=args.implementation,
-                 device_loop_sampling_token_buckets=args.sampling_loop_buckets)
+                 device_loop_sampling_token_buckets=args.sampling_loop_buckets, draft_lengths=args.draft_lengths)
     eng._state = eng._init_state()
     from scripts.bench_engine import meta as engine_meta
 
     rows = []
-    meta = {**engine_meta(args), "xla_flags": os.environ.get("XLA_FLAGS", ""), "closed_set": len(eng.step_keys)}
+    meta = {**engine_meta(args), "xla_flags": os.environ.get("XLA_FLAGS", ""), "closed_set": len(eng.step_keys),
+            "draft_lengths": list(eng.draft_lengths)}
 
     def save():
         with open(args.out, "w") as f:
@@ -117,7 +121,7 @@ def main():
         low = eng._lowering(name)()
         row = {"program": str(name), "lower_s": round(time.perf_counter() - t, 3), **module_stats(low.as_text()),
                "compile_s": {}}
-        if name[0] == "loop":  # its lax.switch branches: one whole step per (draft length, token bucket)
+        if isinstance(name, tuple):  # a device loop: its lax.switch branches, a whole step per (length, bucket)
             row["branches"] = sum(len(b) for b in eng._loop_config_of(name[1]).token_buckets)
         exe = None
         for opt in args.options:

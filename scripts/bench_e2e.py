@@ -108,9 +108,11 @@ def mode_settings(mode: str, k: int) -> dict:
     if mode == "adaptive-calibrated":
         return {"verification": "adaptive", "num_speculative_tokens": k, "confidence": "calibrated"}
     if mode.startswith("adaptive@"):
+        from scripts.bench_common import draft_lengths_arg
+
         try:
-            lengths = tuple(sorted({int(x) for x in mode[len("adaptive@"):].split(",")}))
-        except ValueError:
+            lengths = draft_lengths_arg(mode[len("adaptive@"):])
+        except argparse.ArgumentTypeError:
             lengths = ()
         if not lengths or not all(0 <= d <= k for d in lengths):
             raise ValueError(f"mode {mode!r}: adaptive@D1,D2,... takes draft lengths in [0, K={k}]")

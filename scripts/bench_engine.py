@@ -41,6 +41,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from scripts.bench_common import draft_lengths_arg  # noqa: E402
 from scripts.workloads import heldout_windows  # noqa: E402
 
 
@@ -57,7 +58,7 @@ def meta(args) -> dict:
 
 
 def startup_once(n: int, dtype_name: str, k: int, max_model_len: int, profile_to: str | None = None,
-                 sampling_loop_buckets: int = 1) -> dict:
+                 sampling_loop_buckets: int = 1, draft_lengths: tuple[int, ...] | None = None) -> dict:
     """Construction + warm-up of one engine (run inside a fresh process); with ``profile_to``, under cProfile,
     the 40 functions of largest cumulative time written to that file."""
     from spec_decode import Engine
@@ -73,7 +74,7 @@ def startup_once(n: int, dtype_name: str, k: int, max_model_len: int, profile_to
     t0 = time.perf_counter()
     eng = Engine(target, drafter, num_speculative_tokens=k, verification="adaptive", max_num_seqs=n,
                  max_model_len=max_model_len, tokenizer=tokenizer, precompile=True,
-                 device_loop_sampling_token_buckets=sampling_loop_buckets)
+                 device_loop_sampling_token_buckets=sampling_loop_buckets, draft_lengths=draft_lengths)
     total = time.perf_counter() - t0
     if prof is not None:
         import io
@@ -99,7 +100,8 @@ def startup_once(n: int, dtype_name: str, k: int, max_model_len: int, profile_to
                      "tokens_digest": hashlib.sha256(json.dumps([r.token_ids for r in res]).encode()).hexdigest()[:16]}
     # warm-up's parts: tracing + lowering (one thread), XLA compilation or cache loads (a thread pool), and the
     # rest (the cost table, profiled or loaded); construction is the remainder of startup_s
-    return {"slots": n, "startup_s": total, "programs": rep.programs, "compiled": rep.compiled,
+    return {"slots": n, "startup_s": total, "draft_lengths": list(eng.draft_lengths), "programs": rep.programs,
+            "compiled": rep.compiled,
             "warmup_s": rep.seconds, "lower_s": rep.lower_seconds, "compile_s": rep.compile_seconds,
             "warmup_other_s": rep.seconds - rep.lower_seconds - rep.compile_seconds - rep.load_seconds,
             "loaded": rep.loaded, "load_s": rep.load_seconds, "slowest_compiles": rep.slowest,
@@ -117,6 +119,8 @@ def run_startup(args, out_rows: list) -> None:
                 cmd = [sys.executable, os.path.abspath(__file__), "--out", args.out, "--startup-child", str(n),
                        "--dtype", args.dtype, "--k", str(args.k), "--max-model-len", str(args.max_model_len),
                        "--sampling-loop-buckets", str(args.sampling_loop_buckets)]
+                if args.draft_lengths:
+                    cmd += ["--draft-lengths", ",".join(map(str, args.draft_lengths))]
                 if args.startup_profile and phase == "warm":  # (cProfile would slow the cold tracing too)
                     cmd += ["--startup-profile-to", os.path.join(args.out, f"startup_profile_{n}_{phase}.txt")]
                 proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -140,7 +144,8 @@ def run_throughput(args, target, drafter, tokenizer, out_rows: list, save) -> No
             t0 = time.perf_counter()
             eng = Engine(target, drafter, num_speculative_tokens=args.k, verification=mode, max_num_seqs=n,
                          max_model_len=args.max_model_len, tokenizer=tokenizer,
-                         async_scheduling=not args.sync, precompile=True)
+                         async_scheduling=not args.sync, precompile=True,
+                         draft_lengths=args.draft_lengths if mode == "adaptive" else None)
             startup = time.perf_counter() - t0
             warm_prompts = heldout_windows(tokenizer, n, args.prompt_len, offset=0, bos=bos)
             timed_prompts = heldout_windows(tokenizer, n, args.prompt_len, offset=n, bos=bos)
@@ -160,7 +165,7 @@ def run_throughput(args, target, drafter, tokenizer, out_rows: list, save) -> No
                        "host_ms_per_step": 1e3 * st["host_time_per_step_s"],
                        "mean_acceptance_length": st["mean_acceptance_length"],
                        "mean_verified_drafts_per_step": st["mean_verified_drafts_per_step"],
-                       "timed_compiles": len(compiled), "async": not args.sync,
+                       "timed_compiles": len(compiled), "async": not args.sync, "draft_lengths": list(eng.draft_lengths),
                        **{key: v for key, v in st.items() if key.startswith("host_") and key.endswith("_per_step")}}
                 if loop != "host" and "host" in tokens:
                     row["match"] = float(np.mean([a == b for a, b in zip(tokens["host"], tokens[loop])]))
@@ -178,7 +183,8 @@ def run_prefix(args, target, drafter, tokenizer, out_rows: list, save) -> None:
         # prefill only: the host loop runs it, so the device loop is left out of the warm-up
         eng = Engine(target, drafter, num_speculative_tokens=args.k, verification="adaptive", max_num_seqs=n,
                      max_model_len=length + 32, tokenizer=tokenizer, enable_prefix_caching=cache_on,
-                     max_num_batched_tokens=chunk, device_loop=False, precompile=True)
+                     max_num_batched_tokens=chunk, device_loop=False, precompile=True,
+                     draft_lengths=args.draft_lengths)
         warm = heldout_windows(tokenizer, n, length, offset=0, shared_prefix=shared, prefix_index=0,
                                bos=tokenizer.bos_token_id)
         eng.generate(warm, max_new_tokens=1, progress=False)
@@ -229,12 +235,15 @@ def main():
     ap.add_argument("--sampling-loop-buckets", type=int, default=1,
                     help="start-up: Engine(device_loop_sampling_token_buckets=...), the sampling loop's verify sizes "
                          "per draft length (4: the greedy loop's, as before 2026-12-05)")
+    ap.add_argument("--draft-lengths", type=draft_lengths_arg, default=None, metavar="D1,D2,...",
+                    help="the adaptive engines' draft lengths (Engine(draft_lengths=...); default: 0,1,3,K), "
+                         "e.g. 0,3,7")
     ap.add_argument("--startup-child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--startup-profile-to", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.startup_child is not None:
         print(json.dumps(startup_once(args.startup_child, args.dtype, args.k, args.max_model_len,
-                                      args.startup_profile_to, args.sampling_loop_buckets)))
+                                      args.startup_profile_to, args.sampling_loop_buckets, args.draft_lengths)))
         return
     os.makedirs(args.out, exist_ok=True)
     rows: list = []

@@ -23,3 +23,22 @@ def test_pallas_calls_are_counted_and_told_apart():
                       "    %10 = stablehlo.add %9, %9 : tensor<8xf32>"])
     stats = bench_compile.module_stats(text)
     assert stats["triton_calls"] == 3 and stats["triton_distinct"] == 2 and stats["module_chars"] == len(text)
+
+
+def test_draft_lengths_are_parsed_sorted_and_distinct():
+    """``--draft-lengths`` of the start-up and compile benches (and ``bench_e2e.py``'s ``adaptive@...`` modes)."""
+    import argparse
+
+    from scripts.bench_common import draft_lengths_arg
+    from scripts.bench_e2e import mode_settings
+
+    assert draft_lengths_arg("0,3,7") == (0, 3, 7)
+    assert draft_lengths_arg("7, 3,3,") == (3, 7)
+    for bad in ("", ",", "3,x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="comma-separated integers"):
+            draft_lengths_arg(bad)
+    assert mode_settings("adaptive@3,0", 7)["draft_lengths"] == (0, 3)
+    with pytest.raises(ValueError, match="draft lengths in"):
+        mode_settings("adaptive@3,9", 7)
+    with pytest.raises(ValueError, match="draft lengths in"):
+        mode_settings("adaptive@x", 7)
