@@ -2,7 +2,7 @@
 sets of XLA options, and what its module holds.
 
     PYTHONPATH=. python3 scripts/bench_compile.py --out DIR [--slots 256] [--programs loop step-top step-small]
-        [--options default parallel] [--implementation auto]
+        [--options default parallel] [--implementation auto] [--draft-lengths 0,3,7]
 
 The engine is the adaptive K = 7 default at ``--slots`` slots (bf16), with the compilation cache and the executable
 store off, so every compile is a real one. Each selected program is lowered once (``lower_s``: tracing and

@@ -16,7 +16,9 @@ Each row splits the warm-up into tracing + lowering (``lower_s``), compilation o
 and the rest (``warmup_other_s``: the cost table). Each process then generates once on prompts the warm-up never
 saw, in both loops (``generate``: seconds, compilations counted by JAX's events, and a digest of the tokens, which
 must be the same cold and warm). ``XLA_FLAGS`` from the environment reach both processes and are recorded.
-``--startup-profile`` adds a cProfile listing of the warm start-up.
+``--startup-profile`` adds a cProfile listing of the warm start-up. ``--draft-lengths 0,3,7`` builds every
+adaptive engine (start-up, throughput, prefix caching) with those draft lengths instead of the default ``0, 1, 3,
+K``; rows record the lengths.
 
 **Prefix caching** (``--prefix``): 550-token prompts whose first 200 tokens are shared, one new token each (so
 the call is prefill), with the cache on and off: prefill seconds per request, at each chunk size of
@@ -101,8 +103,7 @@ def startup_once(n: int, dtype_name: str, k: int, max_model_len: int, profile_to
     # warm-up's parts: tracing + lowering (one thread), XLA compilation or cache loads (a thread pool), and the
     # rest (the cost table, profiled or loaded); construction is the remainder of startup_s
     return {"slots": n, "startup_s": total, "draft_lengths": list(eng.draft_lengths), "programs": rep.programs,
-            "compiled": rep.compiled,
-            "warmup_s": rep.seconds, "lower_s": rep.lower_seconds, "compile_s": rep.compile_seconds,
+            "compiled": rep.compiled, "warmup_s": rep.seconds, "lower_s": rep.lower_seconds, "compile_s": rep.compile_seconds,
             "warmup_other_s": rep.seconds - rep.lower_seconds - rep.compile_seconds - rep.load_seconds,
             "loaded": rep.loaded, "load_s": rep.load_seconds, "slowest_compiles": rep.slowest,
             "generate": gen, "xla_flags": os.environ.get("XLA_FLAGS", "")}
@@ -165,7 +166,8 @@ def run_throughput(args, target, drafter, tokenizer, out_rows: list, save) -> No
                        "host_ms_per_step": 1e3 * st["host_time_per_step_s"],
                        "mean_acceptance_length": st["mean_acceptance_length"],
                        "mean_verified_drafts_per_step": st["mean_verified_drafts_per_step"],
-                       "timed_compiles": len(compiled), "async": not args.sync, "draft_lengths": list(eng.draft_lengths),
+                       "timed_compiles": len(compiled), "async": not args.sync,
+                       "draft_lengths": list(eng.draft_lengths),
                        **{key: v for key, v in st.items() if key.startswith("host_") and key.endswith("_per_step")}}
                 if loop != "host" and "host" in tokens:
                     row["match"] = float(np.mean([a == b for a, b in zip(tokens["host"], tokens[loop])]))
