@@ -93,6 +93,8 @@ def main():
     ap.add_argument("--draft-lengths", type=draft_lengths_arg, default=None, metavar="D1,D2,...",
                     help="Engine(draft_lengths=...) (default: 0,1,3,K): the loops' branches follow them")
     args = ap.parse_args()
+    if args.draft_lengths and args.draft_lengths[-1] > args.k:
+        ap.error(f"--draft-lengths {args.draft_lengths} must lie in [0, K={args.k}] (--k)")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
 
     from jax.experimental import serialize_executable

@@ -243,6 +243,8 @@ def main():
     ap.add_argument("--startup-child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--startup-profile-to", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.draft_lengths and args.draft_lengths[-1] > args.k:
+        ap.error(f"--draft-lengths {args.draft_lengths} must lie in [0, K={args.k}] (--k)")
     if args.startup_child is not None:
         print(json.dumps(startup_once(args.startup_child, args.dtype, args.k, args.max_model_len,
                                       args.startup_profile_to, args.sampling_loop_buckets, args.draft_lengths)))
