@@ -20,13 +20,13 @@ import jax.numpy as jnp
 
 def draft_lengths_arg(text: str) -> tuple[int, ...]:
     """The argparse type of ``--draft-lengths`` (and of ``bench_e2e.py``'s ``adaptive@D1,D2,...`` modes):
-    ``"0,3,7"`` -> ``(0, 3, 7)``, sorted and distinct; ``Engine(draft_lengths=...)`` checks them against K."""
+    ``"0,3,7"`` -> ``(0, 3, 7)``, sorted and distinct, none negative; the caller checks them against K."""
     try:
         lengths = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
     except ValueError:
         lengths = ()
-    if not lengths:
-        raise argparse.ArgumentTypeError(f"draft lengths are comma-separated integers such as 0,3,7, got {text!r}")
+    if not lengths or lengths[0] < 0:
+        raise argparse.ArgumentTypeError(f"draft lengths are comma-separated integers >= 0 such as 0,3,7, got {text!r}")
     return lengths
 
 

@@ -103,7 +103,8 @@ def startup_once(n: int, dtype_name: str, k: int, max_model_len: int, profile_to
     # warm-up's parts: tracing + lowering (one thread), XLA compilation or cache loads (a thread pool), and the
     # rest (the cost table, profiled or loaded); construction is the remainder of startup_s
     return {"slots": n, "startup_s": total, "draft_lengths": list(eng.draft_lengths), "programs": rep.programs,
-            "compiled": rep.compiled, "warmup_s": rep.seconds, "lower_s": rep.lower_seconds, "compile_s": rep.compile_seconds,
+            "compiled": rep.compiled, "warmup_s": rep.seconds, "lower_s": rep.lower_seconds,
+            "compile_s": rep.compile_seconds,
             "warmup_other_s": rep.seconds - rep.lower_seconds - rep.compile_seconds - rep.load_seconds,
             "loaded": rep.loaded, "load_s": rep.load_seconds, "slowest_compiles": rep.slowest,
             "generate": gen, "xla_flags": os.environ.get("XLA_FLAGS", "")}

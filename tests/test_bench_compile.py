@@ -34,7 +34,7 @@ def test_draft_lengths_are_parsed_sorted_and_distinct():
 
     assert draft_lengths_arg("0,3,7") == (0, 3, 7)
     assert draft_lengths_arg("7, 3,3,") == (3, 7)
-    for bad in ("", ",", "3,x"):
+    for bad in ("", ",", "3,x", "-1,3"):
         with pytest.raises(argparse.ArgumentTypeError, match="comma-separated integers"):
             draft_lengths_arg(bad)
     assert mode_settings("adaptive@3,0", 7)["draft_lengths"] == (0, 3)
