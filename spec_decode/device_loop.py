@@ -322,8 +322,8 @@ def make_loop_fn(target, drafter, config: LoopConfig):
 
         def branch(fn, t: int, d: int, below: int):
             def run(c: _Carry, planned):
-                # the first epoch of a call is one step: its plan read the confidences the call started with (a
-                # fresh slot's are 1.0)
+                # the first epoch of a call is one step: its plan read the confidences the call started with
+                # (those the slots got when their prefill finished, not yet their own drafts')
                 steps = jnp.where(c.step == 0, 1, interval)
                 c = iteration(c, fn, t, d, planned)  # the epoch's first step (cond held when it was planned)
                 if interval == 1:

@@ -59,7 +59,7 @@ from spec_decode.device_loop import add_row_stats
 from spec_decode.logprobs import token_logprobs
 from spec_decode.page_pool import OutOfPagesError, PagePool
 from spec_decode.request import Request, RequestStatus
-from spec_decode.step import StepOutput, StepPlan
+from spec_decode.step import StepOutput, StepPlan, fold_fresh_confidences
 
 __all__ = ["Request", "RequestStatus", "ScheduledBurst", "ScheduledStep", "Scheduler"]
 
@@ -114,7 +114,7 @@ class Scheduler:
 
     def __init__(self, *, num_slots: int, pool: PagePool, planner, max_model_len: int, num_speculative_tokens: int,
                  max_num_batched_tokens: int, token_buckets: dict[int, tuple[int, ...]],
-                 max_total_logit_rows: int, num_stop_ids: int):
+                 max_total_logit_rows: int, num_stop_ids: int, fresh_confidences=None):
         self.num_slots = num_slots
         self.pool = pool
         self.planner = planner
@@ -133,6 +133,14 @@ class Scheduler:
         self.prefill_tokens_computed = 0
         self.prefix_tokens_reused = 0
         self.stale_conf = np.ones((num_slots, max(self.k, 1)), np.float32)
+        # what a slot starts at once its prefill is done: the decayed mean of recent decode rows' confidences,
+        # mirrored from each step's read-back (the device's DecodeState.fresh_confidences / fresh_weight, which
+        # ``fresh_confidences`` passes in: the pair)
+        self.fresh_conf = np.ones(max(self.k, 1), np.float32)
+        self.fresh_weight = np.float32(0.0)
+        if fresh_confidences is not None:
+            self.fresh_conf[:] = np.asarray(fresh_confidences[0], np.float32)
+            self.fresh_weight = np.float32(fresh_confidences[1])
         self._inflight: dict[int, collections.deque[_InFlight]] = {}  # request index -> its steps in flight
         self._bounds: dict[int, list[int]] = {}
 
@@ -559,7 +567,7 @@ class Scheduler:
         tokens = out.tokens.tolist()
         if out.logprobs is not None:
             self._commit_logprobs(step, out)
-        conf_rows, conf_slots = [], []
+        conf_rows, conf_slots, prefilled_slots = [], [], []
         predicted: list[tuple[Request, int, int]] = []  # (request, row, verified drafts)
         for i, req in enumerate(step.row_requests):
             if req is None:
@@ -572,7 +580,7 @@ class Scheduler:
             new = tokens[i][:n_emit]
             if pre_len[i]:
                 if pre_last[i] and holds_slot:
-                    self.stale_conf[req.slot] = 1.0
+                    prefilled_slots.append(req.slot)
             elif n_emit:
                 acc, ver = accepted[i], verified[i]
                 req.target_steps += 1
@@ -593,6 +601,9 @@ class Scheduler:
             self._emit(req, new, bool(finished[i]), events)
         if conf_rows:
             self.stale_conf[conf_slots] = out.confidences[conf_rows, :k]
+            self._fold_fresh(out.confidences[conf_rows, :k])
+        if prefilled_slots:
+            self.stale_conf[prefilled_slots] = self.fresh_conf
         if predicted:  # the survival the allocator ranked by: its prediction that the first j+1 are accepted
             survival = np.cumprod(np.clip(out.confidences[[i for _, i, _ in predicted], :k], 0.0, 1.0),
                                   axis=1).tolist()
@@ -608,6 +619,7 @@ class Scheduler:
         requests are freed."""
         events = []
         k = self.k
+        decoded = []
         for req in burst.requests:
             self._pop(req)
             if req.status is RequestStatus.FINISHED:
@@ -619,8 +631,18 @@ class Scheduler:
             req.num_cached += n  # every decode step caches its anchor and accepted drafts: what it emits
             if k:
                 self.stale_conf[s] = out.confidences[s, :k]
+                if n:
+                    decoded.append(s)
             self._emit(req, new, bool(out.finished[s]), events)
+        if decoded:  # (the device folded each of the launch's steps; the host sees the last confidences only)
+            self._fold_fresh(out.confidences[decoded, :k])
         return events
+
+    def _fold_fresh(self, conf: np.ndarray) -> None:
+        """Fold decode rows' confidences ``[rows, K]`` into the start of the next slot to finish its prefill."""
+        fresh, weight = fold_fresh_confidences(self.fresh_conf, self.fresh_weight, conf.sum(axis=0, dtype=np.float32),
+                                               np.float32(len(conf)), xp=np)
+        self.fresh_conf, self.fresh_weight = fresh.astype(np.float32), np.float32(weight)
 
     def _emit(self, req: Request, new: list[int], finished: bool, events: list) -> None:
         """Append a row's emitted tokens to its request (cut after a completed stop string), add the

@@ -108,7 +108,12 @@ class DecodeState:
 
     ``num_cached[s]`` tokens of slot ``s`` are in the target cache (and in the drafter's context); the slot's last
     emitted token ``last_token[s]`` is the next anchor, at position ``num_cached[s]``. ``prev_confidences`` are the
-    confidences of the slot's latest drafts (1.0 for a fresh slot): what the next budget is planned from.
+    confidences of the slot's latest drafts: what the next budget is planned from. A slot whose prefill just
+    finished has drafted nothing yet; it starts at ``fresh_confidences``, the mean confidences of the decode rows
+    of recent steps, each step weighted by its rows and by ``FRESH_DECAY`` per decoding step since (1.0 before any
+    step has decoded; ``fresh_weight`` is the decayed row count), so a new request competes for the budget at the
+    rate the running requests survive instead of outranking them all (docs/ADAPTIVE_VERIFICATION.md, "The first
+    plan of a request").
     ``num_emitted[s]`` counts the tokens the slot's request has emitted (those before a preemption included) and
     ``done[s]`` says it has finished: the device holds the truth, so the host can plan a step before it has read
     the previous one back (async scheduling); a decode row whose slot is done is a padding row.
@@ -122,6 +127,8 @@ class DecodeState:
     num_cached: jax.Array  # int32[N]
     last_token: jax.Array  # int32[N]
     prev_confidences: jax.Array  # f32[N, K]
+    fresh_confidences: jax.Array  # f32[K]  what a slot starts at after its prefill (see above)
+    fresh_weight: jax.Array  # f32[]      the decayed count of decode rows behind it
     estimator: EstimatorState | None
     num_emitted: jax.Array  # int32[N]
     done: jax.Array  # bool[N]
@@ -191,7 +198,8 @@ class StepOutput:
 def init_state(target, drafter, *, num_slots: int, num_pages: int, max_model_len: int, num_speculative_tokens: int,
                use_estimator: bool, cache_dtype=None, confidence: str = "head", penalties: bool = False
                ) -> DecodeState:
-    """A fresh :class:`DecodeState`: empty caches, every slot empty (confidences 1.0).
+    """A fresh :class:`DecodeState`: empty caches, every slot empty (confidences 1.0, and 1.0 for a slot's start
+    until a step has decoded).
 
     ``use_estimator`` (or ``confidence="calibrated"``) keeps an online estimator in the state; for
     ``"calibrated"`` it starts as the identity on the head's confidences (slope 1, intercepts 0). ``penalties``
@@ -213,6 +221,8 @@ def init_state(target, drafter, *, num_slots: int, num_pages: int, max_model_len
         num_cached=jnp.zeros((num_slots,), jnp.int32),
         last_token=jnp.zeros((num_slots,), jnp.int32),
         prev_confidences=jnp.ones((num_slots, max(k, 1)), jnp.float32),
+        fresh_confidences=jnp.ones((max(k, 1),), jnp.float32),
+        fresh_weight=jnp.zeros((), jnp.float32),
         # distinct buffers for every leaf: the state is donated, and one buffer may not be donated twice
         estimator=(jax.tree.map(jnp.copy, init_estimator(k, **_ESTIMATOR_INIT[confidence]))
                    if (use_estimator or confidence == "calibrated") and k > 0 else None),
@@ -220,6 +230,20 @@ def init_state(target, drafter, *, num_slots: int, num_pages: int, max_model_len
         done=jnp.zeros((num_slots,), bool),
         **(dict(zip(("token_counts", "prompt_mask"), init_history(num_slots, cfg.vocab_size))) if penalties else {}),
     )
+
+
+FRESH_DECAY = 0.9  # per decoding step: the weight of an earlier step's rows in ``fresh_confidences``
+
+
+def fold_fresh_confidences(fresh, weight, conf_sum, rows, xp=jnp):
+    """``(fresh_confidences, fresh_weight)`` after a step whose ``rows`` decode rows' confidences sum to
+    ``conf_sum`` (per position): the row-weighted mean with every earlier step's weight decayed by
+    ``FRESH_DECAY``. A step without decode rows changes nothing. ``xp``: ``jnp`` (the step) or ``numpy`` (the
+    host's mirror, :class:`spec_decode.scheduler.Scheduler`)."""
+    kept = weight * FRESH_DECAY
+    new_weight = kept + rows
+    mean = (fresh * kept + conf_sum) / xp.maximum(new_weight, 1e-30)
+    return xp.where(rows > 0, mean, fresh), xp.where(rows > 0, new_weight, weight)
 
 
 # the estimator's start: its own defaults on draft features; the identity when recalibrating the head's confidences
@@ -477,7 +501,14 @@ def make_step_fn(target, drafter, config: StepConfig):
             if k > 0:
                 # positions past K_d were not drafted: they keep their last confidences (the next plan's input)
                 conf = jnp.concatenate([conf, state.prev_confidences[slot, kd:k]], axis=1)
-                prev_conf = jnp.where(is_decode[:, None], conf, 1.0)  # a row that just prefilled starts at 1.0
+                # a row that just prefilled starts at the running requests' mean (this step's committed decode
+                # rows folded into the decayed mean of earlier steps'), never at anything of its own drafts
+                decoded = commit & is_decode
+                fresh, weight = fold_fresh_confidences(state.fresh_confidences, state.fresh_weight,
+                                                       jnp.sum(jnp.where(decoded[:, None], conf, 0.0), axis=0),
+                                                       jnp.sum(decoded).astype(jnp.float32))
+                new_state.update(fresh_confidences=fresh, fresh_weight=weight)
+                prev_conf = jnp.where(is_decode[:, None], conf, fresh[None, :])
                 new_state["prev_confidences"] = _scatter(state.prev_confidences, slot, prev_conf,
                                                          commit & (is_decode | (is_prefill & plan.prefill_last)))
                 # drafter context: the anchor and accepted drafts of decode rows, the whole chunk of prefill rows

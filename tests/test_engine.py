@@ -13,7 +13,7 @@ from minimax_jax import DSparkDrafter, init_drafter
 from minimax_jax.drafter_config import DSparkConfig
 from spec_decode import Engine, SamplingParams
 from spec_decode.cost_table import CostTable
-from spec_decode.step import StepConfig, StepPlan, init_state, make_step_fn
+from spec_decode.step import FRESH_DECAY, StepConfig, StepPlan, init_state, make_step_fn
 from tests.engine_models import (
     EOS,
     VOCAB,
@@ -147,6 +147,59 @@ def test_prefill_only_steps_draft_nothing(target, drafters, prompts, references)
     prefill_only = [d for d, dec, pre in launched if dec == 0 and pre > 0]
     assert prefill_only and set(prefill_only) == {0}, launched
     assert {d for d, dec, _ in launched if dec > 0} == {7}, launched
+
+
+def test_a_request_starts_at_the_running_requests_confidences(target, drafters, prompts, references):
+    """A slot whose prefill just finished starts at ``fresh_confidences``: the committed decode rows'
+    confidences, row-weighted, with earlier steps decayed by FRESH_DECAY (1.0 before any step has decoded), not at
+    1.0, which would rank a new request's drafts above every running request's. Requests join while others decode
+    (5 prompts, 2 slots); the host's mirror agrees with the device at every step."""
+    eng = engine_for(target, drafters[7], "adaptive", 7)
+    eng._state = eng._init_state()  # a fresh state (no step has decoded yet), so no cached prefix either
+    eng.pool.clear_cache()
+    seen, scheds = [], []
+    launch, scheduler = eng._launch, eng._scheduler
+
+    def spy(step, packed=None):
+        st = eng._state
+        before = (np.asarray(st.fresh_confidences), float(st.fresh_weight))
+        out = launch(step, packed)
+        st = eng._state
+        seen.append((step.plan, before, jax.tree.map(np.asarray, out), np.asarray(st.fresh_confidences),
+                     np.asarray(st.prev_confidences), float(st.fresh_weight)))
+        return out
+
+    eng._launch = spy
+    eng._scheduler = lambda: scheds.append(scheduler()) or scheds[-1]
+    try:
+        res = eng.generate(prompts, sampling_params=greedy_params(MAX_NEW), progress=False)
+    finally:
+        del eng._launch, eng._scheduler
+    assert [r.token_ids for r in res] == references
+    joined_late = 0
+    for plan, (fresh, weight), out, after, prev, after_weight in seen:
+        rows, pre = np.asarray(plan.rows), np.asarray(plan.prefill_len)
+        decoded = (rows >= 0) & (pre == 0) & (out.num_emitted > 0) & bool(plan.commit)
+        n = decoded.sum()
+        if n:  # an independent fold: the decayed weight of earlier steps' rows, then this step's
+            kept = weight * FRESH_DECAY
+            want, want_weight = (fresh * kept + out.confidences[decoded].sum(0)) / (kept + n), kept + n
+        else:
+            want, want_weight = fresh, weight
+        np.testing.assert_allclose(after, want, rtol=1e-5)
+        assert after_weight == pytest.approx(want_weight, rel=1e-6)
+        for i in np.flatnonzero((rows >= 0) & (pre > 0) & np.asarray(plan.prefill_last)):
+            np.testing.assert_array_equal(prev[rows[i]], after)
+            joined_late += bool(n)
+    assert (seen[0][1][0] == 1.0).all() and seen[0][1][1] == 0.0
+    assert joined_late >= 1 and all((0.0 <= s[3]).all() and (s[3] <= 1.0).all() for s in seen)
+    assert any((s[3] < 1.0).any() for s in seen)
+    # the host's mirror (what the host loop plans from), folded from the read-backs, ends where the device did;
+    # the next call's scheduler starts from the device's
+    (host,) = scheds
+    np.testing.assert_allclose(host.fresh_conf, seen[-1][3], rtol=1e-5)
+    assert host.fresh_weight == pytest.approx(seen[-1][5], rel=1e-6)
+    assert eng._scheduler().fresh_weight == pytest.approx(seen[-1][5], rel=1e-6)
 
 
 def test_no_recompilation_after_warm_up(target, drafters, prompts):
