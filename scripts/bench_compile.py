@@ -91,7 +91,7 @@ def main():
                     help="Engine(device_loop_sampling_token_buckets=...): the sampling loop's sizes per draft length")
     ap.add_argument("--options", nargs="+", default=["default", "parallel"], choices=sorted(OPTIONS))
     ap.add_argument("--draft-lengths", type=draft_lengths_arg, default=None, metavar="D1,D2,...",
-                    help="Engine(draft_lengths=...) (default: 0,1,3,K): the loops' branches follow them")
+                    help="Engine(draft_lengths=...) (default: 0,3,K): the loops' branches follow them")
     args = ap.parse_args()
     if args.draft_lengths and args.draft_lengths[-1] > args.k:
         ap.error(f"--draft-lengths {args.draft_lengths} must lie in [0, K={args.k}] (--k)")

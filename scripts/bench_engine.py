@@ -16,8 +16,8 @@ Each row splits the warm-up into tracing + lowering (``lower_s``), compilation o
 and the rest (``warmup_other_s``: the cost table). Each process then generates once on prompts the warm-up never
 saw, in both loops (``generate``: seconds, compilations counted by JAX's events, and a digest of the tokens, which
 must be the same cold and warm). ``XLA_FLAGS`` from the environment reach both processes and are recorded.
-``--startup-profile`` adds a cProfile listing of the warm start-up. ``--draft-lengths 0,3,7`` builds every
-adaptive engine (start-up, throughput, prefix caching) with those draft lengths instead of the default ``0, 1, 3,
+``--startup-profile`` adds a cProfile listing of the warm start-up. ``--draft-lengths 0,1,3,7`` builds every
+adaptive engine (start-up, throughput, prefix caching) with those draft lengths instead of the default ``0, 3,
 K``; rows record the lengths.
 
 **Prefix caching** (``--prefix``): 550-token prompts whose first 200 tokens are shared, one new token each (so
@@ -239,7 +239,7 @@ def main():
                     help="start-up: Engine(device_loop_sampling_token_buckets=...), the sampling loop's verify sizes "
                          "per draft length (4: the greedy loop's, as before 2026-12-05)")
     ap.add_argument("--draft-lengths", type=draft_lengths_arg, default=None, metavar="D1,D2,...",
-                    help="the adaptive engines' draft lengths (Engine(draft_lengths=...); default: 0,1,3,K), "
+                    help="the adaptive engines' draft lengths (Engine(draft_lengths=...); default: 0,3,K), "
                          "e.g. 0,3,7")
     ap.add_argument("--startup-child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--startup-profile-to", default=None, help=argparse.SUPPRESS)

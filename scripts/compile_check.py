@@ -333,13 +333,14 @@ def _draft_attention_window_call(batch: Batch) -> KernelCall | None:
 
 def _plan_ranking_call(batch: Batch) -> KernelCall | None:
     """The adaptive planner's ranking pass (the device loop plans every iteration): one row per request, K = 7,
-    the default draft lengths (0, 1, 3, 7), four verify sizes per length."""
+    the default draft lengths (0, 3, 7 since session 31), four verify sizes per length."""
     from pallas_kernels.plan_ranking import ranked_plan_curves
+    from spec_decode.buckets import default_draft_lengths
 
     if batch.kind != "decode":  # one row per request whatever its tokens: the decode batches give every size
         return None
     s, r, k = jax.ShapeDtypeStruct, batch.requests, DRAFT_BLOCK
-    lengths = (0, 1, 3, k)
+    lengths = default_draft_lengths(k)
     sizes = tuple(tuple(max(8, r * (1 + d) - i * r) for i in range(3, -1, -1)) for d in lengths)
     sizes = tuple(tuple(sorted(set(b))) for b in sizes)
     width = max(len(b) for b in sizes)

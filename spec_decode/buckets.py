@@ -14,7 +14,7 @@ compiles the whole list before the first request (``docs/ENGINE.md``, "The close
 * **sampling**: a greedy program (the argmax rule alone) and a sampling program (every row: greedy rows stay
   greedy, top-k / top-p applied) for each token bucket. A step samples when any of its rows has a temperature.
 * **draft length** ``K_d``: the positions each row drafts, one of the engine's ``draft_lengths`` (adaptive
-  verification with a profiled cost table: ``0, 1, 3, K`` by default; otherwise ``K`` alone). The longest length
+  verification with a profiled cost table: ``0, 3, K`` by default; otherwise ``K`` alone). The longest length
   has every token bucket. A shorter one serves decode steps only (no prefill chunk rides along) at the
   ``length_buckets`` (2; ``Engine(draft_length_buckets=...)``) largest buckets up to the one holding every
   slot's ``1 + K_d`` tokens: a plan that drafts less is for steps where many slots decode, and the smaller
@@ -65,9 +65,14 @@ class StepKey:
 
 
 def default_draft_lengths(num_speculative_tokens: int) -> tuple[int, ...]:
-    """The draft lengths an adaptive engine compiles by default: ``0, 1, 3`` and ``K`` (those ``<= K``)."""
+    """The draft lengths an adaptive engine compiles by default: ``0, 3`` and ``K`` (those ``<= K``).
+
+    Length 1 was a default until session 31: the plan chose it in at most 4% of steps at any concurrency, yet it
+    was 2 of the greedy device loop's 10 branches. Without it the loops compile and load faster, and at 64
+    requests on an H100 the loop was no slower in any timed set (docs/ADAPTIVE_VERIFICATION.md, "The planner's
+    cost in the device loop", sessions 30-31)."""
     k = int(num_speculative_tokens)
-    return tuple(sorted({d for d in (0, 1, 3) if d < k} | {k}))
+    return tuple(sorted({d for d in (0, 3) if d < k} | {k}))
 
 
 def token_buckets(*, max_num_seqs: int, num_speculative_tokens: int, max_num_batched_tokens: int,

@@ -133,7 +133,7 @@ class Engine:
         of the closed set is timed at warm-up, unless an engine of this process or the cache on disk has a table
         for the same settings), a :class:`CostTable`, or ``None`` (flat: verify everything).
       draft_lengths: the draft lengths ``K_d`` adaptive verification chooses from each step (each one a set of
-        programs of the closed set): default ``(0, 1, 3, K)`` with a profiled table, the table's own lengths
+        programs of the closed set): default ``(0, 3, K)`` with a profiled table, the table's own lengths
         with a given one, else ``(K,)``; ``(K,)`` holds the draft length at K (only the verified count adapts).
         Fixed and none verification draft K (none: 0) always.
       confidence: where adaptive confidences come from: ``"head"`` (the drafter's confidence head after STS),

@@ -323,7 +323,7 @@ def test_a_profiled_cost_table_is_kept_and_loaded_by_the_next_engine(target, dra
     monkeypatch.setattr(Engine, "_profile_host_steps", lambda self, bar: calls.append(self) or 0)
     second = Engine(target, drafter, **kw)
     assert calls == [] and second.cost_table.verify_seconds == first.cost_table.verify_seconds
-    assert second.cost_table.draft_lengths == first.cost_table.draft_lengths == (0, 1, 3)
+    assert second.cost_table.draft_lengths == first.cost_table.draft_lengths == (0, 3)
     assert second.cost_table.draft_length_seconds == first.cost_table.draft_length_seconds
     other = Engine(target, drafter, **{**kw, "max_num_seqs": 2})
     assert calls == [other]  # another key: profiled (here: the patched profiler)
