@@ -30,6 +30,12 @@ def draft_lengths_arg(text: str) -> tuple[int, ...]:
     return lengths
 
 
+def refuse_lengths_above_k(ap: argparse.ArgumentParser, lengths: tuple[int, ...] | None, k: int) -> None:
+    """``ap.error`` (exit 2, before any model loads) when ``--draft-lengths`` has a length above ``--k``."""
+    if lengths and lengths[-1] > k:
+        ap.error(f"--draft-lengths {lengths} must lie in [0, K={k}] (--k)")
+
+
 def device_name() -> str:
     d = jax.devices()[0]
     return f"{d.platform}:{getattr(d, 'device_kind', '?')}"

@@ -41,7 +41,7 @@ os.environ.setdefault("MINIMAX_JAX_COMPILATION_CACHE", "0")  # every compile a r
 import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from scripts.bench_common import draft_lengths_arg  # noqa: E402
+from scripts.bench_common import draft_lengths_arg, refuse_lengths_above_k  # noqa: E402
 
 OPTIONS = {
     "default": {},
@@ -93,8 +93,7 @@ def main():
     ap.add_argument("--draft-lengths", type=draft_lengths_arg, default=None, metavar="D1,D2,...",
                     help="Engine(draft_lengths=...) (default: 0,3,K): the loops' branches follow them")
     args = ap.parse_args()
-    if args.draft_lengths and args.draft_lengths[-1] > args.k:
-        ap.error(f"--draft-lengths {args.draft_lengths} must lie in [0, K={args.k}] (--k)")
+    refuse_lengths_above_k(ap, args.draft_lengths, args.k)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
 
     from jax.experimental import serialize_executable

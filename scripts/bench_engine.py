@@ -43,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.bench_common import draft_lengths_arg  # noqa: E402
+from scripts.bench_common import draft_lengths_arg, refuse_lengths_above_k  # noqa: E402
 from scripts.workloads import heldout_windows  # noqa: E402
 
 
@@ -244,8 +244,7 @@ def main():
     ap.add_argument("--startup-child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--startup-profile-to", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.draft_lengths and args.draft_lengths[-1] > args.k:
-        ap.error(f"--draft-lengths {args.draft_lengths} must lie in [0, K={args.k}] (--k)")
+    refuse_lengths_above_k(ap, args.draft_lengths, args.k)
     if args.startup_child is not None:
         print(json.dumps(startup_once(args.startup_child, args.dtype, args.k, args.max_model_len,
                                       args.startup_profile_to, args.sampling_loop_buckets, args.draft_lengths)))

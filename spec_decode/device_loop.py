@@ -148,6 +148,8 @@ class LoopOutputs:
     finished: jax.Array  # bool[R]
     steps: jax.Array  # int32[]         decode iterations run
     confidences: jax.Array  # f32[R, K]       the last step's confidences per row (the host loop plans from them)
+    fresh_confidences: jax.Array  # f32[K]   the state's start for a slot whose prefill is done, and its weight
+    fresh_weight: jax.Array  # f32[]           (spec_decode.step.DecodeState; the host's mirror of them)
     # LoopConfig.logprobs = L only (else None), by the column of ``tokens``
     token_logprobs: jax.Array | None = None  # f32[R, W]     log p(token) (spec_decode.logprobs)
     top_ids: jax.Array | None = None  # int32[R, W, L]  most likely tokens at its position, best first
@@ -359,6 +361,8 @@ def make_loop_fn(target, drafter, config: LoopConfig):
                                         live_per_step=carry.live_per_step, tokens_per_step=carry.tokens_per_step,
                                         finished=finished, steps=carry.step,
                                         confidences=carry.state.prev_confidences[slot, :k],
+                                        fresh_confidences=carry.state.fresh_confidences,
+                                        fresh_weight=carry.state.fresh_weight,
                                         **({} if width is None else dict(zip(("token_logprobs", "top_ids",
                                                                               "top_logprobs"), carry.logprobs))))
 

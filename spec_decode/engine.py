@@ -1009,15 +1009,16 @@ class Engine:
                          max_model_len=self.max_model_len, num_speculative_tokens=self.k,
                          max_num_batched_tokens=self.max_num_batched_tokens, token_buckets=self.buckets_by_length,
                          max_total_logit_rows=self.max_total_logit_rows, num_stop_ids=self.num_stop_ids,
-                         fresh_confidences=self._fresh_confidences())
+                         **self._fresh_confidences())
 
-    def _fresh_confidences(self) -> tuple[np.ndarray, np.ndarray] | None:
+    def _fresh_confidences(self) -> dict:
         """The device state's start for a slot whose prefill is done and its weight (replicated: any shard holds
-        them whole), for the host's plans; None without a live state."""
+        them whole), for the host's plans; nothing without a live state."""
         st = self._state
         if st is None or st.fresh_confidences.is_deleted():
-            return None
-        return np.asarray(st.fresh_confidences.addressable_data(0)), np.asarray(st.fresh_weight.addressable_data(0))
+            return {}
+        return {"fresh_confidences": np.asarray(st.fresh_confidences.addressable_data(0)),
+                "fresh_weight": float(np.asarray(st.fresh_weight.addressable_data(0)))}
 
     def _launch(self, step: ScheduledStep | ScheduledBurst, packed=None):
         """Dispatch one step (its plan in one transfer), or a multi-step launch (``packed``: its

@@ -114,7 +114,7 @@ class Scheduler:
 
     def __init__(self, *, num_slots: int, pool: PagePool, planner, max_model_len: int, num_speculative_tokens: int,
                  max_num_batched_tokens: int, token_buckets: dict[int, tuple[int, ...]],
-                 max_total_logit_rows: int, num_stop_ids: int, fresh_confidences=None):
+                 max_total_logit_rows: int, num_stop_ids: int, fresh_confidences=None, fresh_weight: float = 0.0):
         self.num_slots = num_slots
         self.pool = pool
         self.planner = planner
@@ -133,14 +133,12 @@ class Scheduler:
         self.prefill_tokens_computed = 0
         self.prefix_tokens_reused = 0
         self.stale_conf = np.ones((num_slots, max(self.k, 1)), np.float32)
-        # what a slot starts at once its prefill is done: the decayed mean of recent decode rows' confidences,
-        # mirrored from each step's read-back (the device's DecodeState.fresh_confidences / fresh_weight, which
-        # ``fresh_confidences`` passes in: the pair)
+        # what a slot starts at once its prefill is done: the decayed mean of recent decode rows' confidences, the
+        # host's mirror of the device's DecodeState.fresh_confidences / fresh_weight (a call starts from those)
         self.fresh_conf = np.ones(max(self.k, 1), np.float32)
-        self.fresh_weight = np.float32(0.0)
         if fresh_confidences is not None:
-            self.fresh_conf[:] = np.asarray(fresh_confidences[0], np.float32)
-            self.fresh_weight = np.float32(fresh_confidences[1])
+            self.fresh_conf[:] = np.asarray(fresh_confidences, np.float32)
+        self.fresh_weight = np.float32(fresh_weight)
         self._inflight: dict[int, collections.deque[_InFlight]] = {}  # request index -> its steps in flight
         self._bounds: dict[int, list[int]] = {}
 
@@ -600,8 +598,11 @@ class Scheduler:
                         conf_slots.append(req.slot)
             self._emit(req, new, bool(finished[i]), events)
         if conf_rows:
-            self.stale_conf[conf_slots] = out.confidences[conf_rows, :k]
-            self._fold_fresh(out.confidences[conf_rows, :k])
+            conf = out.confidences[conf_rows, :k]
+            self.stale_conf[conf_slots] = conf
+            fresh, weight = fold_fresh_confidences(self.fresh_conf, self.fresh_weight, conf.sum(0, dtype=np.float32),
+                                                   np.float32(len(conf_rows)), xp=np)
+            self.fresh_conf, self.fresh_weight = fresh.astype(np.float32), np.float32(weight)
         if prefilled_slots:
             self.stale_conf[prefilled_slots] = self.fresh_conf
         if predicted:  # the survival the allocator ranked by: its prediction that the first j+1 are accepted
@@ -619,7 +620,6 @@ class Scheduler:
         requests are freed."""
         events = []
         k = self.k
-        decoded = []
         for req in burst.requests:
             self._pop(req)
             if req.status is RequestStatus.FINISHED:
@@ -631,18 +631,11 @@ class Scheduler:
             req.num_cached += n  # every decode step caches its anchor and accepted drafts: what it emits
             if k:
                 self.stale_conf[s] = out.confidences[s, :k]
-                if n:
-                    decoded.append(s)
             self._emit(req, new, bool(out.finished[s]), events)
-        if decoded:  # (the device folded each of the launch's steps; the host sees the last confidences only)
-            self._fold_fresh(out.confidences[decoded, :k])
+        if k:  # the launch folded each of its steps on the device: the mirror takes the result
+            self.fresh_conf = np.asarray(out.fresh_confidences, np.float32)
+            self.fresh_weight = np.float32(out.fresh_weight)
         return events
-
-    def _fold_fresh(self, conf: np.ndarray) -> None:
-        """Fold decode rows' confidences ``[rows, K]`` into the start of the next slot to finish its prefill."""
-        fresh, weight = fold_fresh_confidences(self.fresh_conf, self.fresh_weight, conf.sum(axis=0, dtype=np.float32),
-                                               np.float32(len(conf)), xp=np)
-        self.fresh_conf, self.fresh_weight = fresh.astype(np.float32), np.float32(weight)
 
     def _emit(self, req: Request, new: list[int], finished: bool, events: list) -> None:
         """Append a row's emitted tokens to its request (cut after a completed stop string), add the

@@ -47,9 +47,14 @@ def test_multi_step_launches_give_target_only_greedy_tokens(target, drafter, pro
     eng = Engine(target, drafter if k else None, num_speculative_tokens=k, verification=mode, cost_table=None,
                  decode_steps_per_launch=4, sampling=False, precompile=True, **COMMON)
     params = [SamplingParams(max_new_tokens=m) for m in MAX_NEW]
+    scheds, scheduler = [], eng._scheduler
+    eng._scheduler = lambda: scheds.append(scheduler()) or scheds[-1]
     with compile_counter() as compiled:
         res = eng.generate(prompts, sampling_params=params, progress=False)
         assert [r.token_ids for r in res] == references
+        if k:  # the host's mirror of a new request's start, through single steps and launches, is the device's
+            np.testing.assert_allclose(scheds[0].fresh_conf, np.asarray(eng._state.fresh_confidences), rtol=1e-5)
+            assert scheds[0].fresh_weight == pytest.approx(float(eng._state.fresh_weight), rel=1e-5)
         for r, ref in zip(res, references):
             assert r.finish_reason == ("stop" if ref[-1] == EOS else "length")
         st = res.stats
