@@ -36,6 +36,30 @@ def refuse_lengths_above_k(ap: argparse.ArgumentParser, lengths: tuple[int, ...]
         ap.error(f"--draft-lengths {lengths} must lie in [0, K={k}] (--k)")
 
 
+def mode_settings(mode: str, k: int) -> dict:
+    """Engine keywords of a mode: ``verification``, ``num_speculative_tokens`` and the mode's extra keywords."""
+    if mode == "none":
+        return {"verification": "none", "num_speculative_tokens": 0}
+    if mode.startswith("fixed") and mode[5:].isdigit():
+        return {"verification": "fixed", "num_speculative_tokens": int(mode[5:])}
+    if mode == "adaptive":
+        return {"verification": "adaptive", "num_speculative_tokens": k}
+    if mode == "adaptive-held":
+        return {"verification": "adaptive", "num_speculative_tokens": k, "draft_lengths": (k,)}
+    if mode == "adaptive-calibrated":
+        return {"verification": "adaptive", "num_speculative_tokens": k, "confidence": "calibrated"}
+    if mode.startswith("adaptive@"):
+        try:
+            lengths = draft_lengths_arg(mode[len("adaptive@"):])
+        except argparse.ArgumentTypeError:
+            lengths = ()
+        if not lengths or not all(0 <= d <= k for d in lengths):
+            raise ValueError(f"mode {mode!r}: adaptive@D1,D2,... takes draft lengths in [0, K={k}]")
+        return {"verification": "adaptive", "num_speculative_tokens": k, "draft_lengths": lengths}
+    raise ValueError(f"unknown mode {mode!r} (none, fixed1..fixed7, adaptive, adaptive-held, adaptive-calibrated, "
+                     f"adaptive@D1,D2,...)")
+
+
 def device_name() -> str:
     d = jax.devices()[0]
     return f"{d.platform}:{getattr(d, 'device_kind', '?')}"

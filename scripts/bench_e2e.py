@@ -86,6 +86,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from scripts.bench_common import mode_settings  # noqa: E402  (re-exported: the modes' engine keywords)
 
 ALL_MODES = ["none"] + [f"fixed{k}" for k in range(1, 8)] + ["adaptive", "adaptive-held", "adaptive-calibrated"]
 BASELINES = ["none"] + [f"fixed{k}" for k in range(1, 8)]
@@ -95,32 +96,6 @@ NUM_BINS = 20
 
 
 # ----------------------------------------------------------------------------------------------- modes
-def mode_settings(mode: str, k: int) -> dict:
-    """Engine keywords of a mode: ``verification``, ``num_speculative_tokens`` and the mode's extra keywords."""
-    if mode == "none":
-        return {"verification": "none", "num_speculative_tokens": 0}
-    if mode.startswith("fixed") and mode[5:].isdigit():
-        return {"verification": "fixed", "num_speculative_tokens": int(mode[5:])}
-    if mode == "adaptive":
-        return {"verification": "adaptive", "num_speculative_tokens": k}
-    if mode == "adaptive-held":
-        return {"verification": "adaptive", "num_speculative_tokens": k, "draft_lengths": (k,)}
-    if mode == "adaptive-calibrated":
-        return {"verification": "adaptive", "num_speculative_tokens": k, "confidence": "calibrated"}
-    if mode.startswith("adaptive@"):
-        from scripts.bench_common import draft_lengths_arg
-
-        try:
-            lengths = draft_lengths_arg(mode[len("adaptive@"):])
-        except argparse.ArgumentTypeError:
-            lengths = ()
-        if not lengths or not all(0 <= d <= k for d in lengths):
-            raise ValueError(f"mode {mode!r}: adaptive@D1,D2,... takes draft lengths in [0, K={k}]")
-        return {"verification": "adaptive", "num_speculative_tokens": k, "draft_lengths": lengths}
-    raise ValueError(f"unknown mode {mode!r} (none, fixed1..fixed7, adaptive, adaptive-held, adaptive-calibrated, "
-                     f"adaptive@D1,D2,...)")
-
-
 def adaptive_modes(rows: list[dict]) -> list[str]:
     """The adaptive modes of ``rows``: the named ones first, then ``adaptive@...`` ones."""
     present = {r["mode"] for r in rows}

@@ -1,27 +1,38 @@
 """The device loop's cost per call and per iteration, and whether changing branches between calls costs.
 
     PYTHONPATH=. python3 scripts/bench_loop_overhead.py --out FILE.json [--slots 512] [--modes adaptive fixed3]
+        [--main-branch 3/256] [--context 320] [--rounds 6] [--dump-hlo DIR]
         [--sampling-loop | --contexts 112 240 368 [--rounds 5]]
 
-For each mode an engine of the embedded default (bf16, greedy programs, ``--slots`` slots, 2048-token prefill
-chunks) is built and warmed up; then its greedy device-loop program runs timing calls (``LoopInputs.timing_branch``:
-one branch forced every iteration, every slot decoding at a context of a quarter of ``max_model_len``, nothing
-committed, as the engine's cost-table profile does):
+Modes are ``scripts/bench_e2e.py``'s (``adaptive``, ``adaptive@3``, ``adaptive@0,3,7``, ``fixed3`` ...; ``--k`` is
+the adaptive engines' K). For each mode an engine of the embedded default (bf16, greedy programs, ``--slots``
+slots, 2048-token prefill chunks) is built and its greedy device loop compiled alone (no step program and no cost
+table: a timing run forces its branch, so the table's values change nothing it runs, and the planner's kernels
+still run in every plan); then the loop runs timing calls (``LoopInputs.timing_branch``: one branch forced every
+iteration, every slot decoding at ``--context`` tokens (default a quarter of ``max_model_len``), nothing
+committed, as the engine's cost-table profile does). Every engine stays alive, and the calls run in ``--rounds``
+interleaved rounds (each round: every engine in turn), so drift between engines' measurements cancels:
 
-- 12 calls of 1 iteration and 6 of 13 on the main branch (draft length 3 at 2048 tokens when compiled, else the
-  last): ``per_iteration_ms`` is the slope, ``per_call_intercept_ms`` what a call costs beyond its iterations
-  (the launch, the inputs' transfer, the read-back, the loop's set-up);
-- 6 calls of 0 iterations (the loop's predicate false at once);
-- 12 calls of 1 iteration alternating between the main branch and each other branch in turn: a branch that the
-  previous call did not run pays whatever XLA redoes for it (a CUDA graph's update) here.
+- per round, 4 calls of 1 iteration and 2 of 13 on the main branch (``--main-branch D/T``; default draft length 3
+  at 2048 tokens when compiled, else the last): ``per_iteration_ms`` is the slope of the medians,
+  ``per_call_intercept_ms`` what a call costs beyond its iterations (the launch, the inputs' transfer, the
+  read-back, the loop's set-up). A call of 13 iterations runs ``1 + ceil(12 / plan_interval)`` epochs (a call's
+  first is one step), so the slope holds ``1 / plan_interval`` of a plan and a switch per iteration;
+- per round, 2 calls of 0 iterations (the loop's predicate false at once);
+- after the rounds, 12 calls of 1 iteration alternating between the main branch and each other branch in turn: a
+  branch that the previous call did not run pays whatever XLA redoes for it (a CUDA graph's update) here.
 
-Wall time from the call to the read-back of its step count, on the host (``time.perf_counter``).
+Wall time from the call to the read-back of its step count, on the host (``time.perf_counter``). Two engines that
+run the same branch (the K = 7 engine's length-3 program is the K = 3 engine's: session 29) differ here only by
+what their loops hold beside it: the plan, the switch over their branches, the epoch's bookkeeping.
+``--dump-hlo DIR`` writes each greedy loop's optimized HLO (``DIR/MODE.hlo.gz``) for ``scripts/hlo_report.py``.
 
 ``--contexts C ...``: instead, what the engine's cost table leaves out (it times every branch once, at a quarter
 of ``max_model_len``, every slot decoding): each branch's time per iteration at each context ``C`` (every slot's
 state set to ``C`` tokens), in two shapes: a full batch (``min(R, T)`` slots, ``T - min(R, T)`` drafts among them)
 and, for a branch below its length's full size, a wave's tail (``T // (1 + K_d)`` slots drafting ``K_d`` each);
-one iteration as the slope of calls of 1 and 13 iterations, medians of ``--rounds`` interleaved rounds.
+one iteration as the slope of calls of 1 and 13 iterations, medians of ``--rounds`` interleaved rounds. These
+engines warm up in full (their cost tables profiled).
 
 ``--sampling-loop``: instead, what it would cost to serve greedy rows with the sampling loop (one device loop per
 engine instead of two). The engine is built with the sampling programs and only its two device loops are compiled
@@ -37,39 +48,57 @@ import sys
 
 import numpy as np
 
-MODES = {"adaptive": dict(num_speculative_tokens=7, verification="adaptive"),
-         "fixed3": dict(num_speculative_tokens=3, verification="fixed"),
-         "fixed7": dict(num_speculative_tokens=7, verification="fixed")}
 
+def measure(engines: dict, *, main: tuple[int, int] | None, context: int | None, rounds: int,
+            log=print) -> dict:
+    """The timing calls of the module docstring on ``engines`` (mode -> engine with its greedy device loop
+    compiled), in ``rounds`` interleaved rounds. One result per mode."""
+    timers = {}
+    for mode, eng in engines.items():
+        branch_list, timer, ctx = eng._loop_branch_timer(eng._loop_programs[(False, None)], context=context)
+        here = main if main is not None else (3, 2048) if (3, 2048) in branch_list else branch_list[-1]
+        if here not in branch_list:
+            raise SystemExit(f"bench_loop_overhead: {mode} has no branch {here[0]}/{here[1]} "
+                             f"(its branches: {' '.join(f'{d}/{t}' for d, t in branch_list)})")
+        timers[mode] = (branch_list, timer, ctx, here)
 
-def measure(eng) -> dict:
-    """The timing calls of the module docstring on ``eng`` (warmed up, with a device loop)."""
-    branch_list, timer, context = eng._loop_branch_timer(eng._loop_programs[(False, None)])
-    branches = set(branch_list)
+    def run(mode, branch, steps: int) -> float:
+        return 1e3 * timers[mode][1](*branch, steps)
 
-    def run(branch, steps: int) -> float:
-        return 1e3 * timer(*branch, steps)
-
-    main = (3, 2048) if (3, 2048) in branches else branch_list[-1]
-    others = [b for b in branch_list if b != main] or [main]
-    for _ in range(3):
-        run(main, 1)
-    one = [run(main, 1) for _ in range(12)]
-    thirteen = [run(main, 13) for _ in range(6)]
-    zero = [run(main, 0) for _ in range(6)]
-    alternating = []
-    for i in range(12):
-        b = main if i % 2 == 0 else others[(i // 2) % len(others)]
-        alternating.append((f"{b[0]}/{b[1]}", run(b, 1)))
-    name = f"{main[0]}/{main[1]}"
-    slope = (np.median(thirteen) - np.median(one)) / 12
-    return {"branches": [f"{d}/{t}" for d, t in branch_list], "main_branch": name, "context": context,
-            "one_iteration_ms": one, "thirteen_iterations_ms": thirteen, "zero_iterations_ms": zero,
-            "alternating_one_iteration_ms": alternating,
-            "per_iteration_ms": float(slope), "per_call_intercept_ms": float(np.median(one) - slope),
-            "zero_iteration_call_ms": float(np.median(zero)),
-            "alternating_main_ms": float(np.median([v for b, v in alternating if b == name])),
-            "alternating_other_ms": float(np.median([v for b, v in alternating if b != name] or [np.nan]))}
+    calls = {mode: {"one": [], "thirteen": [], "zero": []} for mode in engines}
+    for mode, (_, _, _, here) in timers.items():  # first calls, untimed
+        for _ in range(3):
+            run(mode, here, 1)
+        run(mode, here, 13)
+    for i in range(rounds):
+        for mode, (_, _, _, here) in timers.items():
+            c = calls[mode]
+            c["one"] += [run(mode, here, 1) for _ in range(4)]
+            c["thirteen"] += [run(mode, here, 13) for _ in range(2)]
+            c["zero"] += [run(mode, here, 0) for _ in range(2)]
+        log(f"bench_loop_overhead: round {i + 1}/{rounds}: " + ", ".join(
+            f"{m}: {(np.median(c['thirteen']) - np.median(c['one'])) / 12:.4f} ms per iteration"
+            for m, c in calls.items()))
+    out = {}
+    for mode, (branch_list, _, ctx, here) in timers.items():
+        others = [b for b in branch_list if b != here] or [here]
+        alternating = []
+        for i in range(12):
+            b = here if i % 2 == 0 else others[(i // 2) % len(others)]
+            alternating.append((f"{b[0]}/{b[1]}", run(mode, b, 1)))
+        c = calls[mode]
+        name = f"{here[0]}/{here[1]}"
+        slope = (np.median(c["thirteen"]) - np.median(c["one"])) / 12
+        eng = engines[mode]
+        out[mode] = {"branches": [f"{d}/{t}" for d, t in branch_list], "main_branch": name, "context": ctx,
+                     "draft_lengths": list(eng.draft_lengths), "plan_interval": eng.device_loop_plan_interval,
+                     "rounds": rounds, "one_iteration_ms": c["one"], "thirteen_iterations_ms": c["thirteen"],
+                     "zero_iterations_ms": c["zero"], "alternating_one_iteration_ms": alternating,
+                     "per_iteration_ms": float(slope), "per_call_intercept_ms": float(np.median(c["one"]) - slope),
+                     "zero_iteration_call_ms": float(np.median(c["zero"])),
+                     "alternating_main_ms": float(np.median([v for b, v in alternating if b == name])),
+                     "alternating_other_ms": float(np.median([v for b, v in alternating if b != name] or [np.nan]))}
+    return out
 
 
 def shapes(d: int, t: int, slots: int) -> list[tuple[str, int]]:
@@ -131,65 +160,115 @@ def compare_loops(eng, rounds: int = 6) -> dict:
     return out
 
 
-def build_loops(eng) -> None:
-    """Compile ``eng``'s greedy and sampling device loops alone (no step program, no cost table)."""
+def build_loops(eng, *, sampling: bool = True) -> None:
+    """Compile ``eng``'s greedy device loop, and with ``sampling`` its sampling one, alone (no step program, no
+    cost table)."""
     from spec_decode.programs import compile_in_pool
 
     eng._state = eng._init_state()
-    names = [("loop", False, None), ("loop", True, None)]
+    names = [("loop", False, None)] + ([("loop", True, None)] if sampling else [])
     done, _ = compile_in_pool(((n, eng._lowering(n)) for n in names), total=len(names), progress=False, desc="loops")
     for n in names:
         eng._loop_programs[n[1:]] = done[n]
 
 
 def main(argv=None) -> int:
+    from scripts.bench_common import mode_settings
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="JSON file for the rows")
     ap.add_argument("--slots", type=int, default=512)
-    ap.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["adaptive", "fixed3"])
+    ap.add_argument("--k", type=int, default=7, help="K of the adaptive modes (fixedN: N)")
+    ap.add_argument("--modes", nargs="+", default=["adaptive", "fixed3"],
+                    help="scripts/bench_e2e.py's modes: adaptive, adaptive@D1,D2,..., fixedN, ...")
     ap.add_argument("--max-model-len", type=int, default=448)
+    ap.add_argument("--main-branch", default=None, metavar="D/T",
+                    help="the branch the timing calls run (draft length / packed tokens); default 3/2048 where "
+                         "compiled, else the last")
+    ap.add_argument("--context", type=int, default=None,
+                    help="every slot's context in the timing calls (default a quarter of --max-model-len)")
+    ap.add_argument("--dump-hlo", default=None, metavar="DIR", help="write each greedy loop's optimized HLO here")
     ap.add_argument("--sampling-loop", action="store_true",
                     help="greedy rows in the sampling loop against the greedy loop, per branch (module docstring)")
     ap.add_argument("--contexts", type=int, nargs="+", default=None,
                     help="each branch's time per iteration at these contexts, full batch and tail (module docstring)")
-    ap.add_argument("--rounds", type=int, default=5, help="--contexts: interleaved rounds per timing")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="interleaved rounds (default 6; --contexts: 5)")
     args = ap.parse_args(argv)
     if args.sampling_loop and args.contexts:
         ap.error("--sampling-loop and --contexts are separate runs")
-    step = 1 + max(MODES[m]["num_speculative_tokens"] for m in args.modes)  # a step's positions (the engine's rule)
-    for c in args.contexts or ():
+    settings = {}
+    for m in args.modes:
+        try:
+            settings[m] = mode_settings(m, args.k)
+        except ValueError as e:
+            ap.error(str(e))
+        if settings[m]["num_speculative_tokens"] == 0:
+            ap.error(f"mode {m!r}: the timing runs need a speculative engine")
+    main_branch = None
+    if args.main_branch is not None:
+        try:
+            main_branch = tuple(int(x) for x in args.main_branch.split("/"))
+            if len(main_branch) != 2:
+                raise ValueError
+        except ValueError:
+            ap.error(f"--main-branch takes DRAFT_LENGTH/TOKENS such as 3/256, got {args.main_branch!r}")
+    if args.rounds is not None and args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    rounds = args.rounds or (5 if args.contexts else 6)
+    step = 1 + max(v["num_speculative_tokens"] for v in settings.values())  # a step's positions (the engine's rule)
+    for c in list(args.contexts or ()) + ([args.context] if args.context is not None else []):
         if not 0 < c <= args.max_model_len - step:
-            ap.error(f"--contexts: {c} does not leave a step's {step} positions within --max-model-len "
+            ap.error(f"context {c} does not leave a step's {step} positions within --max-model-len "
                      f"{args.max_model_len}")
+
+    import gzip
+    import os
 
     import jax
     import jax.numpy as jnp
 
     from minimax_jax.default import load_default
+    from scripts.hlo_report import hlo_text
     from spec_decode import Engine
 
     target, drafter, _ = load_default(dtype=jnp.bfloat16)
-    rows = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "slots": args.slots}
+    rows = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "slots": args.slots,
+            "command": " ".join(sys.argv)}
+    engines = {}
     for mode in args.modes:
+        kw = dict(settings[mode])
         if args.sampling_loop:
             eng = Engine(target, drafter, max_num_seqs=args.slots, max_model_len=args.max_model_len,
                          max_num_batched_tokens=2048, sampling=True, cost_table=None,
-                         device_loop_sampling_token_buckets=4, **MODES[mode])  # the greedy loop's branches
+                         device_loop_sampling_token_buckets=4, **kw)  # the greedy loop's branches
             build_loops(eng)
             rows[mode] = compare_loops(eng)
             del eng
             continue
-        eng = Engine(target, drafter, max_num_seqs=args.slots, max_model_len=args.max_model_len,
-                     max_num_batched_tokens=2048, sampling=False, **MODES[mode])
-        eng.warmup()
         if args.contexts:
-            rows[mode] = context_sweep(eng, args.contexts, args.rounds)
+            eng = Engine(target, drafter, max_num_seqs=args.slots, max_model_len=args.max_model_len,
+                         max_num_batched_tokens=2048, sampling=False, **kw)
+            eng.warmup()
+            rows[mode] = context_sweep(eng, args.contexts, rounds)
             del eng
             continue
-        rows[mode] = measure(eng)
-        summary = {k: round(v, 3) for k, v in rows[mode].items() if k.endswith("_ms") and isinstance(v, float)}
-        print(f"bench_loop_overhead: {mode}: {json.dumps(summary)}", flush=True)
-        del eng
+        # the planner's lengths as the engine would plan them; its table is never profiled (nothing here reads it)
+        eng = Engine(target, drafter, max_num_seqs=args.slots, max_model_len=args.max_model_len,
+                     max_num_batched_tokens=2048, sampling=False,
+                     cost_table="profile" if kw["verification"] == "adaptive" else None, **kw)
+        build_loops(eng, sampling=False)
+        if args.dump_hlo:
+            os.makedirs(args.dump_hlo, exist_ok=True)
+            with gzip.open(os.path.join(args.dump_hlo, f"{mode.replace(',', '_').replace('@', '_')}.hlo.gz"),
+                           "wt") as f:
+                f.write(hlo_text(eng._loop_programs[(False, None)]))
+        engines[mode] = eng
+    if engines:
+        rows.update(measure(engines, main=main_branch, context=args.context, rounds=rounds))
+        for mode in engines:
+            summary = {k: round(v, 4) for k, v in rows[mode].items() if k.endswith("_ms") and isinstance(v, float)}
+            print(f"bench_loop_overhead: {mode}: {json.dumps(summary)}", flush=True)
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
     return 0

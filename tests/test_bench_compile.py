@@ -29,8 +29,7 @@ def test_draft_lengths_are_parsed_sorted_and_distinct():
     """``--draft-lengths`` of the start-up and compile benches (and ``bench_e2e.py``'s ``adaptive@...`` modes)."""
     import argparse
 
-    from scripts.bench_common import draft_lengths_arg
-    from scripts.bench_e2e import mode_settings
+    from scripts.bench_common import draft_lengths_arg, mode_settings
 
     assert draft_lengths_arg("0,3,7") == (0, 3, 7)
     assert draft_lengths_arg("7, 3,3,") == (3, 7)
