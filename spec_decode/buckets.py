@@ -20,9 +20,11 @@ compiles the whole list before the first request (``docs/ENGINE.md``, "The close
   slot's ``1 + K_d`` tokens: a plan that drafts less is for steps where many slots decode, and the smaller
   buckets would multiply the programs to compile for steps the longest length serves as well. The planner only
   chooses a length that has a bucket for the step. (In a wave's tail, where few slots decode, that leaves the
-  shorter lengths at sizes well above the step, and the plan drafts ``K`` there. With four buckets the plan
-  drafts the shorter length instead, but an H100 decoded the wave no faster; docs/ADAPTIVE_VERIFICATION.md, "What
-  the table does not see".)
+  shorter lengths at sizes well above the step: the plan drafts ``K`` there, or keeps the shorter length at its
+  smallest size, and either costs the tail a little; docs/ADAPTIVE_VERIFICATION.md, "What the table does not
+  see".) Length ``0`` keeps at most :data:`ZERO_LENGTH_BUCKETS` of them whatever ``length_buckets`` is: a plan
+  that drafts nothing is for full batches, where verifying costs more than it gains, never for a tail, where it
+  costs almost nothing.
 * **prefill-only steps draft nothing**: a speculative engine whose slots' draft positions reach half a prefill
   chunk (``2 * max_num_seqs * K >= max_num_batched_tokens``) always has length ``0`` programs, and these also take
   the bucket holding ``max_num_batched_tokens`` (a full prefill chunk). Below that, the drafter's work on a
@@ -44,8 +46,12 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["StepKey", "default_draft_lengths", "logit_rows", "next_pow2", "step_keys", "token_bucket",
-           "token_buckets"]
+__all__ = ["ZERO_LENGTH_BUCKETS", "StepKey", "default_draft_lengths", "logit_rows", "next_pow2", "step_keys",
+           "token_bucket", "token_buckets"]
+
+
+# decode buckets of length 0 (no drafts) at most, whatever ``length_buckets`` gives the other shorter lengths
+ZERO_LENGTH_BUCKETS = 2
 
 
 def next_pow2(n: int) -> int:
@@ -137,7 +143,8 @@ def step_keys(*, max_num_seqs: int, num_speculative_tokens: int, max_num_batched
                 ts = [t for t in union if t <= top]
             else:
                 top = next(t for t in union if t >= max_num_seqs * (1 + d))
-                ts = [t for t in union if t <= top][-length_buckets:] if d in plannable else []
+                keep = min(length_buckets, ZERO_LENGTH_BUCKETS) if d == 0 else length_buckets
+                ts = [t for t in union if t <= top][-keep:] if d in plannable else []
                 if d == 0 and prefill_zero:
                     ts = sorted(set(ts) | set(prefill))
             keys += [StepKey(t, logit_rows(t, num_speculative_tokens=d, **kw), sample, d) for t in ts]

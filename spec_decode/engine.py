@@ -160,7 +160,8 @@ class Engine:
       draft_length_buckets: the packed-token sizes each draft length below ``K`` compiles: the largest ones up to
         the size holding every slot's ``1 + K_d`` tokens (``K`` has every size; ``spec_decode/buckets.py``). More
         let a shorter length serve the tail of a wave, where few rows decode, at a small size; each adds a step
-        program per shorter length and sampling mode, and a branch to the greedy device loop.
+        program per shorter length and sampling mode, and a branch to the greedy device loop. Length 0 keeps at
+        most two (``spec_decode.buckets.ZERO_LENGTH_BUCKETS``: drafting nothing is for full batches).
       device_loop_token_buckets: verify sizes compiled into the greedy device loop (``loop="device"``), per
         draft length: the largest decode buckets of the closed set; each is one branch of the loop's program.
       device_loop_sampling_token_buckets: the same for the sampling device loop (waves with a sampled row), at

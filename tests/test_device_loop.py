@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from spec_decode import Engine, SamplingParams, generate_offline
+from spec_decode.buckets import ZERO_LENGTH_BUCKETS
 from spec_decode.cost_table import CostTable
 from spec_decode.engine import _with_lengths
 from spec_decode.planner import DEVICE_LOOP_STEP_KEY
@@ -294,8 +295,8 @@ def test_the_sampling_loop_compiles_the_largest_bucket_of_each_draft_length(targ
 
 def test_draft_length_buckets_sets_the_sizes_of_the_shorter_lengths(target, drafter):
     """A draft length below K compiles the largest ``draft_length_buckets`` sizes up to every slot's ``1 + K_d``
-    (2 by default): one keeps only that size, more reach down to the smallest; K keeps every size, and the device
-    loop's branches follow. A count below 1 is refused before anything is built."""
+    (2 by default): one keeps only that size, more reach down to the smallest; K keeps every size, length 0 at most
+    two, and the device loop's branches follow. A count below 1 is refused before anything is built."""
     table = CostTable.from_measurements({8: 1.0, 16: 1.5, 32: 2.0}, draft_lengths={1: 0.1, 3: 0.35})
     kw = dict(num_speculative_tokens=3, verification="adaptive", cost_table=table, draft_lengths=(1, 3), **COMMON)
     sizes = {}
@@ -306,5 +307,13 @@ def test_draft_length_buckets_sets_the_sizes_of_the_shorter_lengths(target, draf
         assert dict(zip(eng.loop_config.draft_lengths, eng.loop_config.token_buckets))[1] == sizes[n]
     assert sizes == {1: (16,), 2: (8, 16), 3: (8, 16)}  # 8 slots: 1 + 1 tokens each fit 16
     assert sizes[2] == Engine(target, drafter, **kw).buckets_by_length[1]  # the default
+    # length 0 keeps at most ZERO_LENGTH_BUCKETS sizes, whatever the others get: drafting nothing is for full batches
+    table0 = CostTable.from_measurements({2: 0.5, 4: 0.75, 8: 1.0, 16: 1.5, 32: 2.0},
+                                         draft_lengths={0: 0.0, 1: 0.1, 3: 0.35})
+    eng = Engine(target, drafter, draft_length_buckets=3, **{**kw, "cost_table": table0, "draft_lengths": (0, 1, 3),
+                                                              "min_token_bucket": 2})
+    assert ZERO_LENGTH_BUCKETS == 2
+    assert eng.buckets_by_length[0] == (4, 8) and eng.buckets_by_length[1] == (4, 8, 16)
+    assert dict(zip(eng.loop_config.draft_lengths, eng.loop_config.token_buckets))[0] == (4, 8)
     with pytest.raises(ValueError, match="draft_length_buckets must be an integer >= 1"):
         Engine(target, drafter, draft_length_buckets=0, **kw)
