@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 scripts/bench_loop_overhead.py --out FILE.json [--slots 512] [--modes adaptive fixed3]
         [--main-branch 3/256] [--context 320] [--rounds 6] [--dump-hlo DIR]
-        [--sampling-loop | --contexts 112 240 368 [--rounds 5]]
+        [--sampling-loop | --contexts 112 240 368 [--live 4 8] [--rounds 5]]
 
 Modes are ``scripts/bench_e2e.py``'s (``adaptive``, ``adaptive@3``, ``adaptive@0,3,7``, ``fixed3`` ...; ``--k`` is
 the adaptive engines' K). For each mode an engine of the embedded default (bf16, greedy programs, ``--slots``
@@ -31,8 +31,11 @@ what their loops hold beside it: the plan, the switch over their branches, the e
 of ``max_model_len``, every slot decoding): each branch's time per iteration at each context ``C`` (every slot's
 state set to ``C`` tokens), in two shapes: a full batch (``min(R, T)`` slots, ``T - min(R, T)`` drafts among them)
 and, for a branch below its length's full size, a wave's tail (``T // (1 + K_d)`` slots drafting ``K_d`` each);
-one iteration as the slope of calls of 1 and 13 iterations, medians of ``--rounds`` interleaved rounds. These
-engines warm up in full (their cost tables profiled).
+with ``--live N ...`` also ``N`` slots decoding (``K_d`` drafts each at most, the rest of the branch's tokens
+padding): a wave's last rows in a bucket larger than they fill, as a length with few small buckets runs them
+(docs/ADAPTIVE_VERIFICATION.md, "What the table does not see"). One iteration as the slope of calls of 1 and 13
+iterations, medians of ``--rounds`` interleaved rounds. E.g. ``--slots 64 --modes adaptive@3 --contexts 112 352
+--live 4 8 16``: the same few rows at 32, 64, 128 and 256 tokens.
 
 ``--sampling-loop``: instead, what it would cost to serve greedy rows with the sampling loop (one device loop per
 engine instead of two). The engine is built with the sampling programs and only its two device loops are compiled
@@ -101,23 +104,25 @@ def measure(engines: dict, *, main: tuple[int, int] | None, context: int | None,
     return out
 
 
-def shapes(d: int, t: int, slots: int) -> list[tuple[str, int]]:
-    """``(name, live slots)`` of the timing runs of branch ``(d, t)`` (module docstring, ``--contexts``)."""
+def shapes(d: int, t: int, slots: int, live: tuple[int, ...] = ()) -> list[tuple[str, int]]:
+    """``(name, live slots)`` of the timing runs of branch ``(d, t)`` (module docstring, ``--contexts``; ``live``:
+    the ``--live`` counts)."""
     full = min(slots, t)
     out = [("full", full)]
     tail = t // (1 + d)
     if d and 0 < tail < full:
         out.append(("tail", tail))
+    out += [(f"live {n}", n) for n in live if 0 < n < full and n != tail]
     return out
 
 
-def context_sweep(eng, contexts, rounds: int = 5) -> dict:
-    """The ``--contexts`` timings of the module docstring on ``eng`` (warmed up, with a greedy device loop)."""
+def context_sweep(eng, contexts, rounds: int = 5, live: tuple[int, ...] = ()) -> dict:
+    """The ``--contexts`` timings of the module docstring on ``eng`` (with its greedy device loop compiled)."""
     program = eng._loop_programs[(False, None)]
-    out = {"contexts": list(contexts), "rounds": rounds, "rows": []}
+    out = {"contexts": list(contexts), "live": list(live), "rounds": rounds, "rows": []}
     for c in contexts:
         branch_list, timer, context = eng._loop_branch_timer(program, context=c)
-        runs = [(d, t, name, live) for d, t in branch_list for name, live in shapes(d, t, eng.max_num_seqs)]
+        runs = [(d, t, name, n) for d, t in branch_list for name, n in shapes(d, t, eng.max_num_seqs, live)]
         calls = {(i, n): [] for i in range(len(runs)) for n in (1, 13)}
         for d, t, _, live in runs:  # a first call of each shape, untimed
             timer(d, t, 1, live)
@@ -192,6 +197,8 @@ def main(argv=None) -> int:
                     help="greedy rows in the sampling loop against the greedy loop, per branch (module docstring)")
     ap.add_argument("--contexts", type=int, nargs="+", default=None,
                     help="each branch's time per iteration at these contexts, full batch and tail (module docstring)")
+    ap.add_argument("--live", type=int, nargs="+", default=[], metavar="N",
+                    help="--contexts: also time each branch with N slots decoding (the rest of its tokens padding)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="interleaved rounds (default 6; --contexts: 5)")
     args = ap.parse_args(argv)
@@ -213,6 +220,10 @@ def main(argv=None) -> int:
                 raise ValueError
         except ValueError:
             ap.error(f"--main-branch takes DRAFT_LENGTH/TOKENS such as 3/256, got {args.main_branch!r}")
+    if args.live and not args.contexts:
+        ap.error("--live goes with --contexts")
+    if any(n < 1 or n > args.slots for n in args.live):
+        ap.error(f"--live counts must lie in [1, --slots {args.slots}], got {args.live}")
     if args.rounds is not None and args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
     rounds = args.rounds or (5 if args.contexts else 6)
@@ -246,18 +257,15 @@ def main(argv=None) -> int:
             rows[mode] = compare_loops(eng)
             del eng
             continue
-        if args.contexts:
-            eng = Engine(target, drafter, max_num_seqs=args.slots, max_model_len=args.max_model_len,
-                         max_num_batched_tokens=2048, sampling=False, **kw)
-            eng.warmup()
-            rows[mode] = context_sweep(eng, args.contexts, rounds)
-            del eng
-            continue
         # the planner's lengths as the engine would plan them; its table is never profiled (nothing here reads it)
         eng = Engine(target, drafter, max_num_seqs=args.slots, max_model_len=args.max_model_len,
                      max_num_batched_tokens=2048, sampling=False,
                      cost_table="profile" if kw["verification"] == "adaptive" else None, **kw)
         build_loops(eng, sampling=False)
+        if args.contexts:
+            rows[mode] = context_sweep(eng, args.contexts, rounds, tuple(args.live))
+            del eng
+            continue
         if args.dump_hlo:
             os.makedirs(args.dump_hlo, exist_ok=True)
             with gzip.open(os.path.join(args.dump_hlo, f"{mode.replace(',', '_').replace('@', '_')}.hlo.gz"),
