@@ -55,14 +55,11 @@ import numpy as np
 def measure(engines: dict, *, main: tuple[int, int] | None, context: int | None, rounds: int,
             log=print) -> dict:
     """The timing calls of the module docstring on ``engines`` (mode -> engine with its greedy device loop
-    compiled), in ``rounds`` interleaved rounds. One result per mode."""
+    compiled, holding the branch ``main`` when given), in ``rounds`` interleaved rounds. One result per mode."""
     timers = {}
     for mode, eng in engines.items():
         branch_list, timer, ctx = eng._loop_branch_timer(eng._loop_programs[(False, None)], context=context)
         here = main if main is not None else (3, 2048) if (3, 2048) in branch_list else branch_list[-1]
-        if here not in branch_list:
-            raise SystemExit(f"bench_loop_overhead: {mode} has no branch {here[0]}/{here[1]} "
-                             f"(its branches: {' '.join(f'{d}/{t}' for d, t in branch_list)})")
         timers[mode] = (branch_list, timer, ctx, here)
 
     def run(mode, branch, steps: int) -> float:
@@ -224,6 +221,12 @@ def main(argv=None) -> int:
         ap.error("--live goes with --contexts")
     if any(n < 1 or n > args.slots for n in args.live):
         ap.error(f"--live counts must lie in [1, --slots {args.slots}], got {args.live}")
+    if (args.sampling_loop or args.contexts) and (args.main_branch or args.context is not None or args.dump_hlo):
+        ap.error("--main-branch, --context and --dump-hlo go with the forced-branch timing, not with --sampling-loop "
+                 "or --contexts")
+    if args.sampling_loop and any(len(v.get("draft_lengths", ())) > 1 for v in settings.values()):
+        ap.error("--sampling-loop builds its engines without a cost table: one draft length per mode (adaptive, "
+                 "adaptive@D, fixedN)")
     if args.rounds is not None and args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
     rounds = args.rounds or (5 if args.contexts else 6)
@@ -261,6 +264,10 @@ def main(argv=None) -> int:
         eng = Engine(target, drafter, max_num_seqs=args.slots, max_model_len=args.max_model_len,
                      max_num_batched_tokens=2048, sampling=False,
                      cost_table="profile" if kw["verification"] == "adaptive" else None, **kw)
+        branches = [(d, t) for d, ts in zip(eng.loop_config.draft_lengths, eng.loop_config.token_buckets) for t in ts]
+        if main_branch is not None and not args.contexts and main_branch not in branches:  # before any compile
+            raise SystemExit(f"bench_loop_overhead: {mode} has no branch {args.main_branch} (its branches: "
+                             f"{' '.join(f'{d}/{t}' for d, t in branches)})")
         build_loops(eng, sampling=False)
         if args.contexts:
             rows[mode] = context_sweep(eng, args.contexts, rounds, tuple(args.live))
