@@ -16,7 +16,8 @@ Each row splits the warm-up into tracing + lowering (``lower_s``), compilation o
 and the rest (``warmup_other_s``: the cost table). Each process then generates once on prompts the warm-up never
 saw, in both loops (``generate``: seconds, compilations counted by JAX's events, and a digest of the tokens, which
 must be the same cold and warm). ``XLA_FLAGS`` from the environment reach both processes and are recorded.
-``--startup-profile`` adds a cProfile listing of the warm start-up. ``--draft-lengths 0,1,3,7`` builds every
+``--startup-profile`` adds a cProfile listing of the warm start-up; ``--startup-trace`` runs it under JAX's
+profiler instead and lists what the host threads did by event name (where the loads of stored executables go). ``--draft-lengths 0,1,3,7`` builds every
 adaptive engine (start-up, throughput, prefix caching) with those draft lengths instead of the default ``0, 3,
 K``; rows record the lengths.
 
@@ -60,9 +61,12 @@ def meta(args) -> dict:
 
 
 def startup_once(n: int, dtype_name: str, k: int, max_model_len: int, profile_to: str | None = None,
-                 sampling_loop_buckets: int = 1, draft_lengths: tuple[int, ...] | None = None) -> dict:
+                 sampling_loop_buckets: int = 1, draft_lengths: tuple[int, ...] | None = None,
+                 trace_to: str | None = None) -> dict:
     """Construction + warm-up of one engine (run inside a fresh process); with ``profile_to``, under cProfile,
-    the 40 functions of largest cumulative time written to that file."""
+    the 40 functions of largest cumulative time written to that file; with ``trace_to``, under JAX's profiler,
+    the host threads' activity by event name (``op_trace.host_activity``) written to that file as JSON and its
+    ten largest rows kept in the row (``trace_top``)."""
     from spec_decode import Engine
 
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[dtype_name]
@@ -73,11 +77,26 @@ def startup_once(n: int, dtype_name: str, k: int, max_model_len: int, profile_to
 
         prof = cProfile.Profile()
         prof.enable()
+    built = []
+
+    def build():
+        built.append(Engine(target, drafter, num_speculative_tokens=k, verification="adaptive", max_num_seqs=n,
+                            max_model_len=max_model_len, tokenizer=tokenizer, precompile=True,
+                            device_loop_sampling_token_buckets=sampling_loop_buckets, draft_lengths=draft_lengths))
+
     t0 = time.perf_counter()
-    eng = Engine(target, drafter, num_speculative_tokens=k, verification="adaptive", max_num_seqs=n,
-                 max_model_len=max_model_len, tokenizer=tokenizer, precompile=True,
-                 device_loop_sampling_token_buckets=sampling_loop_buckets, draft_lengths=draft_lengths)
+    activity = None
+    if trace_to:
+        from scripts.op_trace import host_activity
+
+        activity = host_activity(build, top=60)
+    else:
+        build()
     total = time.perf_counter() - t0
+    eng = built[0]
+    if activity is not None:
+        with open(trace_to, "w") as f:
+            json.dump(activity, f, indent=1)
     if prof is not None:
         import io
         import pstats
@@ -107,7 +126,8 @@ def startup_once(n: int, dtype_name: str, k: int, max_model_len: int, profile_to
             "compile_s": rep.compile_seconds,
             "warmup_other_s": rep.seconds - rep.lower_seconds - rep.compile_seconds - rep.load_seconds,
             "loaded": rep.loaded, "load_s": rep.load_seconds, "slowest_compiles": rep.slowest,
-            "generate": gen, "xla_flags": os.environ.get("XLA_FLAGS", "")}
+            "generate": gen, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            **({"trace_top": activity[:10]} if activity is not None else {})}
 
 
 def run_startup(args, out_rows: list) -> None:
@@ -125,6 +145,8 @@ def run_startup(args, out_rows: list) -> None:
                     cmd += ["--draft-lengths", ",".join(map(str, args.draft_lengths))]
                 if args.startup_profile and phase == "warm":  # (cProfile would slow the cold tracing too)
                     cmd += ["--startup-profile-to", os.path.join(args.out, f"startup_profile_{n}_{phase}.txt")]
+                if args.startup_trace and phase == "warm":
+                    cmd += ["--startup-trace-to", os.path.join(args.out, f"startup_trace_{n}_{phase}.json")]
                 proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
                 if proc.returncode != 0:
                     print(proc.stderr[-2000:], file=sys.stderr)
@@ -235,6 +257,9 @@ def main():
                     help="prefill chunk sizes (Engine(max_num_batched_tokens=...)) of the prefix-caching rows")
     ap.add_argument("--startup-profile", action="store_true",
                     help="run the warm start-up under cProfile: startup_profile_{slots}_warm.txt in --out")
+    ap.add_argument("--startup-trace", action="store_true",
+                    help="run the warm start-up under JAX's profiler: the host threads' activity by event name "
+                         "(XLA's executable loading among them) in startup_trace_{slots}_warm.json in --out")
     ap.add_argument("--sampling-loop-buckets", type=int, default=1,
                     help="start-up: Engine(device_loop_sampling_token_buckets=...), the sampling loop's verify sizes "
                          "per draft length (4: the greedy loop's, as before 2026-12-05)")
@@ -243,11 +268,13 @@ def main():
                          "e.g. 0,3,7")
     ap.add_argument("--startup-child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--startup-profile-to", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--startup-trace-to", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     refuse_lengths_above_k(ap, args.draft_lengths, args.k)
     if args.startup_child is not None:
         print(json.dumps(startup_once(args.startup_child, args.dtype, args.k, args.max_model_len,
-                                      args.startup_profile_to, args.sampling_loop_buckets, args.draft_lengths)))
+                                      args.startup_profile_to, args.sampling_loop_buckets, args.draft_lengths,
+                                      args.startup_trace_to)))
         return
     os.makedirs(args.out, exist_ok=True)
     rows: list = []

@@ -337,3 +337,58 @@ def kernel_times(fn, arg_sets, *, calls: int = 20) -> dict | None:
         names[(e.name or e.op)[:80]] += e.dur_ns / len(runs) / 1e3
     return {"device_us": busy[len(busy) // 2] / 1e3, "span_us": spans[len(spans) // 2] / 1e3,
             "kernels": {k: round(v, 2) for k, v in names.items()}, "calls_found": len(runs)}
+
+
+def host_activity(run: Callable[[], object], *, top: int = 40) -> list[dict]:
+    """What the host threads did while ``run()`` ran (XLA's and JAX's own trace annotations: compilation passes,
+    executable loading, lowering), by event name: the ``top`` names of largest self time
+    (:func:`activity_rows`). Device planes are left out, and so are Python calls (the Python tracer is off: it
+    would slow what is timed)."""
+    from jax.profiler import ProfileData
+
+    opts = jax.profiler.ProfileOptions()
+    opts.python_tracer_level = 0
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, profiler_options=opts):
+            jax.block_until_ready(run())
+        files = sorted(glob.glob(f"{d}/**/*.xplane.pb", recursive=True))
+        if not files:
+            raise RuntimeError(f"the profiler wrote no xplane.pb under {d}")
+        data = ProfileData.from_file(files[-1])
+        lines = [[(e.start_ns, e.duration_ns, e.name) for e in line.events]
+                 for plane in data.planes if not plane.name.startswith("/device:") for line in plane.lines]
+    return activity_rows(lines)[:top]
+
+
+def activity_rows(lines: list[list[tuple[float, float, str]]]) -> list[dict]:
+    """Events ``(start_ns, duration_ns, name)`` of each thread, summed by name, largest self time first.
+
+    Each row: ``name``, ``count``, ``total_ms`` (inclusive), ``self_ms`` (less the events nested in it on the same
+    thread) and ``threads`` (how many threads ran it)."""
+    rows: dict[str, dict] = {}
+    for events in lines:
+        seen: set[str] = set()
+        stack: list[list] = []  # [end_ns, name, duration_ns, nested_ns]
+
+        def close():
+            end, name, dur, nested = stack.pop()
+            r = rows.setdefault(name, {"name": name, "count": 0, "total_ms": 0.0, "self_ms": 0.0, "threads": 0})
+            r["count"] += 1
+            r["total_ms"] += dur / 1e6
+            r["self_ms"] += max(dur - nested, 0.0) / 1e6
+            if name not in seen:
+                seen.add(name)
+                r["threads"] += 1
+            if stack:
+                stack[-1][3] += dur
+
+        for start, dur, name in sorted(events, key=lambda t: (t[0], -t[1])):
+            while stack and stack[-1][0] <= start:
+                close()
+            stack.append([start + dur, name, dur, 0.0])
+        while stack:
+            close()
+    out = sorted(rows.values(), key=lambda r: -r["self_ms"])
+    for r in out:
+        r["total_ms"], r["self_ms"] = round(r["total_ms"], 3), round(r["self_ms"], 3)
+    return out

@@ -201,6 +201,22 @@ def test_trace_attribution_of_named_scopes():
     assert times.busy_s <= times.span_s <= times.wall_s
 
 
+def test_host_activity_nests_and_sums_by_name():
+    """Host events sum by name per thread: a parent's self time excludes what nests in it; a name run on two
+    threads counts both. A traced compile shows XLA's compiler annotations."""
+    ms = 1_000_000
+    t0 = [(0, 10 * ms, "load"), (1 * ms, 3 * ms, "parse"), (5 * ms, 2 * ms, "parse"), (20 * ms, 1 * ms, "load")]
+    t1 = [(0, 4 * ms, "parse")]
+    rows = {r["name"]: r for r in op_trace.activity_rows([t0, t1])}
+    assert rows["load"] == {"name": "load", "count": 2, "total_ms": 11.0, "self_ms": 6.0, "threads": 1}
+    assert rows["parse"] == {"name": "parse", "count": 3, "total_ms": 9.0, "self_ms": 9.0, "threads": 2}
+    assert [r["name"] for r in op_trace.activity_rows([t0, t1])] == ["parse", "load"]
+    x = jnp.arange(float(np.random.default_rng().integers(3, 50)))
+    rows = op_trace.host_activity(lambda: jax.jit(lambda v: jnp.cos(v) * 3)(x), top=200)
+    assert rows and all(0 <= r["self_ms"] <= r["total_ms"] + 1e-3 and r["count"] >= 1 for r in rows)
+    assert any("Compile" in r["name"] for r in rows)
+
+
 def test_overlap_sharing_and_run_split():
     """Overlapping events share their common time equally; runs split at run ids, else at the widest gaps."""
     ev = op_trace.Event
