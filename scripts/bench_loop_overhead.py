@@ -121,18 +121,18 @@ def context_sweep(eng, contexts, rounds: int = 5, live: tuple[int, ...] = ()) ->
         branch_list, timer, context = eng._loop_branch_timer(program, context=c)
         runs = [(d, t, name, n) for d, t in branch_list for name, n in shapes(d, t, eng.max_num_seqs, live)]
         calls = {(i, n): [] for i in range(len(runs)) for n in (1, 13)}
-        for d, t, _, live in runs:  # a first call of each shape, untimed
-            timer(d, t, 1, live)
+        for d, t, _, slots in runs:  # a first call of each shape, untimed
+            timer(d, t, 1, slots)
         for _ in range(rounds):
-            for i, (d, t, _, live) in enumerate(runs):
+            for i, (d, t, _, slots) in enumerate(runs):
                 for n in (1, 13):
-                    calls[i, n].append(1e3 * timer(d, t, n, live))
-        for i, (d, t, name, live) in enumerate(runs):
+                    calls[i, n].append(1e3 * timer(d, t, n, slots))
+        for i, (d, t, name, slots) in enumerate(runs):
             ms = float((np.median(calls[i, 13]) - np.median(calls[i, 1])) / 12)
-            out["rows"].append({"context": context, "branch": f"{d}/{t}", "shape": name, "live": live,
-                                "drafts": min(t - live, live * d), "ms_per_iteration": ms,
+            out["rows"].append({"context": context, "branch": f"{d}/{t}", "shape": name, "live": slots,
+                                "drafts": min(t - slots, slots * d), "ms_per_iteration": ms,
                                 "calls_ms": {str(n): calls[i, n] for n in (1, 13)}})
-            print(f"bench_loop_overhead: context {context} {d}/{t} {name} ({live} slots): {ms:.3f} ms per iteration",
+            print(f"bench_loop_overhead: context {context} {d}/{t} {name} ({slots} slots): {ms:.3f} ms per iteration",
                   flush=True)
     eng._state = eng._init_state()  # the timing runs left every slot at a context: start clean
     return out

@@ -167,6 +167,14 @@ def test_profiled_cost_table_times_the_loop_branches_inside_the_loop(target, pro
     assert np.asarray(eng._state.num_cached).tolist() == [30] * r
     with pytest.raises(ValueError, match="context"):
         eng._loop_branch_timer(program, context=eng.max_model_len)
+    # the script's sweep over two contexts with live counts: every branch at each context, each shape once
+    from scripts.bench_loop_overhead import context_sweep, shapes
+
+    sweep = context_sweep(eng, [20, 30], rounds=1, live=(2,))
+    branches = eng._loop_branch_timer(program)[0]
+    want = [(c, f"{d}/{t}", name, n) for c in (20, 30) for d, t in branches for name, n in shapes(d, t, r, (2,))]
+    assert [(w["context"], w["branch"], w["shape"], w["live"]) for w in sweep["rows"]] == want
+    assert any(w[2] == "live 2" for w in want) and all(np.isfinite(w["ms_per_iteration"]) for w in sweep["rows"])
     eng._state = eng._placed(_with_lengths(eng._state, np.zeros(r, np.int32)))
     eng.pool.clear_cache()
 
