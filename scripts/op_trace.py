@@ -364,7 +364,8 @@ def activity_rows(lines: list[list[tuple[float, float, str]]]) -> list[dict]:
     """Events ``(start_ns, duration_ns, name)`` of each thread, summed by name, largest self time first.
 
     Each row: ``name``, ``count``, ``total_ms`` (inclusive), ``self_ms`` (less the events nested in it on the same
-    thread) and ``threads`` (how many threads ran it)."""
+    thread), ``max_ms`` (the longest single event: in a warm start, the largest executable's load) and
+    ``threads`` (how many threads ran it)."""
     rows: dict[str, dict] = {}
     for events in lines:
         seen: set[str] = set()
@@ -372,9 +373,11 @@ def activity_rows(lines: list[list[tuple[float, float, str]]]) -> list[dict]:
 
         def close():
             end, name, dur, nested = stack.pop()
-            r = rows.setdefault(name, {"name": name, "count": 0, "total_ms": 0.0, "self_ms": 0.0, "threads": 0})
+            r = rows.setdefault(name, {"name": name, "count": 0, "total_ms": 0.0, "self_ms": 0.0, "max_ms": 0.0,
+                                       "threads": 0})
             r["count"] += 1
             r["total_ms"] += dur / 1e6
+            r["max_ms"] = max(r["max_ms"], dur / 1e6)
             r["self_ms"] += max(dur - nested, 0.0) / 1e6
             if name not in seen:
                 seen.add(name)
@@ -390,5 +393,6 @@ def activity_rows(lines: list[list[tuple[float, float, str]]]) -> list[dict]:
             close()
     out = sorted(rows.values(), key=lambda r: -r["self_ms"])
     for r in out:
-        r["total_ms"], r["self_ms"] = round(r["total_ms"], 3), round(r["self_ms"], 3)
+        for key in ("total_ms", "self_ms", "max_ms"):
+            r[key] = round(r[key], 3)
     return out

@@ -208,8 +208,10 @@ def test_host_activity_nests_and_sums_by_name():
     t0 = [(0, 10 * ms, "load"), (1 * ms, 3 * ms, "parse"), (5 * ms, 2 * ms, "parse"), (20 * ms, 1 * ms, "load")]
     t1 = [(0, 4 * ms, "parse")]
     rows = {r["name"]: r for r in op_trace.activity_rows([t0, t1])}
-    assert rows["load"] == {"name": "load", "count": 2, "total_ms": 11.0, "self_ms": 6.0, "threads": 1}
-    assert rows["parse"] == {"name": "parse", "count": 3, "total_ms": 9.0, "self_ms": 9.0, "threads": 2}
+    assert rows["load"] == {"name": "load", "count": 2, "total_ms": 11.0, "self_ms": 6.0, "max_ms": 10.0,
+                            "threads": 1}
+    assert rows["parse"] == {"name": "parse", "count": 3, "total_ms": 9.0, "self_ms": 9.0, "max_ms": 4.0,
+                             "threads": 2}
     assert [r["name"] for r in op_trace.activity_rows([t0, t1])] == ["parse", "load"]
     x = jnp.arange(float(np.random.default_rng().integers(3, 50)))
     rows = op_trace.host_activity(lambda: jax.jit(lambda v: jnp.cos(v) * 3)(x), top=200)
