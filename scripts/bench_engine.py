@@ -17,7 +17,8 @@ and the rest (``warmup_other_s``: the cost table). Each process then generates o
 saw, in both loops (``generate``: seconds, compilations counted by JAX's events, and a digest of the tokens, which
 must be the same cold and warm). ``XLA_FLAGS`` from the environment reach both processes and are recorded.
 ``--startup-profile`` adds a cProfile listing of the warm start-up; ``--startup-trace`` runs it under JAX's
-profiler instead and lists what the host threads did by event name (where the loads of stored executables go). ``--draft-lengths 0,1,3,7`` builds every
+profiler instead and lists what the host threads did by event name (where the loads of stored executables go;
+its start-up time then holds the profiler's own start and stop). ``--draft-lengths 0,1,3,7`` builds every
 adaptive engine (start-up, throughput, prefix caching) with those draft lengths instead of the default ``0, 3,
 K``; rows record the lengths.
 
@@ -236,7 +237,7 @@ def run_prefix(args, target, drafter, tokenizer, out_rows: list, save) -> None:
         save()
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--requests", type=int, nargs="*", default=[8, 64, 256])
@@ -269,8 +270,10 @@ def main():
     ap.add_argument("--startup-child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--startup-profile-to", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--startup-trace-to", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     refuse_lengths_above_k(ap, args.draft_lengths, args.k)
+    if args.startup_profile and args.startup_trace:
+        ap.error("--startup-profile and --startup-trace profile the same warm start-up two ways: give one")
     if args.startup_child is not None:
         print(json.dumps(startup_once(args.startup_child, args.dtype, args.k, args.max_model_len,
                                       args.startup_profile_to, args.sampling_loop_buckets, args.draft_lengths,
