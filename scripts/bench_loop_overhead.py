@@ -264,7 +264,7 @@ def main(argv=None) -> int:
         eng = Engine(target, drafter, max_num_seqs=args.slots, max_model_len=args.max_model_len,
                      max_num_batched_tokens=2048, sampling=False,
                      cost_table="profile" if kw["verification"] == "adaptive" else None, **kw)
-        branches = [(d, t) for d, ts in zip(eng.loop_config.draft_lengths, eng.loop_config.token_buckets) for t in ts]
+        branches = eng.loop_config.branches
         if main_branch is not None and not args.contexts and main_branch not in branches:  # before any compile
             raise SystemExit(f"bench_loop_overhead: {mode} has no branch {args.main_branch} (its branches: "
                              f"{' '.join(f'{d}/{t}' for d, t in branches)})")

@@ -165,21 +165,30 @@ def trace(run: Callable[[], object], module: str | None, *, log_dir: str | None 
     """Run ``run()`` (which must wait for its results) under the profiler; the events of ``module`` (``None``:
     of every program) and the platform they were read from (``"gpu"``: device kernels, ``"cpu"``: host
     thunks)."""
-    from jax.profiler import ProfileData
 
-    with tempfile.TemporaryDirectory() as tmp:
-        d = log_dir or tmp
-        with jax.profiler.trace(d):
-            jax.block_until_ready(run())
-        files = sorted(glob.glob(f"{d}/**/*.xplane.pb", recursive=True))
-        if not files:
-            raise RuntimeError(f"the profiler wrote no xplane.pb under {d}")
-        data = ProfileData.from_file(files[-1])
+    def read(data):
         events, platform = _events_of(data, module)
         if not events and module is not None:  # module names spelled otherwise: nothing else ran in the trace
             events, platform = _events_of(data, None)
             platform += " (module not found: every program's events)"
         return events, platform
+
+    return _profiled(run, read, log_dir=log_dir)
+
+
+def _profiled(run: Callable[[], object], read: Callable, *, log_dir: str | None = None, options=None):
+    """``read(data)`` of the profiler's xspace (``jax.profiler.ProfileData``) for one traced ``run()`` (waited
+    for), written under ``log_dir`` (default: a temporary directory)."""
+    from jax.profiler import ProfileData
+
+    with tempfile.TemporaryDirectory() as tmp:
+        d = log_dir or tmp
+        with jax.profiler.trace(d, profiler_options=options):
+            jax.block_until_ready(run())
+        files = sorted(glob.glob(f"{d}/**/*.xplane.pb", recursive=True))
+        if not files:
+            raise RuntimeError(f"the profiler wrote no xplane.pb under {d}")
+        return read(ProfileData.from_file(files[-1]))
 
 
 def split_runs(events: list[Event], calls: int) -> list[list[Event]]:
@@ -344,20 +353,14 @@ def host_activity(run: Callable[[], object], *, top: int = 40) -> list[dict]:
     executable loading, lowering), by event name: the ``top`` names of largest self time
     (:func:`activity_rows`). Device planes are left out, and so are Python calls (the Python tracer is off: it
     would slow what is timed)."""
-    from jax.profiler import ProfileData
-
     opts = jax.profiler.ProfileOptions()
     opts.python_tracer_level = 0
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, profiler_options=opts):
-            jax.block_until_ready(run())
-        files = sorted(glob.glob(f"{d}/**/*.xplane.pb", recursive=True))
-        if not files:
-            raise RuntimeError(f"the profiler wrote no xplane.pb under {d}")
-        data = ProfileData.from_file(files[-1])
-        lines = [[(e.start_ns, e.duration_ns, e.name) for e in line.events]
-                 for plane in data.planes if not plane.name.startswith("/device:") for line in plane.lines]
-    return activity_rows(lines)[:top]
+
+    def read(data):
+        return [[(e.start_ns, e.duration_ns, e.name) for e in line.events]
+                for plane in data.planes if not plane.name.startswith("/device:") for line in plane.lines]
+
+    return activity_rows(_profiled(run, read, options=opts))[:top]
 
 
 def activity_rows(lines: list[list[tuple[float, float, str]]]) -> list[dict]:

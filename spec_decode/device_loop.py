@@ -98,6 +98,11 @@ class LoopConfig:
     logprobs: int | None = None  # top alternatives carried per token (None: no log-probabilities; sampling only)
     plan_interval: int = 1  # iterations each plan holds for (its draft length and bucket; the budget re-clipped)
 
+    @property
+    def branches(self) -> tuple[tuple[int, int], ...]:
+        """``(draft length, tokens)`` of each branch of the loop's switch, in switch order."""
+        return tuple((d, t) for d, buckets in zip(self.draft_lengths, self.token_buckets) for t in buckets)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

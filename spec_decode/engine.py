@@ -737,7 +737,7 @@ class Engine:
         ``t - live`` drafts among them (at most ``d`` each). Used by the cost-table profile and by
         ``scripts/bench_loop_overhead.py``."""
         cfg, r = self._loop_config_of(sampling), self.max_num_seqs
-        branches = [(d, t) for d, buckets in zip(cfg.draft_lengths, cfg.token_buckets) for t in buckets]
+        branches = list(cfg.branches)
         index = {p: i for i, p in enumerate(branches)}
         context = max(1, self.max_model_len // 4) if context is None else int(context)
         if not 0 < context <= self.max_model_len - 1 - self.k:
