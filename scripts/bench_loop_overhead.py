@@ -1,7 +1,7 @@
 """The device loop's cost per call and per iteration, and whether changing branches between calls costs.
 
     PYTHONPATH=. python3 scripts/bench_loop_overhead.py --out FILE.json [--slots 512] [--modes adaptive fixed3]
-        [--main-branch 3/256] [--context 320] [--rounds 6] [--dump-hlo DIR]
+        [--main-branch 3/256] [--context 320] [--rounds 6] [--dump-hlo DIR] [--trace-calls 20]
         [--sampling-loop | --contexts 112 240 368 [--live 4 8] [--rounds 5]]
 
 Modes are ``scripts/bench_e2e.py``'s (``adaptive``, ``adaptive@3``, ``adaptive@0,3,7``, ``fixed3`` ...; ``--k`` is
@@ -25,7 +25,11 @@ interleaved rounds (each round: every engine in turn), so drift between engines'
 Wall time from the call to the read-back of its step count, on the host (``time.perf_counter``). Two engines that
 run the same branch (the K = 7 engine's length-3 program is the K = 3 engine's: session 29) differ here only by
 what their loops hold beside it: the plan, the switch over their branches, the epoch's bookkeeping.
-``--dump-hlo DIR`` writes each greedy loop's optimized HLO (``DIR/MODE.hlo.gz``) for ``scripts/hlo_report.py``.
+``--trace-calls N``: after the rounds, ``N`` calls of 0 iterations and ``N`` of 1 (the main branch) per mode run
+under the profiler (``scripts/op_trace.py:host_activity``, the runtime's finer annotations on): what the host
+threads did in a call, by event name, summed over the ``N`` calls (``zero_call_trace``, ``one_call_trace``), so
+the per-call cost of a loop with more branches can be read by name. ``--dump-hlo DIR`` writes each greedy loop's
+optimized HLO (``DIR/MODE.hlo.gz``) for ``scripts/hlo_report.py``.
 
 ``--contexts C ...``: instead, what the engine's cost table leaves out (it times every branch once, at a quarter
 of ``max_model_len``, every slot decoding): each branch's time per iteration at each context ``C`` (every slot's
@@ -53,9 +57,10 @@ import numpy as np
 
 
 def measure(engines: dict, *, main: tuple[int, int] | None, context: int | None, rounds: int,
-            log=print) -> dict:
+            trace_calls: int = 0, log=print) -> dict:
     """The timing calls of the module docstring on ``engines`` (mode -> engine with its greedy device loop
-    compiled, holding the branch ``main`` when given), in ``rounds`` interleaved rounds. One result per mode."""
+    compiled, holding the branch ``main`` when given), in ``rounds`` interleaved rounds, then ``trace_calls``
+    traced calls of 0 and of 1 iteration per mode (``--trace-calls``). One result per mode."""
     timers = {}
     for mode, eng in engines.items():
         branch_list, timer, ctx = eng._loop_branch_timer(eng._loop_programs[(False, None)], context=context)
@@ -98,6 +103,18 @@ def measure(engines: dict, *, main: tuple[int, int] | None, context: int | None,
                      "zero_iteration_call_ms": float(np.median(c["zero"])),
                      "alternating_main_ms": float(np.median([v for b, v in alternating if b == name])),
                      "alternating_other_ms": float(np.median([v for b, v in alternating if b != name] or [np.nan]))}
+        if trace_calls:
+            from scripts.op_trace import host_activity
+
+            def calls_of(steps):
+                for _ in range(trace_calls):
+                    run(mode, here, steps)  # each call waits for its read-back
+
+            for key, steps in (("zero_call_trace", 0), ("one_call_trace", 1)):
+                out[mode][key] = {"calls": trace_calls,
+                                  "rows": host_activity(lambda: calls_of(steps), top=60, level=3)}
+                top = ", ".join(f"{r['name'][:48]} {r['self_ms'] / trace_calls:.3f}" for r in out[mode][key]["rows"][:6])
+                log(f"bench_loop_overhead: {mode}: {key} (ms a call, own time): {top}")
     return out
 
 
@@ -196,6 +213,8 @@ def main(argv=None) -> int:
                     help="each branch's time per iteration at these contexts, full batch and tail (module docstring)")
     ap.add_argument("--live", type=int, nargs="+", default=[], metavar="N",
                     help="--contexts: also time each branch with N slots decoding (the rest of its tokens padding)")
+    ap.add_argument("--trace-calls", type=int, default=0, metavar="N",
+                    help="also trace N calls of 0 and of 1 iteration per mode on the host (module docstring)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="interleaved rounds (default 6; --contexts: 5)")
     args = ap.parse_args(argv)
@@ -227,6 +246,10 @@ def main(argv=None) -> int:
     if args.sampling_loop and any(len(v.get("draft_lengths", ())) > 1 for v in settings.values()):
         ap.error("--sampling-loop builds its engines without a cost table: one draft length per mode (adaptive, "
                  "adaptive@D, fixedN)")
+    if args.trace_calls and (args.sampling_loop or args.contexts):
+        ap.error("--trace-calls goes with the forced-branch timing, not with --sampling-loop or --contexts")
+    if args.trace_calls < 0:
+        ap.error(f"--trace-calls must be at least 0, got {args.trace_calls}")
     if args.rounds is not None and args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
     rounds = args.rounds or (5 if args.contexts else 6)
@@ -280,7 +303,8 @@ def main(argv=None) -> int:
                 f.write(hlo_text(eng._loop_programs[(False, None)]))
         engines[mode] = eng
     if engines:
-        rows.update(measure(engines, main=main_branch, context=args.context, rounds=rounds))
+        rows.update(measure(engines, main=main_branch, context=args.context, rounds=rounds,
+                            trace_calls=args.trace_calls))
         for mode in engines:
             summary = {k: round(v, 4) for k, v in rows[mode].items() if k.endswith("_ms") and isinstance(v, float)}
             print(f"bench_loop_overhead: {mode}: {json.dumps(summary)}", flush=True)

@@ -348,13 +348,14 @@ def kernel_times(fn, arg_sets, *, calls: int = 20) -> dict | None:
             "kernels": {k: round(v, 2) for k, v in names.items()}, "calls_found": len(runs)}
 
 
-def host_activity(run: Callable[[], object], *, top: int = 40) -> list[dict]:
+def host_activity(run: Callable[[], object], *, top: int = 40, level: int = 2) -> list[dict]:
     """What the host threads did while ``run()`` ran (XLA's and JAX's own trace annotations: compilation passes,
-    executable loading, lowering), by event name: the ``top`` names of largest self time
-    (:func:`activity_rows`). Device planes are left out, and so are Python calls (the Python tracer is off: it
-    would slow what is timed)."""
+    executable loading, lowering, and at ``level`` 3 the runtime's finer ones, such as each thunk's execution), by
+    event name: the ``top`` names of largest self time (:func:`activity_rows`). Device planes are left out, and so
+    are Python calls (the Python tracer is off: it would slow what is timed)."""
     opts = jax.profiler.ProfileOptions()
     opts.python_tracer_level = 0
+    opts.host_tracer_level = level
 
     def read(data):
         return [[(e.start_ns, e.duration_ns, e.name) for e in line.events]

@@ -29,6 +29,8 @@ def test_each_branch_is_timed_full_in_its_tail_and_at_the_live_counts_asked():
     (["--contexts", "112", "--main-branch", "3/256"], "go with the forced-branch timing"),
     (["--sampling-loop", "--dump-hlo", "/tmp/x"], "go with the forced-branch timing"),
     (["--sampling-loop", "--modes", "adaptive@3,7"], "one draft length per mode"),
+    (["--contexts", "112", "--trace-calls", "4"], "--trace-calls goes with the forced-branch timing"),
+    (["--trace-calls", "-1"], "--trace-calls must be at least 0"),
 ])
 def test_bad_arguments_are_refused_before_any_model_loads(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
