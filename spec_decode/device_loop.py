@@ -30,7 +30,11 @@ most ``max_num_seqs`` requests whose pages fit the pool:
      them once. The plan still reads confidences of an earlier step only, so it stays lossless. ``1``: plan every
      step, the host loop's rule, step for step;
 
-   the loop ends when every row has finished. One read-back per wave.
+   the loop ends when every row has finished. One read-back per wave, and one transfer: the wave's
+   :class:`LoopInputs` (32 arrays with the cost table) travel packed in one ``int32`` vector
+   (:func:`pack_loop_inputs`; the program unpacks it by static slices, :func:`take_packed_inputs`), as a step's
+   plan does. Sent leaf by leaf, each array was a transfer of its own and a host callback: on an H100 a call that
+   runs no iteration spent about 1 ms of host time in them (``scripts/bench_loop_overhead.py --trace-calls``).
 
 **Log-probabilities** (``SamplingParams.logprobs``): a loop compiled with ``LoopConfig.logprobs = L`` (the
 sampling programs only) carries, beside its output tokens, each token's log-probability ``f32[R, W]`` and its
@@ -49,6 +53,7 @@ loop's and to target-only decoding, and stochastic outputs are identical wheneve
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +64,8 @@ from spec_decode.cost_table import CostTableArrays
 from spec_decode.logprobs import MAX_LOGPROBS, token_logprobs
 from spec_decode.step import DecodeState, StepConfig, StepPlan, make_step_fn
 
-__all__ = ["LOGPROBS_WIDTHS", "LoopConfig", "LoopInputs", "LoopOutputs", "add_row_stats", "logprobs_width", "make_loop_fn"]
+__all__ = ["LOGPROBS_WIDTHS", "InputsLayout", "LoopConfig", "LoopInputs", "LoopOutputs", "add_row_stats",
+           "logprobs_width", "make_loop_fn", "pack_loop_inputs", "take_packed_inputs", "unpack_loop_inputs"]
 
 LOGPROBS_WIDTHS = (0, 1, 2, 4, 8, 16, MAX_LOGPROBS)  # the loop's static top-alternative widths (each one program)
 
@@ -132,6 +138,73 @@ class LoopInputs:
     # commits nothing, so each repeats the same step on the same state until ``max_steps``
     timing_branch: jax.Array
     timing_budget: jax.Array  # int32[]
+
+
+_PACKED_KINDS = {np.dtype(np.int32): "int32", np.dtype(np.float32): "float32", np.dtype(np.bool_): "bool"}
+
+
+@dataclasses.dataclass(frozen=True)
+class InputsLayout:
+    """Where each array of a :class:`LoopInputs` lies in its packed vector (:func:`pack_loop_inputs`): the tree's
+    structure and, per leaf in tree order, its shape and kind (``int32``, ``float32`` bit-cast, ``bool`` as 0/1).
+    Fixed by the loop's configuration (rows, pages per row, stop ids, the cost table's capacity), so it is
+    static in the program."""
+
+    treedef: object
+    leaves: tuple[tuple[tuple[int, ...], str], ...]
+
+    @classmethod
+    def of(cls, inputs: LoopInputs) -> InputsLayout:
+        leaves, treedef = jax.tree.flatten(inputs)
+        return cls(treedef, tuple((tuple(np.shape(x)), _kind(x)) for x in leaves))
+
+    @property
+    def size(self) -> int:
+        """The packed vector's length."""
+        return sum(math.prod(shape) for shape, _ in self.leaves)
+
+
+def _kind(x) -> str:
+    dtype = np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+    if dtype not in _PACKED_KINDS:
+        raise TypeError(f"loop inputs hold int32, float32 and bool arrays only, got {dtype}")
+    return _PACKED_KINDS[dtype]
+
+
+def pack_loop_inputs(inputs: LoopInputs) -> np.ndarray:
+    """Numpy side: every array of ``inputs`` (host arrays) in one flat ``int32`` vector, in tree order (floats
+    bit-cast, booleans as 0/1), so a call sends its inputs in one transfer."""
+    parts = []
+    for x in jax.tree.leaves(inputs):
+        a = np.asarray(x)
+        kind = _kind(a)
+        parts.append((a.view(np.int32) if kind == "float32" else a.astype(np.int32, copy=False)).ravel())
+    return np.concatenate(parts)
+
+
+def unpack_loop_inputs(packed: jax.Array, layout: InputsLayout) -> LoopInputs:
+    """Device side (traced): the :class:`LoopInputs` back from :func:`pack_loop_inputs`'s vector, by static
+    slices of ``layout``."""
+    if tuple(packed.shape) != (layout.size,) or packed.dtype != jnp.int32:
+        raise ValueError(f"packed loop inputs must be int32[{layout.size}], got {packed.dtype}{list(packed.shape)}")
+    leaves, at = [], 0
+    for shape, kind in layout.leaves:
+        n = math.prod(shape)
+        x = packed[at:at + n].reshape(shape)
+        at += n
+        leaves.append(jax.lax.bitcast_convert_type(x, jnp.float32) if kind == "float32" else
+                      x != 0 if kind == "bool" else x)
+    return jax.tree.unflatten(layout.treedef, leaves)
+
+
+def take_packed_inputs(loop_fn, layout: InputsLayout):
+    """``loop_fn`` (:func:`make_loop_fn`'s program) taking its inputs packed: ``program(target_params,
+    drafter_params, state, packed)`` with ``packed`` :func:`pack_loop_inputs`'s vector of inputs of ``layout``."""
+
+    def program(target_params, drafter_params, state, packed):
+        return loop_fn(target_params, drafter_params, state, unpack_loop_inputs(packed, layout))
+
+    return program
 
 
 @jax.tree_util.register_dataclass

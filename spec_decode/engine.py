@@ -52,7 +52,8 @@ from minimax_jax.draft_cache import draft_cache_bytes_per_page
 from spec_decode import compilation_cache as persistent_cache
 from spec_decode.buckets import StepKey, default_draft_lengths, logit_rows, step_keys, token_bucket
 from spec_decode.cost_table import CostTable, CostTableArrays, load_cost_table, save_cost_table
-from spec_decode.device_loop import LoopConfig, fill_requests, logprobs_width, loop_inputs, make_loop_fn
+from spec_decode.device_loop import (InputsLayout, LoopConfig, fill_requests, logprobs_width, loop_inputs, make_loop_fn,
+                                     pack_loop_inputs, take_packed_inputs)
 from spec_decode.executable_store import (
     ExecutableStore,
     abstract,
@@ -563,7 +564,8 @@ class Engine:
             s = self._state
             return lambda: self._history_jit().lower(s.token_counts, s.prompt_mask, np.int32(0),
                                                      np.full(self.max_model_len, -1, np.int32), np.int32(0))
-        return lambda: self._loop_jit(*name[1:]).lower(*params, self._state, self._example_loop_inputs())
+        return lambda: self._loop_jit(*name[1:]).lower(*params, self._state,
+                                                       pack_loop_inputs(self._example_loop_inputs()))
 
     def _loop_config_of(self, sampling: bool) -> LoopConfig:
         """The static shape of the greedy or the sampling device loop (they differ in their token buckets)."""
@@ -573,7 +575,9 @@ class Engine:
         """The device loop (greedy or sampling programs, carrying ``width`` log-probabilities or none), jitted."""
         cfg = dataclasses.replace(self._loop_config_of(sampling), logprobs=width,
                                   step=dataclasses.replace(self._step_config, sampling=sampling))
-        return jax.jit(on_mesh(make_loop_fn(self.target, self.drafter, cfg), self.mesh), donate_argnums=(2,))
+        program = take_packed_inputs(make_loop_fn(self.target, self.drafter, cfg),
+                                     InputsLayout.of(self._example_loop_inputs()))
+        return jax.jit(on_mesh(program, self.mesh), donate_argnums=(2,))
 
     def _program_digests(self, names: list) -> dict:
         """``{name: key}``: each program's key in the executable store (:mod:`spec_decode.executable_store`): what
@@ -638,6 +642,11 @@ class Engine:
             counts, mask = self._history_program(self._state.token_counts, self._state.prompt_mask, np.int32(slot),
                                                  padded, np.int32(num_prompt))
             self._state = dataclasses.replace(self._state, token_counts=counts, prompt_mask=mask)
+
+    def _put_loop_inputs(self, inputs):
+        """A device loop's :class:`~spec_decode.device_loop.LoopInputs` (host arrays) on the device(s), packed in
+        one transfer: what the loop programs take."""
+        return self._programs.put(pack_loop_inputs(inputs))
 
     def _example_loop_inputs(self):
         return loop_inputs([], config=self.loop_config, block_tables=np.zeros((0, self.max_blocks), np.int32),
@@ -751,7 +760,7 @@ class Engine:
         def run(d: int, t: int, steps: int, live: int | None = None) -> float:
             n = min(r, t) if live is None else int(live)
             rows = np.where(np.arange(r) < n, np.arange(r), -1).astype(np.int32)
-            inputs = self._programs.put(dataclasses.replace(
+            inputs = self._put_loop_inputs(dataclasses.replace(
                 base, rows=rows, max_steps=np.asarray(steps, np.int32),
                 timing_branch=np.asarray(index[d, t], np.int32), timing_budget=np.asarray(min(t - n, n * d), np.int32)))
             t0 = time.perf_counter()
@@ -1029,7 +1038,7 @@ class Engine:
         if isinstance(step, ScheduledBurst):
             program = self._loop_programs[(any(r.params.needs_sampling_program for r in step.requests), None)]
             self._state, out = program(self._target_params, self._drafter_params, self._state,
-                                       self._programs.put(packed))
+                                       self._put_loop_inputs(packed))
             for leaf in jax.tree.leaves(out):
                 leaf.copy_to_host_async()
             return out
@@ -1236,7 +1245,7 @@ class Engine:
                     key = self._loop_key(wave, width)
                     program, buckets = self._loop_programs[key], self._loop_config_of(key[0]).token_buckets
                     self._state, out = program(self._target_params, self._drafter_params, self._state,
-                                               self._programs.put(inputs))
+                                               self._put_loop_inputs(inputs))
                     out = jax.device_get(out)
                     device_s += time.perf_counter() - d0
                     fill_requests(live, out, self.k)
