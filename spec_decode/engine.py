@@ -52,8 +52,16 @@ from minimax_jax.draft_cache import draft_cache_bytes_per_page
 from spec_decode import compilation_cache as persistent_cache
 from spec_decode.buckets import StepKey, default_draft_lengths, logit_rows, step_keys, token_bucket
 from spec_decode.cost_table import CostTable, CostTableArrays, load_cost_table, save_cost_table
-from spec_decode.device_loop import (InputsLayout, LoopConfig, fill_requests, logprobs_width, loop_inputs, make_loop_fn,
-                                     pack_loop_inputs, take_packed_inputs)
+from spec_decode.device_loop import (
+    InputsLayout,
+    LoopConfig,
+    fill_requests,
+    logprobs_width,
+    loop_inputs,
+    make_loop_fn,
+    pack_loop_inputs,
+    take_packed_inputs,
+)
 from spec_decode.executable_store import (
     ExecutableStore,
     abstract,
