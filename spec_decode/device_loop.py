@@ -33,8 +33,9 @@ most ``max_num_seqs`` requests whose pages fit the pool:
    the loop ends when every row has finished. One read-back per wave, and one transfer: the wave's
    :class:`LoopInputs` (32 arrays with the cost table) travel packed in one ``int32`` vector
    (:func:`pack_loop_inputs`; the program unpacks it by static slices, :func:`take_packed_inputs`), as a step's
-   plan does. Sent leaf by leaf, each array was a transfer of its own and a host callback: on an H100 a call that
-   runs no iteration spent about 1 ms of host time in them (``scripts/bench_loop_overhead.py --trace-calls``).
+   plan does. Sent leaf by leaf, each array was a transfer of its own with its host callbacks: 3.5-4.6 ms of host
+   threads' time a call on an H100 (``scripts/bench_loop_overhead.py --trace-calls``), and packed, a 64-request
+   wave's decode 1-1.5 ms shorter (docs/ENGINE.md, "The device loop").
 
 **Log-probabilities** (``SamplingParams.logprobs``): a loop compiled with ``LoopConfig.logprobs = L`` (the
 sampling programs only) carries, beside its output tokens, each token's log-probability ``f32[R, W]`` and its
