@@ -97,9 +97,10 @@ NUM_BINS = 20
 
 # ----------------------------------------------------------------------------------------------- modes
 def adaptive_modes(rows: list[dict]) -> list[str]:
-    """The adaptive modes of ``rows``: the named ones first, then ``adaptive@...`` ones."""
+    """The adaptive modes of ``rows``: the named ones first, then ``adaptive@...`` and ``...+lbN`` ones."""
     present = {r["mode"] for r in rows}
-    return [m for m in ADAPTIVE if m in present] + sorted(m for m in present if m.startswith("adaptive@"))
+    return [m for m in ADAPTIVE if m in present] + sorted(m for m in present if m.startswith("adaptive")
+                                                          and m not in ADAPTIVE)
 
 
 def engine_accepts(name: str) -> bool:

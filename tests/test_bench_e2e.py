@@ -135,6 +135,13 @@ def test_modes_and_tables():
     # adaptive with given draft lengths: on a K = 7 engine drafting 3 only, beside fixed3's K = 3 engine
     assert bench_e2e.mode_settings("adaptive@3,1", 7) == {"verification": "adaptive", "num_speculative_tokens": 7,
                                                           "draft_lengths": (1, 3)}
+    # any mode with its own number of loop buckets per draft length (Engine(device_loop_token_buckets=N))
+    assert bench_e2e.mode_settings("adaptive+lb2", 7) == {"verification": "adaptive", "num_speculative_tokens": 7,
+                                                          "device_loop_token_buckets": 2}
+    assert bench_e2e.mode_settings("fixed3+lb1", 7)["device_loop_token_buckets"] == 1
+    for bad in ("adaptive+lb0", "adaptive+lb", "adaptive+x2", "fixedK+lb2"):
+        with pytest.raises(ValueError, match="lbN|unknown mode"):
+            bench_e2e.mode_settings(bad, 7)
     for bad in ("adaptive@", "adaptive@8", "adaptive@x", "adaptive@-1"):
         with pytest.raises(ValueError, match="draft lengths"):
             bench_e2e.mode_settings(bad, 7)
@@ -150,6 +157,8 @@ def test_modes_and_tables():
     assert "| 64 | 400 | - | - | 300 |" in md  # columns: none, fixed3, fixed7, adaptive
     held = rows + [{"n": 8, "mode": "adaptive@3", "loop": "host", "output_tokens_per_s": 240.0}]
     assert bench_e2e.adaptive_modes(held) == ["adaptive", "adaptive@3"]
+    assert bench_e2e.adaptive_modes(held + [{"n": 8, "mode": "adaptive+lb2"}]) == ["adaptive", "adaptive+lb2",
+                                                                                  "adaptive@3"]
     assert {e["n"]: e for e in bench_e2e.ratio_rows(held)}[8]["adaptive@3/best"] == pytest.approx(0.96)
     assert "adaptive@3/best" in bench_e2e.markdown(held)
     # the decode loop's own tokens/s (device rows): a second table, from the rows that carry it
