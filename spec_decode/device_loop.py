@@ -30,12 +30,12 @@ most ``max_num_seqs`` requests whose pages fit the pool:
      them once. The plan still reads confidences of an earlier step only, so it stays lossless. ``1``: plan every
      step, the host loop's rule, step for step;
 
-   the loop ends when every row has finished. One read-back per wave, and one transfer: the wave's
-   :class:`LoopInputs` (32 arrays with the cost table) travel packed in one ``int32`` vector
-   (:func:`pack_loop_inputs`; the program unpacks it by static slices, :func:`take_packed_inputs`), as a step's
-   plan does. Sent leaf by leaf, each array was a transfer of its own with its host callbacks: 3.5-4.6 ms of host
-   threads' time a call on an H100 (``scripts/bench_loop_overhead.py --trace-calls``), and packed, a 64-request
-   wave's decode 1-1.5 ms shorter (docs/ENGINE.md, "The device loop").
+   the loop ends when every row has finished. One transfer in and one read-back per wave: the wave's
+   :class:`LoopInputs` (32 arrays with the cost table) travel packed in one ``int32`` vector, and so do its
+   :class:`LoopOutputs` (16-19 arrays) on the way back (:func:`packed_program`, :mod:`spec_decode.transfer`).
+   Sent array by array, each was a transfer of its own with its host callbacks: the inputs alone took 3.5-4.6 ms
+   of host threads' time a call on an H100 (``scripts/bench_loop_overhead.py --trace-calls``), and packing them
+   made a 64-request wave's decode 1-1.5 ms shorter (docs/ENGINE.md, "The device loop").
 
 **Log-probabilities** (``SamplingParams.logprobs``): a loop compiled with ``LoopConfig.logprobs = L`` (the
 sampling programs only) carries, beside its output tokens, each token's log-probability ``f32[R, W]`` and its
@@ -54,7 +54,6 @@ loop's and to target-only decoding, and stochastic outputs are identical wheneve
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -64,9 +63,10 @@ from spec_decode.budget import DEFAULT_MIN_PREDICTED_GAIN, choose_plan_device, p
 from spec_decode.cost_table import CostTableArrays
 from spec_decode.logprobs import MAX_LOGPROBS, token_logprobs
 from spec_decode.step import DecodeState, StepConfig, StepPlan, make_step_fn
+from spec_decode.transfer import PackedLayout, pack_device, pack_host, unpack_device, unpack_host
 
-__all__ = ["LOGPROBS_WIDTHS", "InputsLayout", "LoopConfig", "LoopInputs", "LoopOutputs", "add_row_stats",
-           "logprobs_width", "make_loop_fn", "pack_loop_inputs", "take_packed_inputs", "unpack_loop_inputs"]
+__all__ = ["LOGPROBS_WIDTHS", "LoopConfig", "LoopInputs", "LoopOutputs", "add_row_stats", "logprobs_width",
+           "loop_outputs_layout", "make_loop_fn", "pack_loop_inputs", "packed_program", "read_loop_outputs"]
 
 LOGPROBS_WIDTHS = (0, 1, 2, 4, 8, 16, MAX_LOGPROBS)  # the loop's static top-alternative widths (each one program)
 
@@ -141,73 +141,6 @@ class LoopInputs:
     timing_budget: jax.Array  # int32[]
 
 
-_PACKED_KINDS = {np.dtype(np.int32): "int32", np.dtype(np.float32): "float32", np.dtype(np.bool_): "bool"}
-
-
-@dataclasses.dataclass(frozen=True)
-class InputsLayout:
-    """Where each array of a :class:`LoopInputs` lies in its packed vector (:func:`pack_loop_inputs`): the tree's
-    structure and, per leaf in tree order, its shape and kind (``int32``, ``float32`` bit-cast, ``bool`` as 0/1).
-    Fixed by the loop's configuration (rows, pages per row, stop ids, the cost table's capacity), so it is
-    static in the program."""
-
-    treedef: object
-    leaves: tuple[tuple[tuple[int, ...], str], ...]
-
-    @classmethod
-    def of(cls, inputs: LoopInputs) -> InputsLayout:
-        leaves, treedef = jax.tree.flatten(inputs)
-        return cls(treedef, tuple((tuple(np.shape(x)), _kind(x)) for x in leaves))
-
-    @property
-    def size(self) -> int:
-        """The packed vector's length."""
-        return sum(math.prod(shape) for shape, _ in self.leaves)
-
-
-def _kind(x) -> str:
-    dtype = np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
-    if dtype not in _PACKED_KINDS:
-        raise TypeError(f"loop inputs hold int32, float32 and bool arrays only, got {dtype}")
-    return _PACKED_KINDS[dtype]
-
-
-def pack_loop_inputs(inputs: LoopInputs) -> np.ndarray:
-    """Numpy side: every array of ``inputs`` (host arrays) in one flat ``int32`` vector, in tree order (floats
-    bit-cast, booleans as 0/1), so a call sends its inputs in one transfer."""
-    parts = []
-    for x in jax.tree.leaves(inputs):
-        a = np.asarray(x)
-        kind = _kind(a)
-        parts.append((a.view(np.int32) if kind == "float32" else a.astype(np.int32, copy=False)).ravel())
-    return np.concatenate(parts)
-
-
-def unpack_loop_inputs(packed: jax.Array, layout: InputsLayout) -> LoopInputs:
-    """Device side (traced): the :class:`LoopInputs` back from :func:`pack_loop_inputs`'s vector, by static
-    slices of ``layout``."""
-    if tuple(packed.shape) != (layout.size,) or packed.dtype != jnp.int32:
-        raise ValueError(f"packed loop inputs must be int32[{layout.size}], got {packed.dtype}{list(packed.shape)}")
-    leaves, at = [], 0
-    for shape, kind in layout.leaves:
-        n = math.prod(shape)
-        x = packed[at:at + n].reshape(shape)
-        at += n
-        leaves.append(jax.lax.bitcast_convert_type(x, jnp.float32) if kind == "float32" else
-                      x != 0 if kind == "bool" else x)
-    return jax.tree.unflatten(layout.treedef, leaves)
-
-
-def take_packed_inputs(loop_fn, layout: InputsLayout):
-    """``loop_fn`` (:func:`make_loop_fn`'s program) taking its inputs packed: ``program(target_params,
-    drafter_params, state, packed)`` with ``packed`` :func:`pack_loop_inputs`'s vector of inputs of ``layout``."""
-
-    def program(target_params, drafter_params, state, packed):
-        return loop_fn(target_params, drafter_params, state, unpack_loop_inputs(packed, layout))
-
-    return program
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LoopOutputs:
@@ -233,6 +166,52 @@ class LoopOutputs:
     token_logprobs: jax.Array | None = None  # f32[R, W]     log p(token) (spec_decode.logprobs)
     top_ids: jax.Array | None = None  # int32[R, W, L]  most likely tokens at its position, best first
     top_logprobs: jax.Array | None = None  # f32[R, W, L]
+
+
+def loop_outputs_layout(config: LoopConfig) -> PackedLayout:
+    """Where each array of the loop's :class:`LoopOutputs` lies in the vector the program returns
+    (:func:`packed_program`), from ``config`` alone: the host unpacks by it without tracing the loop. The
+    program checks it against what it built when it is traced."""
+    r, w, k = config.rows, config.output_len, config.step.num_speculative_tokens
+    i32, f32 = np.int32, np.float32
+
+    def a(shape, dtype=i32):
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    width = config.logprobs
+    logprobs = {} if width is None else dict(token_logprobs=a((r, w), f32), top_ids=a((r, w, width)),
+                                             top_logprobs=a((r, w, width), f32))
+    return PackedLayout.of(LoopOutputs(
+        tokens=a((r, w)), num_tokens=a((r,)), target_steps=a((r,)), accepted_per_position=a((r, k)),
+        verified_per_position=a((r, k)), predicted_per_position=a((r, k), f32), verified_per_step=a((r, w)),
+        budget_per_step=a((w,)), draft_len_per_step=a((w,)), live_per_step=a((w,)), tokens_per_step=a((w,)),
+        finished=a((r,), np.bool_), steps=a(()), confidences=a((r, k), f32), fresh_confidences=a((max(k, 1),), f32),
+        fresh_weight=a((), f32), **logprobs))
+
+
+def packed_program(loop_fn, config: LoopConfig, inputs_layout: PackedLayout):
+    """``loop_fn`` (:func:`make_loop_fn`'s program for ``config``) with its inputs and outputs each one ``int32``
+    vector: ``program(target_params, drafter_params, state, packed_inputs) -> (state, packed_outputs)``, the
+    inputs :func:`pack_loop_inputs`'s vector (of ``inputs_layout``), the outputs read back with
+    :func:`read_loop_outputs`."""
+    outputs_layout = loop_outputs_layout(config)
+
+    def program(target_params, drafter_params, state, packed):
+        state, out = loop_fn(target_params, drafter_params, state, unpack_device(packed, inputs_layout))
+        return state, pack_device(out, outputs_layout)
+
+    return program
+
+
+def pack_loop_inputs(inputs: LoopInputs) -> np.ndarray:
+    """A call's :class:`LoopInputs` (host arrays) as the one vector :func:`packed_program` takes."""
+    return pack_host(inputs)
+
+
+def read_loop_outputs(packed, config: LoopConfig) -> LoopOutputs:
+    """The :class:`LoopOutputs` (numpy) of a :func:`packed_program` call for ``config``: its vector read back
+    (waiting for it) and unpacked."""
+    return unpack_host(np.asarray(packed), loop_outputs_layout(config))
 
 
 @jax.tree_util.register_dataclass

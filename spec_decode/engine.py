@@ -53,14 +53,14 @@ from spec_decode import compilation_cache as persistent_cache
 from spec_decode.buckets import StepKey, default_draft_lengths, logit_rows, step_keys, token_bucket
 from spec_decode.cost_table import CostTable, CostTableArrays, load_cost_table, save_cost_table
 from spec_decode.device_loop import (
-    InputsLayout,
     LoopConfig,
     fill_requests,
     logprobs_width,
     loop_inputs,
     make_loop_fn,
     pack_loop_inputs,
-    take_packed_inputs,
+    packed_program,
+    read_loop_outputs,
 )
 from spec_decode.executable_store import (
     ExecutableStore,
@@ -88,6 +88,7 @@ from spec_decode.sampling_params import SamplingParams
 from spec_decode.scheduler import ScheduledBurst, ScheduledStep, Scheduler
 from spec_decode.step import CONFIDENCES, MODES, DecodeState, StepConfig, StepPlan, init_state
 from spec_decode.synthetic import acceptance_rates, conditional_rates
+from spec_decode.transfer import PackedLayout
 
 __all__ = ["Engine", "GenerationResult", "GenerationResults", "generate_offline"]
 
@@ -579,13 +580,23 @@ class Engine:
         """The static shape of the greedy or the sampling device loop (they differ in their token buckets)."""
         return self.sampling_loop_config if sampling else self.loop_config
 
+    def _loop_program_config(self, sampling: bool, width: int | None) -> LoopConfig:
+        """The configuration the device loop of ``(sampling, width)`` (a key of ``_loop_programs``) is built for."""
+        return dataclasses.replace(self._loop_config_of(sampling), logprobs=width,
+                                   step=dataclasses.replace(self._step_config, sampling=sampling))
+
     def _loop_jit(self, sampling: bool, width: int | None):
-        """The device loop (greedy or sampling programs, carrying ``width`` log-probabilities or none), jitted."""
-        cfg = dataclasses.replace(self._loop_config_of(sampling), logprobs=width,
-                                  step=dataclasses.replace(self._step_config, sampling=sampling))
-        program = take_packed_inputs(make_loop_fn(self.target, self.drafter, cfg),
-                                     InputsLayout.of(self._example_loop_inputs()))
+        """The device loop (greedy or sampling programs, carrying ``width`` log-probabilities or none), jitted: its
+        inputs and outputs each one vector (``spec_decode.device_loop.packed_program``)."""
+        cfg = self._loop_program_config(sampling, width)
+        program = packed_program(make_loop_fn(self.target, self.drafter, cfg), cfg,
+                                 PackedLayout.of(self._example_loop_inputs()))
         return jax.jit(on_mesh(program, self.mesh), donate_argnums=(2,))
+
+    def _read_loop(self, out, key: tuple[bool, int | None]):
+        """The :class:`~spec_decode.device_loop.LoopOutputs` (numpy) of a call of the device loop ``key``: its one
+        vector read back (waiting for it) and unpacked."""
+        return read_loop_outputs(out, self._loop_program_config(*key))
 
     def _program_digests(self, names: list) -> dict:
         """``{name: key}``: each program's key in the executable store (:mod:`spec_decode.executable_store`): what
@@ -773,7 +784,7 @@ class Engine:
                 timing_branch=np.asarray(index[d, t], np.int32), timing_budget=np.asarray(min(t - n, n * d), np.int32)))
             t0 = time.perf_counter()
             self._state, out = program(self._target_params, self._drafter_params, self._state, inputs)
-            ran = int(jax.device_get(out.steps))
+            ran = int(self._read_loop(out, (sampling, None)).steps)
             if ran != steps:
                 raise RuntimeError(f"the timing run of branch {d}/{t} ran {ran} of {steps} iterations")
             return time.perf_counter() - t0
@@ -1040,16 +1051,16 @@ class Engine:
 
     def _launch(self, step: ScheduledStep | ScheduledBurst, packed=None):
         """Dispatch one step (its plan in one transfer), or a multi-step launch (``packed``: its
-        :class:`~spec_decode.device_loop.LoopInputs`); the output is copied back asynchronously. The token
+        :class:`~spec_decode.device_loop.LoopInputs`, returned as a :class:`_LoopCall`); the output is copied back
+        asynchronously. The token
         histories of the requests a step admits are written first (in dispatch order: the device runs them before
         it)."""
         if isinstance(step, ScheduledBurst):
-            program = self._loop_programs[(any(r.params.needs_sampling_program for r in step.requests), None)]
-            self._state, out = program(self._target_params, self._drafter_params, self._state,
-                                       self._put_loop_inputs(packed))
-            for leaf in jax.tree.leaves(out):
-                leaf.copy_to_host_async()
-            return out
+            key = (any(r.params.needs_sampling_program for r in step.requests), None)
+            self._state, out = self._loop_programs[key](self._target_params, self._drafter_params, self._state,
+                                                        self._put_loop_inputs(packed))
+            out.copy_to_host_async()
+            return _LoopCall(out, key)
         if step.histories:
             self._write_histories(step.histories)
         self._state, out = self._programs.run(step.key, self._target_params, self._drafter_params, self._state,
@@ -1147,7 +1158,8 @@ class Engine:
                         out, started, ended = launch.result()
                         launch_s = ended - started
                         host["dispatch"] += launch_s
-                        out = jax.device_get(out)  # waits for that step only
+                        # waits for that step only
+                        out = self._read_loop(out.packed, out.key) if isinstance(out, _LoopCall) else jax.device_get(out)
                         h3 = time.perf_counter()
                         if isinstance(done, ScheduledBurst):
                             events = sched.commit_burst(done, out)
@@ -1254,7 +1266,7 @@ class Engine:
                     program, buckets = self._loop_programs[key], self._loop_config_of(key[0]).token_buckets
                     self._state, out = program(self._target_params, self._drafter_params, self._state,
                                                self._put_loop_inputs(inputs))
-                    out = jax.device_get(out)
+                    out = self._read_loop(out, key)
                     device_s += time.perf_counter() - d0
                     fill_requests(live, out, self.k)
                     stopped = set()
@@ -1331,6 +1343,15 @@ def _same_on_every_process(table: CostTable | None) -> CostTable | None:
     buf = np.zeros(n, np.uint8)
     buf[: min(n, len(data))] = data[:n]
     return CostTable.from_dict(json.loads(np.asarray(multihost_utils.broadcast_one_to_all(buf)).tobytes().decode()))
+
+
+@dataclasses.dataclass(frozen=True)
+class _LoopCall:
+    """A multi-step launch in flight: the device loop's output vector (being copied back) and the key of the
+    program that wrote it (``Engine._read_loop`` unpacks it by that program's layout)."""
+
+    packed: jax.Array
+    key: tuple[bool, int | None]
 
 
 @jax.jit

@@ -10,8 +10,7 @@ import pytest
 
 from spec_decode import Engine, SamplingParams, generate_offline
 from spec_decode.buckets import ZERO_LENGTH_BUCKETS
-from spec_decode.cost_table import CostTable, CostTableArrays
-from spec_decode.device_loop import InputsLayout, LoopInputs, pack_loop_inputs, unpack_loop_inputs
+from spec_decode.cost_table import CostTable
 from spec_decode.engine import _with_lengths
 from spec_decode.planner import DEVICE_LOOP_STEP_KEY
 from spec_decode.programs import compile_counter
@@ -57,56 +56,7 @@ def _timing_run(eng, *, branch: int, budget: int, steps: int, context: int):
                                  max_steps=np.asarray(steps, np.int32), timing_branch=np.asarray(branch, np.int32),
                                  timing_budget=np.asarray(budget, np.int32), cost_table=eng.planner.device_table())
     eng._state, out = program(eng._target_params, eng._drafter_params, eng._state, eng._put_loop_inputs(inputs))
-    return jax.device_get(out)
-
-
-def _random_loop_inputs(rng, rows: int, stop_ids: int, blocks: int) -> LoopInputs:
-    """Loop inputs of the given sizes filled with random values of every kind: negative ints, floats with -0,
-    infinities and NaN, booleans."""
-
-    def draw(x):
-        x = np.asarray(x)
-        if x.dtype == np.bool_:
-            return rng.random(x.shape) < 0.5
-        if x.dtype == np.int32:
-            return rng.integers(-2**31, 2**31 - 1, x.shape, dtype=np.int32)
-        v = rng.standard_normal(x.shape).astype(np.float32)
-        if v.size >= 4:
-            v.flat[:4] = [-0.0, np.inf, -np.inf, np.nan]
-        return v
-
-    i, f = np.zeros(rows, np.int32), np.zeros(rows, np.float32)
-    template = LoopInputs(rows=i, block_tables=np.zeros((rows, blocks), np.int32), limit=i, temperature=f, top_k=i,
-                          top_p=f, seed=i, stop_ids=np.zeros((rows, stop_ids), np.int32), max_steps=np.int32(0),
-                          cost_table=CostTableArrays.from_table(STEEP), min_tokens=i, min_p=f,
-                          repetition_penalty=f, presence_penalty=f, frequency_penalty=f, end_on_finish=np.bool_(0),
-                          timing_branch=np.int32(0), timing_budget=np.int32(0))
-    return jax.tree.map(draw, template)
-
-
-@pytest.mark.parametrize("rows, stop_ids, blocks, seed", [(1, 1, 1, 0), (8, 3, 5, 1), (13, 2, 7, 2)])
-def test_loop_inputs_travel_packed_in_one_vector(rows, stop_ids, blocks, seed):
-    """Every array of a call's inputs comes back from the one int32 vector exactly (bits, dtype, shape), inside a
-    jitted program as the loop unpacks it; a vector of another size or a leaf of another dtype is refused."""
-    inputs = _random_loop_inputs(np.random.default_rng(seed), rows, stop_ids, blocks)
-    layout = InputsLayout.of(inputs)
-    packed = pack_loop_inputs(inputs)
-    assert packed.dtype == np.int32 and packed.shape == (layout.size,)
-    got = jax.jit(lambda p: unpack_loop_inputs(p, layout))(packed)
-    want_leaves, want_tree = jax.tree.flatten(inputs)
-    got_leaves, got_tree = jax.tree.flatten(got)
-    assert got_tree == want_tree
-    for g, w in zip(got_leaves, want_leaves, strict=True):
-        g, w = np.asarray(g), np.asarray(w)
-        assert g.dtype == w.dtype and g.shape == w.shape
-        if w.dtype == np.float32:  # bit for bit: -0.0 and NaN included
-            np.testing.assert_array_equal(g.view(np.int32), w.view(np.int32))
-        else:
-            np.testing.assert_array_equal(g, w)
-    with pytest.raises(ValueError, match=f"int32\\[{layout.size}\\]"):
-        unpack_loop_inputs(jax.numpy.asarray(packed[:-1]), layout)
-    with pytest.raises(TypeError, match="float64"):
-        pack_loop_inputs(dataclasses.replace(inputs, top_p=np.zeros(rows, np.float64)))
+    return eng._read_loop(out, (False, None))
 
 
 def test_adaptive_device_loop_is_the_engine_step_for_step(target, drafter, prompts, references):
