@@ -1052,9 +1052,8 @@ class Engine:
     def _launch(self, step: ScheduledStep | ScheduledBurst, packed=None):
         """Dispatch one step (its plan in one transfer), or a multi-step launch (``packed``: its
         :class:`~spec_decode.device_loop.LoopInputs`, returned as a :class:`_LoopCall`); the output is copied back
-        asynchronously. The token
-        histories of the requests a step admits are written first (in dispatch order: the device runs them before
-        it)."""
+        asynchronously. The token histories of the requests a step admits are written first (in dispatch order:
+        the device runs them before it)."""
         if isinstance(step, ScheduledBurst):
             key = (any(r.params.needs_sampling_program for r in step.requests), None)
             self._state, out = self._loop_programs[key](self._target_params, self._drafter_params, self._state,
