@@ -70,15 +70,7 @@ def pack_host(tree) -> np.ndarray:
 
 def unpack_device(packed: jax.Array, layout: PackedLayout):
     """Device side (traced): the tree back from :func:`pack_host`'s vector, by static slices of ``layout``."""
-    layout._check(packed, "a packed vector")
-    leaves, at = [], 0
-    for shape, kind in layout.leaves:
-        n = math.prod(shape)
-        x = packed[at:at + n].reshape(shape)
-        at += n
-        leaves.append(jax.lax.bitcast_convert_type(x, jnp.float32) if kind == "float32" else
-                      x != 0 if kind == "bool" else x)
-    return jax.tree.unflatten(layout.treedef, leaves)
+    return _unpack(packed, layout, lambda x: jax.lax.bitcast_convert_type(x, jnp.float32))
 
 
 def pack_device(tree, layout: PackedLayout | None = None) -> jax.Array:
@@ -99,12 +91,17 @@ def pack_device(tree, layout: PackedLayout | None = None) -> jax.Array:
 def unpack_host(packed: np.ndarray, layout: PackedLayout):
     """Numpy side: the tree back from :func:`pack_device`'s vector (read back), as views of it (booleans
     copied)."""
-    packed = np.asarray(packed)
+    return _unpack(np.asarray(packed), layout, lambda x: x.view(np.float32))
+
+
+def _unpack(packed, layout: PackedLayout, as_float32):
+    """The tree of ``layout`` from ``packed`` (numpy or traced), each leaf a static slice reshaped: floats by
+    ``as_float32`` (a bit-cast), booleans as ``!= 0``."""
     layout._check(packed, "a packed vector")
     leaves, at = [], 0
     for shape, kind in layout.leaves:
         n = math.prod(shape)
         x = packed[at:at + n].reshape(shape)
         at += n
-        leaves.append(x.view(np.float32) if kind == "float32" else x != 0 if kind == "bool" else x)
+        leaves.append(as_float32(x) if kind == "float32" else x != 0 if kind == "bool" else x)
     return jax.tree.unflatten(layout.treedef, leaves)
