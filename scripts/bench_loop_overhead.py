@@ -22,9 +22,10 @@ interleaved rounds (each round: every engine in turn), so drift between engines'
 - after the rounds, 12 calls of 1 iteration alternating between the main branch and each other branch in turn: a
   branch that the previous call did not run pays whatever XLA redoes for it (a CUDA graph's update) here.
 
-Wall time from the call to the read-back of its step count, on the host (``time.perf_counter``). Two engines that
-run the same branch (the K = 7 engine's length-3 program is the K = 3 engine's: session 29) differ here only by
-what their loops hold beside it: the plan, the switch over their branches, the epoch's bookkeeping.
+Wall time from the call to the read-back of its outputs (one vector, holding the step count; before session 34
+the step count alone), on the host (``time.perf_counter``; the inputs are sent before the clock starts). Two
+engines that run the same branch (the K = 7 engine's length-3 program is the K = 3 engine's: session 29) differ
+here only by what their loops hold beside it: the plan, the switch over their branches, the epoch's bookkeeping.
 ``--trace-calls N``: after the rounds, ``N`` calls of 0 iterations and ``N`` of 1 (the main branch) per mode run
 under the profiler (``scripts/op_trace.py:host_activity``, the runtime's finer annotations on): what the host
 threads did in a call, by event name, summed over the ``N`` calls (``zero_call_trace``, ``one_call_trace``), so

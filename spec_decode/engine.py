@@ -760,7 +760,7 @@ class Engine:
         """``(branches, run, context)`` for timing runs of the device loop ``program`` (the greedy one, or with
         ``sampling`` the sampling one): ``branches`` its ``(draft length, tokens)`` in switch order,
         ``run(d, t, steps, live=None)`` the seconds of one call that runs branch ``(d, t)`` in each of ``steps``
-        iterations (from the call to the read-back of its step count), on every slot's state set to ``context``
+        iterations (from the call to the read-back of its outputs), on every slot's state set to ``context``
         tokens (default a quarter of ``max_model_len``), ``live`` slots decoding (default ``min(R, t)``) with
         ``t - live`` drafts among them (at most ``d`` each). Used by the cost-table profile and by
         ``scripts/bench_loop_overhead.py``."""
