@@ -63,10 +63,10 @@ from spec_decode.budget import DEFAULT_MIN_PREDICTED_GAIN, choose_plan_device, p
 from spec_decode.cost_table import CostTableArrays
 from spec_decode.logprobs import MAX_LOGPROBS, token_logprobs
 from spec_decode.step import DecodeState, StepConfig, StepPlan, make_step_fn
-from spec_decode.transfer import PackedLayout, pack_device, pack_host, unpack_device, unpack_host
+from spec_decode.transfer import PackedLayout, pack_device, pack_host, unpack_device
 
 __all__ = ["LOGPROBS_WIDTHS", "LoopConfig", "LoopInputs", "LoopOutputs", "add_row_stats", "logprobs_width",
-           "loop_outputs_layout", "make_loop_fn", "pack_loop_inputs", "packed_program", "read_loop_outputs"]
+           "loop_outputs_layout", "make_loop_fn", "pack_loop_inputs", "packed_program"]
 
 LOGPROBS_WIDTHS = (0, 1, 2, 4, 8, 16, MAX_LOGPROBS)  # the loop's static top-alternative widths (each one program)
 
@@ -192,8 +192,8 @@ def loop_outputs_layout(config: LoopConfig) -> PackedLayout:
 def packed_program(loop_fn, config: LoopConfig, inputs_layout: PackedLayout):
     """``loop_fn`` (:func:`make_loop_fn`'s program for ``config``) with its inputs and outputs each one ``int32``
     vector: ``program(target_params, drafter_params, state, packed_inputs) -> (state, packed_outputs)``, the
-    inputs :func:`pack_loop_inputs`'s vector (of ``inputs_layout``), the outputs read back with
-    :func:`read_loop_outputs`."""
+    inputs :func:`pack_loop_inputs`'s vector (of ``inputs_layout``), the outputs unpacked on the host by
+    :func:`loop_outputs_layout` (``spec_decode.transfer.unpack_host``)."""
     outputs_layout = loop_outputs_layout(config)
 
     def program(target_params, drafter_params, state, packed):
@@ -207,11 +207,6 @@ def pack_loop_inputs(inputs: LoopInputs) -> np.ndarray:
     """A call's :class:`LoopInputs` (host arrays) as the one vector :func:`packed_program` takes."""
     return pack_host(inputs)
 
-
-def read_loop_outputs(packed, config: LoopConfig) -> LoopOutputs:
-    """The :class:`LoopOutputs` (numpy) of a :func:`packed_program` call for ``config``: its vector read back
-    (waiting for it) and unpacked."""
-    return unpack_host(np.asarray(packed), loop_outputs_layout(config))
 
 
 @jax.tree_util.register_dataclass

@@ -57,10 +57,10 @@ from spec_decode.device_loop import (
     fill_requests,
     logprobs_width,
     loop_inputs,
+    loop_outputs_layout,
     make_loop_fn,
     pack_loop_inputs,
     packed_program,
-    read_loop_outputs,
 )
 from spec_decode.executable_store import (
     ExecutableStore,
@@ -88,7 +88,7 @@ from spec_decode.sampling_params import SamplingParams
 from spec_decode.scheduler import ScheduledBurst, ScheduledStep, Scheduler
 from spec_decode.step import CONFIDENCES, MODES, DecodeState, StepConfig, StepPlan, init_state
 from spec_decode.synthetic import acceptance_rates, conditional_rates
-from spec_decode.transfer import PackedLayout
+from spec_decode.transfer import PackedLayout, unpack_host
 
 __all__ = ["Engine", "GenerationResult", "GenerationResults", "generate_offline"]
 
@@ -318,6 +318,7 @@ class Engine:
                                      num_rows=self.max_num_seqs, num_stop_ids=self.num_stop_ids, mesh=self.mesh)
         # (sampling, log-probability width or None) -> the compiled device loop (spec_decode.device_loop)
         self._loop_programs: dict[tuple[bool, int | None], object] = {}
+        self._loop_output_layouts: dict[tuple[bool, int | None], PackedLayout] = {}  # by the same keys
         self._history_program = None  # writes one slot's token history (penalties), compiled at warm-up
         self._warm_device_loop = bool(device_loop)
         self.decode_steps_per_launch = decode_steps_per_launch if device_loop else 1
@@ -595,8 +596,12 @@ class Engine:
 
     def _read_loop(self, out, key: tuple[bool, int | None]):
         """The :class:`~spec_decode.device_loop.LoopOutputs` (numpy) of a call of the device loop ``key``: its one
-        vector read back (waiting for it) and unpacked."""
-        return read_loop_outputs(out, self._loop_program_config(*key))
+        vector read back (waiting for it) and unpacked. Each key's layout is derived once (about 0.1 ms a time:
+        every wave and multi-step launch reads one)."""
+        layout = self._loop_output_layouts.get(key)
+        if layout is None:
+            layout = self._loop_output_layouts[key] = loop_outputs_layout(self._loop_program_config(*key))
+        return unpack_host(np.asarray(out), layout)
 
     def _program_digests(self, names: list) -> dict:
         """``{name: key}``: each program's key in the executable store (:mod:`spec_decode.executable_store`): what
