@@ -18,7 +18,10 @@ saw, in both loops (``generate``: seconds, compilations counted by JAX's events,
 must be the same cold and warm). ``XLA_FLAGS`` from the environment reach both processes and are recorded.
 ``--startup-profile`` adds a cProfile listing of the warm start-up; ``--startup-trace`` runs it under JAX's
 profiler instead and lists what the host threads did by event name (where the loads of stored executables go;
-its start-up time then holds the profiler's own start and stop). ``--draft-lengths 0,1,3,7`` builds every
+its start-up time then holds the profiler's own start and stop). ``--startup-loads`` then loads every stored
+executable alone, one after another, in a third fresh process (a ``loads`` row: each file's size, whether it holds
+compiled GPU code or PTX, its load time); ``--startup-cache-dir DIR`` keeps the cache and the store under
+``DIR/{slots}`` for a later look (``--load-store DIR/{slots}/executables`` runs the loads alone). ``--draft-lengths 0,1,3,7`` builds every
 adaptive engine (start-up, throughput, prefix caching) with those draft lengths instead of the default ``0, 3,
 K``; rows record the lengths.
 
@@ -30,6 +33,7 @@ the call is prefill), with the cache on and off: prefill seconds per request, at
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -131,9 +135,45 @@ def startup_once(n: int, dtype_name: str, k: int, max_model_len: int, profile_to
             **({"trace_top": activity[:10]} if activity is not None else {})}
 
 
+def load_each(store: str) -> list[dict]:
+    """Every executable of the store directory ``store`` loaded alone, one after another, in this process, slowest
+    first: its file's size, what its payload holds (``elf_images``: compiled GPU code; ``ptx_modules``: code the
+    driver would compile at load), and the seconds its unpickling and ``deserialize_and_load`` took; the slowest
+    is loaded a second time (``reload_s``: what a process-wide cache saves)."""
+    import pickle
+
+    from jax.experimental.serialize_executable import deserialize_and_load
+
+    def load(raw: bytes) -> float:
+        t = time.perf_counter()
+        payload, in_tree, out_tree = pickle.loads(raw)
+        compiled = deserialize_and_load(payload, in_tree, out_tree)
+        del compiled
+        return time.perf_counter() - t
+
+    rows, raws = [], {}
+    for name in sorted(n for n in os.listdir(store) if n.endswith(".exe")):
+        with open(os.path.join(store, name), "rb") as f:
+            raws[name] = raw = f.read()
+        payload = pickle.loads(raw)[0]
+        rows.append({"file": name, "bytes": len(raw), "elf_images": payload.count(b"\x7fELF"),
+                     "ptx_modules": payload.count(b".version "), "load_s": load(raw)})
+    rows.sort(key=lambda r: -r["load_s"])
+    if rows:
+        rows[0]["reload_s"] = load(raws[rows[0]["file"]])
+    return rows
+
+
 def run_startup(args, out_rows: list) -> None:
     for n in args.startup:
-        with tempfile.TemporaryDirectory() as cache:
+        with contextlib.ExitStack() as stack:
+            if args.startup_cache_dir:  # kept after the run (to inspect or load again); it must start empty (cold)
+                cache = os.path.join(args.startup_cache_dir, str(n))
+                if os.path.exists(cache) and os.listdir(cache):
+                    raise SystemExit(f"--startup-cache-dir: {cache} is not empty, so the start-up would not be cold")
+                os.makedirs(cache, exist_ok=True)
+            else:
+                cache = stack.enter_context(tempfile.TemporaryDirectory())
             # the executable store lives beside the cache directory ($MINIMAX_JAX_CACHE_DIR/../executables): a
             # subdirectory keeps it inside this temporary one, so no earlier run's programs make a cold start warm
             env = {**os.environ, "MINIMAX_JAX_CACHE_DIR": os.path.join(cache, "jax"),
@@ -157,6 +197,18 @@ def run_startup(args, out_rows: list) -> None:
                 row["sampling_loop_buckets"] = args.sampling_loop_buckets
                 out_rows.append(row)
                 print(json.dumps(row), flush=True)
+            if args.startup_loads:  # each stored executable loaded alone, in another fresh process
+                cmd = [sys.executable, os.path.abspath(__file__), "--out", args.out, "--load-store",
+                       os.path.join(cache, "executables")]
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+                if proc.returncode != 0:
+                    print(proc.stderr[-2000:], file=sys.stderr)
+                    raise SystemExit(f"loading the stored executables one by one failed ({n} slots)")
+                loads = json.loads(proc.stdout.strip().splitlines()[-1])
+                row = {"slots": n, "phase": "loads", "executables": len(loads),
+                       "load_s_sum": sum(r["load_s"] for r in loads), "loads": loads}
+                out_rows.append(row)
+                print(json.dumps({**row, "loads": loads[:5]}), flush=True)
 
 
 def run_throughput(args, target, drafter, tokenizer, out_rows: list, save) -> None:
@@ -267,6 +319,15 @@ def main(argv=None):
     ap.add_argument("--draft-lengths", type=draft_lengths_arg, default=None, metavar="D1,D2,...",
                     help="the adaptive engines' draft lengths (Engine(draft_lengths=...); default: 0,3,K), "
                          "e.g. 0,3,7")
+    ap.add_argument("--startup-loads", action="store_true",
+                    help="after the warm start-up, load every stored executable alone in a fresh process: its "
+                         "size, whether it holds compiled GPU code or PTX, and its load time (a 'loads' row)")
+    ap.add_argument("--startup-cache-dir", default=None,
+                    help="start-up: keep the compilation cache and the executable store under DIR/{slots} (empty "
+                         "at the start) instead of a temporary directory")
+    ap.add_argument("--load-store", default=None, metavar="DIR",
+                    help="only load every executable of the store DIR alone, one after another, and print their "
+                         "rows as JSON (what --startup-loads runs)")
     ap.add_argument("--startup-child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--startup-profile-to", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--startup-trace-to", default=None, help=argparse.SUPPRESS)
@@ -274,6 +335,9 @@ def main(argv=None):
     refuse_lengths_above_k(ap, args.draft_lengths, args.k)
     if args.startup_profile and args.startup_trace:
         ap.error("--startup-profile and --startup-trace profile the same warm start-up two ways: give one")
+    if args.load_store is not None:
+        print(json.dumps(load_each(args.load_store)))
+        return
     if args.startup_child is not None:
         print(json.dumps(startup_once(args.startup_child, args.dtype, args.k, args.max_model_len,
                                       args.startup_profile_to, args.sampling_loop_buckets, args.draft_lengths,
