@@ -257,6 +257,32 @@ def test_engines_with_the_same_settings_share_their_programs(target, drafter):
     assert compiled == [] and second.warmup_report.loaded == second.warmup_report.programs == \
         first.warmup_report.programs
     assert [r.token_ids for r in res] == [greedy_reference(other, p, 8) for p in prompts]
+    # every program was lowered without Python stack frames (spec_decode.programs.without_source_frames)
+    texts = [c.as_text() for c in (*first._programs._compiled.values(), *first._loop_programs.values())]
+    assert len(texts) == first.warmup_report.programs and not any("stack_frame_id" in t for t in texts)
+
+
+def test_programs_are_lowered_without_stack_frames():
+    """compile_in_pool lowers without Python stack frames in the locations (a GPU executable's load formats every
+    instruction's frames): the compiled module names its ops and carries no frame, where the same function lowered
+    outside it carries them."""
+    import jax
+    import jax.numpy as jnp
+
+    from spec_decode.programs import compile_in_pool
+
+    def fn(x):
+        with jax.named_scope("scoped"):
+            return jnp.sin(x) * 2 + jnp.cos(x)
+
+    x = jnp.ones(8)
+    plain = jax.jit(lambda v: fn(v) + 1).lower(x).compile().as_text()
+    done, _ = compile_in_pool([("p", lambda: jax.jit(lambda v: fn(v) + 1).lower(x))], total=1, progress=False,
+                              desc="test")
+    text = done["p"].as_text()
+    assert "stack_frame_id" in plain and "stack_frame_id" not in text
+    assert 'op_name="jit(<lambda>)/scoped/sin"' in text  # named scopes stay (the profilers read them)
+    np.testing.assert_array_equal(np.asarray(done["p"](x)), np.asarray(fn(x) + 1))
 
 
 def test_the_executable_store_keys_change_with_the_engine(target, drafter):
