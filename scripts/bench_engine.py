@@ -21,8 +21,8 @@ profiler instead and lists what the host threads did by event name (where the lo
 its start-up time then holds the profiler's own start and stop). ``--startup-loads`` then loads every stored
 executable alone, one after another, in a third fresh process (a ``loads`` row: each file's size, whether it holds
 compiled GPU code or PTX, its load time); ``--startup-cache-dir DIR`` keeps the cache and the store under
-``DIR/{slots}`` for a later look (``--load-store DIR/{slots}/executables`` runs the loads alone). ``--draft-lengths 0,1,3,7`` builds every
-adaptive engine (start-up, throughput, prefix caching) with those draft lengths instead of the default ``0, 3,
+``DIR/{slots}`` for a later look (``--load-store DIR/{slots}/executables`` runs the loads alone).
+``--draft-lengths 0,1,3,7`` builds every adaptive engine (start-up, throughput, prefix caching) with those draft lengths instead of the default ``0, 3,
 K``; rows record the lengths.
 
 **Prefix caching** (``--prefix``): 550-token prompts whose first 200 tokens are shared, one new token each (so
@@ -167,10 +167,8 @@ def load_each(store: str) -> list[dict]:
 def run_startup(args, out_rows: list) -> None:
     for n in args.startup:
         with contextlib.ExitStack() as stack:
-            if args.startup_cache_dir:  # kept after the run (to inspect or load again); it must start empty (cold)
+            if args.startup_cache_dir:  # kept after the run (to inspect or load again); empty at the start (main)
                 cache = os.path.join(args.startup_cache_dir, str(n))
-                if os.path.exists(cache) and os.listdir(cache):
-                    raise SystemExit(f"--startup-cache-dir: {cache} is not empty, so the start-up would not be cold")
                 os.makedirs(cache, exist_ok=True)
             else:
                 cache = stack.enter_context(tempfile.TemporaryDirectory())
@@ -335,7 +333,13 @@ def main(argv=None):
     refuse_lengths_above_k(ap, args.draft_lengths, args.k)
     if args.startup_profile and args.startup_trace:
         ap.error("--startup-profile and --startup-trace profile the same warm start-up two ways: give one")
+    for n in args.startup if args.startup_cache_dir else ():
+        cache = os.path.join(args.startup_cache_dir, str(n))
+        if os.path.isdir(cache) and os.listdir(cache):
+            ap.error(f"--startup-cache-dir: {cache} is not empty, so the start-up there would not be cold")
     if args.load_store is not None:
+        if not os.path.isdir(args.load_store):
+            ap.error(f"--load-store: {args.load_store} is not a directory")
         print(json.dumps(load_each(args.load_store)))
         return
     if args.startup_child is not None:
