@@ -22,8 +22,8 @@ its start-up time then holds the profiler's own start and stop). ``--startup-loa
 executable alone, one after another, in a third fresh process (a ``loads`` row: each file's size, whether it holds
 compiled GPU code or PTX, its load time); ``--startup-cache-dir DIR`` keeps the cache and the store under
 ``DIR/{slots}`` for a later look (``--load-store DIR/{slots}/executables`` runs the loads alone).
-``--draft-lengths 0,1,3,7`` builds every adaptive engine (start-up, throughput, prefix caching) with those draft lengths instead of the default ``0, 3,
-K``; rows record the lengths.
+``--draft-lengths 0,1,3,7`` builds every adaptive engine (start-up, throughput, prefix caching) with those draft
+lengths instead of the default ``0, 3, K``; rows record the lengths.
 
 **Prefix caching** (``--prefix``): 550-token prompts whose first 200 tokens are shared, one new token each (so
 the call is prefill), with the cache on and off: prefill seconds per request, at each chunk size of
@@ -142,13 +142,11 @@ def load_each(store: str) -> list[dict]:
     is loaded a second time (``reload_s``: what a process-wide cache saves)."""
     import pickle
 
-    from jax.experimental.serialize_executable import deserialize_and_load
+    from spec_decode.executable_store import from_bytes
 
     def load(raw: bytes) -> float:
         t = time.perf_counter()
-        payload, in_tree, out_tree = pickle.loads(raw)
-        compiled = deserialize_and_load(payload, in_tree, out_tree)
-        del compiled
+        from_bytes(raw)
         return time.perf_counter() - t
 
     rows, raws = [], {}

@@ -208,7 +208,6 @@ def pack_loop_inputs(inputs: LoopInputs) -> np.ndarray:
     return pack_host(inputs)
 
 
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _Carry:

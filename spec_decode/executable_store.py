@@ -48,7 +48,7 @@ import numpy as np
 from pallas_kernels.platform import unroll_loops
 from spec_decode import compilation_cache
 
-__all__ = ["MAX_BYTES", "ExecutableStore", "abstract", "live_code", "program_digest", "recall", "remember",
+__all__ = ["MAX_BYTES", "ExecutableStore", "abstract", "from_bytes", "live_code", "program_digest", "recall", "remember",
            "source_digest", "stores_cache_loads"]
 
 MAX_BYTES = 8 << 30  # the store's size on disk, kept by removing the least recently used executables
@@ -157,6 +157,14 @@ def remember(digest: str, live: str, compiled) -> None:
         _memory[(digest, live)] = compiled
 
 
+def from_bytes(raw: bytes):
+    """The executable (a ``jax.stages.Compiled``) of a stored file's bytes, loaded onto this process's devices."""
+    from jax.experimental.serialize_executable import deserialize_and_load
+
+    payload, in_tree, out_tree = pickle.loads(raw)
+    return deserialize_and_load(payload, in_tree, out_tree)
+
+
 class ExecutableStore:
     """Executables on disk under ``root``, one file per :func:`program_digest`."""
 
@@ -181,11 +189,8 @@ class ExecutableStore:
         if not os.path.exists(path):
             return None
         try:
-            from jax.experimental.serialize_executable import deserialize_and_load
-
             with open(path, "rb") as f:
-                payload, in_tree, out_tree = pickle.load(f)
-            compiled = deserialize_and_load(payload, in_tree, out_tree)
+                compiled = from_bytes(f.read())
         except Exception as e:  # noqa: BLE001 - a damaged or incompatible file: compile instead
             warnings.warn(f"dropping the stored executable {path}: {type(e).__name__}: {e}", stacklevel=2)
             try:

@@ -123,10 +123,10 @@ def compile_in_pool(programs, *, total: int, progress: bool, desc: str,
                     seconds: dict | None = None, from_cache: set | None = None) -> tuple[dict, float]:
     """Lower each ``(key, lower)`` of ``programs`` in this thread (``lower()`` returns a ``jax.stages.Lowered``:
     tracing holds the GIL) and compile it in a thread pool as soon as it is lowered (XLA compiles outside the
-    GIL), so tracing overlaps compiling; each is lowered :func:`without_source_frames`. Put the longest compilations
-    first: they start first and do not trail the rest. Returns ``({key: compiled}, seconds spent lowering)``; ``seconds``, when given, gets each key's compile
-    time (in its worker); ``from_cache``, when given, the keys that JAX's persistent compilation cache served
-    instead of a compilation."""
+    GIL), so tracing overlaps compiling; each is lowered :func:`without_source_frames`. Put the longest
+    compilations first: they start first and do not trail the rest. Returns ``({key: compiled}, seconds spent
+    lowering)``; ``seconds``, when given, gets each key's compile time (in its worker); ``from_cache``, when
+    given, the keys that JAX's persistent compilation cache served instead of a compilation."""
     _listen()
 
     def timed(key, low):
