@@ -305,7 +305,7 @@ def config_steps(args, target, drafter, tokenizer, n: int, mode: str, loops: lis
             yield
         runs = []
         # interleaved, another mode's timed sets run between these; a compile there would count here too
-        with compile_counter() as compiled:
+        with compile_counter(cache_loads=True) as compiled:
             for prompts in timed_sets:
                 eng.record_launches = bool(args.launch_timeline)  # the timed calls' launch timeline (host loop)
                 runs.append(eng.generate(prompts, loop=base, **kw))

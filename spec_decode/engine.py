@@ -1136,7 +1136,7 @@ class Engine:
         launches = {"multi_step": 0, "steps_in_multi_step": 0, "empty": 0}
         timeline = [] if self.record_launches else None
         t0 = time.perf_counter()
-        with compile_counter() as compiled:
+        with compile_counter(cache_loads=True) as compiled:  # a program made ready mid-call, compiled or loaded
             try:
                 while sched.has_work or in_flight:
                     h0 = time.perf_counter()
@@ -1244,7 +1244,7 @@ class Engine:
         verify_log = VerifySteps()
         device_s = 0.0
         buckets = self.loop_config.token_buckets  # the verify sizes of the loop the last wave ran
-        with compile_counter() as compiled:
+        with compile_counter(cache_loads=True) as compiled:  # a program made ready mid-call, compiled or loaded
             try:
                 for wave in self._waves(requests):
                     for r in wave:

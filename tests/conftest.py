@@ -10,8 +10,63 @@ if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not
     # GPU tests keep optimised kernels.
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
-import jax
+import atexit  # noqa: E402
+import contextlib  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# One JAX persistent compilation cache for the whole run (CPU runs only), shared by the xdist workers (they inherit
+# the environment of the process that starts them) and removed at its end. The suite builds many engines with the
+# same programs, and on a CPU compiling them is most of its time. Tests that exercise the engine's own caches set
+# MINIMAX_JAX_COMPILATION_CACHE=1 and a directory of their own in a subprocess; the tests that nothing compiles
+# after warm-up count the programs this cache serves too (``compile_counter(cache_loads=True)``).
+# ``MINIMAX_JAX_SUITE_CACHE=0`` runs the suite without it.
+if (os.environ["JAX_PLATFORMS"] == "cpu" and os.environ["MINIMAX_JAX_COMPILATION_CACHE"] == "0"
+        and os.environ.get("MINIMAX_JAX_SUITE_CACHE", "1").strip().lower() not in ("0", "false", "off", "no")):
+    if not os.environ.get("MINIMAX_JAX_SUITE_CACHE_DIR"):
+        os.environ["MINIMAX_JAX_SUITE_CACHE_DIR"] = tempfile.mkdtemp(prefix="minimax-jax-suite-cache-")
+        atexit.register(shutil.rmtree, os.environ["MINIMAX_JAX_SUITE_CACHE_DIR"], True)
+    jax.config.update("jax_compilation_cache_dir", os.environ["MINIMAX_JAX_SUITE_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
 import pallas_kernels.platform  # noqa: F401, E402  (installs the Triton deprecation filter)
+
+
+@contextlib.contextmanager
+def _persistent_cache(path):
+    """JAX's persistent compilation cache in ``path`` (None: off) inside the block, restored after it."""
+    from jax._src import compilation_cache
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    before = {n: getattr(jax.config, n) for n in names}
+    for n, v in zip(names, (path, 0.0, 0)):
+        jax.config.update(n, v)
+    compilation_cache.reset_cache()
+    try:
+        yield path
+    finally:
+        for n, v in before.items():
+            jax.config.update(n, v)
+        compilation_cache.reset_cache()
+
+
+@pytest.fixture
+def no_persistent_cache():
+    """The suite's shared compilation cache off for one test (one that compares a program's compiled text: the
+    cache's key leaves locations out, so it may serve another lowering's executable)."""
+    with _persistent_cache(None):
+        yield
+
+
+@pytest.fixture
+def own_persistent_cache(tmp_path):
+    """JAX's persistent compilation cache in a directory of the test's own; yields its path."""
+    with _persistent_cache(str(tmp_path / "xla-cache")) as path:
+        yield path

@@ -63,7 +63,7 @@ def test_nothing_compiles_after_warm_up(target, drafter, mode, k, async_scheduli
     # every step program, the two device loops, the token-history writer (penalties)
     assert eng.warmup_report.programs == len(eng.step_keys) + 3
     rng = np.random.default_rng(7)
-    with compile_counter() as compiled:
+    with compile_counter(cache_loads=True) as compiled:  # a program loaded from a persistent cache counts too
         for call in range(3):
             n = int(rng.integers(1, 8))
             prompts = random_prompts(n, rng.integers(2, 60, size=n), seed=100 + call)
@@ -251,7 +251,7 @@ def test_engines_with_the_same_settings_share_their_programs(target, drafter):
     first = Engine(target, drafter, **kw)
     other = damped_target(damping=0.5, seed=4)
     prompts = random_prompts(2, [11, 17], seed=21)
-    with compile_counter() as compiled:
+    with compile_counter(cache_loads=True) as compiled:
         second = Engine(other, bigram_drafter(other, block_size=7), **kw)
         res = second.generate(prompts, max_new_tokens=8, progress=False)
     assert compiled == [] and second.warmup_report.loaded == second.warmup_report.programs == \
@@ -262,7 +262,7 @@ def test_engines_with_the_same_settings_share_their_programs(target, drafter):
     assert len(texts) == first.warmup_report.programs and not any("stack_frame_id" in t for t in texts)
 
 
-def test_programs_are_lowered_without_stack_frames():
+def test_programs_are_lowered_without_stack_frames(no_persistent_cache):
     """compile_in_pool lowers without Python stack frames in the locations (a GPU executable's load formats every
     instruction's frames): the compiled module names its ops and carries no frame, where the same function lowered
     outside it carries them."""
@@ -283,6 +283,28 @@ def test_programs_are_lowered_without_stack_frames():
     assert "stack_frame_id" in plain and "stack_frame_id" not in text
     assert 'op_name="jit(<lambda>)/scoped/sin"' in text  # named scopes stay (the profilers read them)
     np.testing.assert_array_equal(np.asarray(done["p"](x)), np.asarray(fn(x) + 1))
+
+
+def test_compile_counter_counts_persistent_cache_loads_when_asked(own_persistent_cache):
+    """compile_counter() counts XLA compilations only; with ``cache_loads=True`` a program that JAX's persistent
+    cache served counts too (what "nothing compiles after warm-up" means where such a cache is on: the suite's,
+    or a user's)."""
+    import jax
+    import jax.numpy as jnp
+
+    from spec_decode.programs import compile_counter
+
+    x = jnp.ones(5)
+
+    def ready():  # a new function each time: the jit's in-memory caches miss, the persistent one may not
+        return jax.jit(lambda v: jnp.tanh(v) * 3 - v).lower(x).compile()
+
+    with compile_counter() as compiled, compile_counter(cache_loads=True) as made:
+        ready()
+    assert len(compiled) == len(made) == 1
+    with compile_counter() as compiled, compile_counter(cache_loads=True) as made:
+        ready()
+    assert compiled == [] and len(made) == 1
 
 
 def test_the_executable_store_keys_change_with_the_engine(target, drafter):
