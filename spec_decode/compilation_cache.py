@@ -17,7 +17,7 @@ import os
 
 import jax
 
-__all__ = ["cache_dir", "cost_table_path", "enable", "enabled"]
+__all__ = ["cache_dir", "cost_table_path", "enable", "enabled", "use_directory"]
 
 
 def cache_dir() -> str:
@@ -49,14 +49,20 @@ def enable(path: str | None = None) -> str | None:
         return current
     path = path or cache_dir()
     os.makedirs(path, exist_ok=True)
+    use_directory(path)
+    return path
+
+
+def use_directory(path: str | None) -> None:
+    """Point JAX's persistent compilation cache at ``path`` (None: off), keeping every program however small or
+    quick to compile, and let JAX look again: programs compiled before this call made it decide once whether a
+    cache is there (:func:`enable` uses this; so does the test suite's shared cache)."""
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    try:  # programs compiled before this call made JAX decide "no cache" once; let it look again
+    try:
         from jax._src import compilation_cache as _cc
 
-        if _cc._cache_checked and not _cc._cache_used:
-            _cc.reset_cache()
-    except (ImportError, AttributeError):  # another JAX version: the cache applies from its next check
+        _cc.reset_cache()
+    except (ImportError, AttributeError):  # another JAX version: the directory applies from its next check
         pass
-    return path

@@ -31,30 +31,24 @@ if (os.environ["JAX_PLATFORMS"] == "cpu" and os.environ["MINIMAX_JAX_COMPILATION
     if not os.environ.get("MINIMAX_JAX_SUITE_CACHE_DIR"):
         os.environ["MINIMAX_JAX_SUITE_CACHE_DIR"] = tempfile.mkdtemp(prefix="minimax-jax-suite-cache-")
         atexit.register(shutil.rmtree, os.environ["MINIMAX_JAX_SUITE_CACHE_DIR"], True)
-    jax.config.update("jax_compilation_cache_dir", os.environ["MINIMAX_JAX_SUITE_CACHE_DIR"])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    from spec_decode.compilation_cache import use_directory
+
+    use_directory(os.environ["MINIMAX_JAX_SUITE_CACHE_DIR"])
 
 import pallas_kernels.platform  # noqa: F401, E402  (installs the Triton deprecation filter)
 
 
 @contextlib.contextmanager
 def _persistent_cache(path):
-    """JAX's persistent compilation cache in ``path`` (None: off) inside the block, restored after it."""
-    from jax._src import compilation_cache
+    """JAX's persistent compilation cache in ``path`` (None: off) inside the block, the suite's after it."""
+    from spec_decode.compilation_cache import use_directory
 
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
-    before = {n: getattr(jax.config, n) for n in names}
-    for n, v in zip(names, (path, 0.0, 0)):
-        jax.config.update(n, v)
-    compilation_cache.reset_cache()
+    before = jax.config.jax_compilation_cache_dir
+    use_directory(path)
     try:
         yield path
     finally:
-        for n, v in before.items():
-            jax.config.update(n, v)
-        compilation_cache.reset_cache()
+        use_directory(before)
 
 
 @pytest.fixture
