@@ -53,8 +53,9 @@ def _persistent_cache(path):
 
 @pytest.fixture
 def no_persistent_cache():
-    """The suite's shared compilation cache off for one test (one that compares a program's compiled text: the
-    cache's key leaves locations out, so it may serve another lowering's executable)."""
+    """The suite's shared compilation cache off for one test: one that compares a program's compiled text (the
+    cache's key leaves locations out, so it may serve another lowering's executable), or that stores executables
+    itself (on a CPU one the cache served serialises without its code)."""
     with _persistent_cache(None):
         yield
 

@@ -35,9 +35,11 @@ def test_a_kept_cache_directory_must_start_empty(tmp_path, capsys):
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_load_store_loads_each_executable_alone(tmp_path, capsys):
+def test_load_store_loads_each_executable_alone(tmp_path, capsys, no_persistent_cache):
     """--load-store: one row per stored executable (its size, its compiled images: one ELF object on the CPU,
-    no PTX), slowest first, the slowest loaded twice; the loaded programs run."""
+    no PTX), slowest first, the slowest loaded twice; the loaded programs run. (Compiled with the suite's cache
+    off: on a CPU an executable that cache served serialises without its code; the engine never stores one,
+    ``executable_store.stores_cache_loads``.)"""
     from spec_decode.executable_store import ExecutableStore
 
     store = ExecutableStore(str(tmp_path / "executables"))
