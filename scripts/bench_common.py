@@ -39,14 +39,21 @@ def refuse_lengths_above_k(ap: argparse.ArgumentParser, lengths: tuple[int, ...]
 def mode_settings(mode: str, k: int) -> dict:
     """Engine keywords of a mode: ``verification``, ``num_speculative_tokens`` and the mode's extra keywords.
 
-    ``MODE+lbN`` is ``MODE`` with ``Engine(device_loop_token_buckets=N)``: N verify sizes per draft length in the
-    greedy device loop (e.g. ``adaptive+lb2`` beside ``adaptive`` and ``fixed3``, in one interleaved run)."""
+    Suffixes change one engine setting each, in any order: ``MODE+lbN`` is ``MODE`` with
+    ``Engine(device_loop_token_buckets=N)`` (N verify sizes per draft length in the greedy device loop) and
+    ``MODE+piN`` with ``Engine(device_loop_plan_interval=N)`` (a plan held for up to N device-loop iterations), e.g.
+    ``adaptive+lb2`` or ``adaptive+pi8`` beside ``adaptive`` and ``fixed3``, in one interleaved run."""
     if "+" in mode:
-        base, _, suffix = mode.partition("+")
-        if not (suffix.startswith("lb") and suffix[2:].isdigit() and int(suffix[2:]) >= 1):
-            raise ValueError(f"mode {mode!r}: the suffix is +lbN (N >= 1 loop buckets per draft length), "
-                             f"got +{suffix}")
-        return {**mode_settings(base, k), "device_loop_token_buckets": int(suffix[2:])}
+        base, _, suffix = mode.rpartition("+")
+        keys = {"lb": "device_loop_token_buckets", "pi": "device_loop_plan_interval"}
+        name, number = suffix[:2], suffix[2:]
+        if name not in keys or not number.isdigit() or int(number) < 1:
+            raise ValueError(f"mode {mode!r}: a suffix is +lbN (N >= 1 loop buckets per draft length) or +piN "
+                             f"(N >= 1 device-loop iterations per plan), got +{suffix}")
+        settings = mode_settings(base, k)
+        if keys[name] in settings:
+            raise ValueError(f"mode {mode!r}: +{name} given twice")
+        return {**settings, keys[name]: int(number)}
     if mode == "none":
         return {"verification": "none", "num_speculative_tokens": 0}
     if mode.startswith("fixed") and mode[5:].isdigit():
@@ -66,7 +73,7 @@ def mode_settings(mode: str, k: int) -> dict:
             raise ValueError(f"mode {mode!r}: adaptive@D1,D2,... takes draft lengths in [0, K={k}]")
         return {"verification": "adaptive", "num_speculative_tokens": k, "draft_lengths": lengths}
     raise ValueError(f"unknown mode {mode!r} (none, fixed1..fixed7, adaptive, adaptive-held, adaptive-calibrated, "
-                     f"adaptive@D1,D2,..., any of them +lbN)")
+                     f"adaptive@D1,D2,..., any of them +lbN and/or +piN)")
 
 
 def device_name() -> str:

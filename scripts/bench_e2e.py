@@ -97,7 +97,7 @@ NUM_BINS = 20
 
 # ----------------------------------------------------------------------------------------------- modes
 def adaptive_modes(rows: list[dict]) -> list[str]:
-    """The adaptive modes of ``rows``: the named ones first, then ``adaptive@...`` and ``...+lbN`` ones."""
+    """The adaptive modes of ``rows``: the named ones first, then ``adaptive@...`` and suffixed (``+lbN``, ``+piN``) ones."""
     present = {r["mode"] for r in rows}
     return [m for m in ADAPTIVE if m in present] + sorted(m for m in present if m.startswith("adaptive")
                                                           and m not in ADAPTIVE)
@@ -156,7 +156,8 @@ def this_row(args, n: int, mode: str, loop: str) -> dict:
             "tensor_parallel_size": args.tensor_parallel_size, "max_num_batched_tokens": args.max_num_batched_tokens,
             "synthetic_rates": list(args.synthetic_rates) if args.synthetic_rates else None,
             "temperature": args.temperature, "sampling_loop_buckets": args.sampling_loop_buckets,
-            "draft_length_buckets": args.draft_length_buckets, "plan_interval": args.plan_interval,
+            "draft_length_buckets": args.draft_length_buckets,
+            "plan_interval": mode_settings(mode, args.k).get("device_loop_plan_interval", args.plan_interval),
             # 2: the warm-up on training-split windows at the timed concurrency, the timed sets from held-out window
             # 0 (1: a warm-up of min(n, 64) held-out windows, the timed sets after them)
             "prompt_sets": 2}
@@ -251,7 +252,7 @@ def config_steps(args, target, drafter, tokenizer, n: int, mode: str, loops: lis
                  sampling=args.sampling or args.temperature > 0,
                  device_loop_sampling_token_buckets=args.sampling_loop_buckets,
                  draft_length_buckets=args.draft_length_buckets,
-                 device_loop_plan_interval=args.plan_interval, **extra)
+                 device_loop_plan_interval=extra.pop("device_loop_plan_interval", args.plan_interval), **extra)
     construct_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     report = eng.warmup()
@@ -284,9 +285,9 @@ def config_steps(args, target, drafter, tokenizer, n: int, mode: str, loops: lis
           "progress": False, **({"seed": 0} if args.temperature > 0 else {})}
     here = config_key(this_row(args, n, mode, ""))
 
-    def on_these_prompts():  # rows recorded so far on this n's timed prompts (any mode and loop; interleaved
-        # modes finish together, so it is read again when a row is made)
-        return [r for r in done_rows if config_key(r)[:1] + config_key(r)[3:] == here[:1] + here[3:]]
+    def on_these_prompts():  # rows recorded so far on this n's timed prompts (any mode, loop and plan interval,
+        # the key's last field; interleaved modes finish together, so it is read again when a row is made)
+        return [r for r in done_rows if config_key(r)[:1] + config_key(r)[3:-1] == here[:1] + here[3:-1]]
 
     by_loop = {r["loop"]: r for r in on_these_prompts() if r["mode"] == mode}
     for loop in loops:

@@ -8,6 +8,7 @@ import os
 import pytest
 
 from scripts import bench_e2e
+from spec_decode.engine import DEVICE_LOOP_PLAN_INTERVAL
 
 ROW_KEYS = {"n", "mode", "loop", "K", "draft_lengths", "output_tokens_per_s", "ms_per_output_token",
             "mean_acceptance_length", "mean_verified_drafts_per_step", "mean_drafted_tokens_per_step",
@@ -99,19 +100,23 @@ def test_interleaved_timed_sets(tmp_path, monkeypatch):
     first and the other's ``match_none`` reads it."""
     from spec_decode import Engine
 
-    calls, generate = [], Engine.generate
+    calls, generate, intervals = [], Engine.generate, {}
 
     def logged(self, prompts, **kw):
         calls.append((self.mode, tuple(prompts[0][:8])))
+        intervals[self.mode] = self.device_loop_plan_interval
         return generate(self, prompts, **kw)
 
     monkeypatch.setattr(Engine, "generate", logged)
     out = tmp_path / "il"
-    bench_e2e.main(["--out", str(out), "--dtype", "float32", "--requests", "2", "--modes", "fixed2", "none",
+    # fixed2 with its own plan interval (+pi2): the engine gets it, the row records it
+    bench_e2e.main(["--out", str(out), "--dtype", "float32", "--requests", "2", "--modes", "fixed2+pi2", "none",
                     "--loops", "device", "--prompt-len", "32", "--max-new-tokens", "6", "--min-token-bucket", "32",
                     "--max-num-batched-tokens", "32", "--timed-sets", "2", "--interleave"])
     rows = [json.loads(line) for line in (out / "bench_e2e.jsonl").read_text().splitlines()]
-    assert [r["mode"] for r in rows] == ["none", "fixed2"]
+    assert [r["mode"] for r in rows] == ["none", "fixed2+pi2"]
+    assert intervals == {"fixed": 2, "none": DEVICE_LOOP_PLAN_INTERVAL}
+    assert [r["plan_interval"] for r in rows] == [DEVICE_LOOP_PLAN_INTERVAL, 2]
     assert all(r["timed_compiles"] == 0 and len(r["per_set_wall_s"]) == 2 and r["interleaved"] for r in rows)
     assert rows[1]["match_none"] == 1.0  # f32: the same tokens
     # two warm-up calls, then the two settling calls (their prompts: training-split windows, the same as the
@@ -139,8 +144,14 @@ def test_modes_and_tables():
     assert bench_e2e.mode_settings("adaptive+lb2", 7) == {"verification": "adaptive", "num_speculative_tokens": 7,
                                                           "device_loop_token_buckets": 2}
     assert bench_e2e.mode_settings("fixed3+lb1", 7)["device_loop_token_buckets"] == 1
-    for bad in ("adaptive+lb0", "adaptive+lb", "adaptive+x2", "fixedK+lb2"):
-        with pytest.raises(ValueError, match="lbN|unknown mode"):
+    # ... or its own plan interval (Engine(device_loop_plan_interval=N)), the suffixes in any order
+    assert bench_e2e.mode_settings("fixed3+pi8", 7) == {"verification": "fixed", "num_speculative_tokens": 3,
+                                                        "device_loop_plan_interval": 8}
+    assert (bench_e2e.mode_settings("adaptive+pi2+lb3", 7) == bench_e2e.mode_settings("adaptive+lb3+pi2", 7)
+            == {"verification": "adaptive", "num_speculative_tokens": 7, "device_loop_token_buckets": 3,
+                "device_loop_plan_interval": 2})
+    for bad in ("adaptive+lb0", "adaptive+lb", "adaptive+x2", "fixedK+lb2", "adaptive+pi0", "adaptive+lb2+lb3"):
+        with pytest.raises(ValueError, match="lbN|unknown mode|twice"):
             bench_e2e.mode_settings(bad, 7)
     for bad in ("adaptive@", "adaptive@8", "adaptive@x", "adaptive@-1"):
         with pytest.raises(ValueError, match="draft lengths"):
