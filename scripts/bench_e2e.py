@@ -21,7 +21,9 @@ default draft lengths), ``adaptive-held`` (adaptive with the draft length held a
 ``adaptive@D1,D2,...`` is adaptive with those draft lengths (``adaptive@3``: a K = ``--k`` engine that always
 drafts 3 and plans its budget, beside ``fixed3``'s K = 3 engine, isolates what K itself costs). The last three need
 the Engine keywords ``draft_lengths`` / ``confidence``; on an Engine without them those modes are skipped with a
-message.
+message. Any mode may carry suffixes that change one engine setting each (``scripts/bench_common.mode_settings``):
+``+lbN`` the device loop's verify sizes per draft length, ``+piN`` its plan interval (``adaptive+pi8`` beside
+``adaptive`` times plans held for 8 iterations against the default's, interleaved in one process).
 
 **One configuration** (concurrency ``n``, mode): an engine with ``max_num_seqs = n`` and ``max_model_len`` =
 prompt + output + 64 rounded up to a page; ``warmup()`` compiles its closed program set and profiles the cost
