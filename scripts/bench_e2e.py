@@ -642,7 +642,13 @@ def ratio_rows(rows: list[dict], metric: str = "output_tokens_per_s") -> list[di
     ``{mode}/same_tokens``: the share of requests whose tokens equal the best baseline's (first timed set; None
     without digests). In bf16 a near-tie can flip a token between modes; a request's continuation then differs,
     and with it the number of iterations the closed batch needs, so below 1.0 the ratio also compares different
-    text (docs/BENCHMARKS.md, session 26)."""
+    text (docs/BENCHMARKS.md, session 26).
+
+    ``{mode}/best_median_set`` (decode-loop metric): the median over the timed sets of the best baseline's
+    milliseconds per loop iteration over the mode's, set by set, on the sets where both ran the same number of
+    iterations (:func:`median_set_ratio`). A set now and then runs 20-40% slow for one mode alone, which moves the
+    pooled ratio by several percent on a handful of sets (docs/BENCHMARKS.md, session 37); the median does not
+    follow it."""
     table = {key: r for key, r in _latest(rows).items() if r.get(metric)}
     out = []
     for loop in _loops(rows):
@@ -659,8 +665,22 @@ def ratio_rows(rows: list[dict], metric: str = "output_tokens_per_s") -> list[di
                     entry[f"{m}/fixed7"] = row[metric] / base["fixed7"] if "fixed7" in base else None
                     entry[f"{m}/same_tokens"] = matches(table[(loop, best, n)].get("token_digests"),
                                                         row.get("token_digests"))
+                    if metric == "decode_loop_tokens_per_s":
+                        entry[f"{m}/best_median_set"] = median_set_ratio(row, table[(loop, best, n)])
             out.append(entry)
     return out
+
+
+def median_set_ratio(row: dict, base: dict) -> float | None:
+    """The median over timed sets ``i`` of ``base``'s milliseconds per loop iteration in set ``i`` over ``row``'s
+    (above 1: ``row`` is faster), on the sets where both ran the same number of iterations (the same text decoded
+    to the same length; the interleaved modes time set ``i`` in the same round). None without such sets."""
+    ms, base_ms = row.get("per_set_ms_per_loop_iteration"), base.get("per_set_ms_per_loop_iteration")
+    steps, base_steps = row.get("per_set_verify_steps"), base.get("per_set_verify_steps")
+    if not (ms and base_ms and steps and base_steps):
+        return None
+    ratios = [b / a for a, b, i, j in zip(ms, base_ms, steps, base_steps) if i == j and a and b]
+    return float(np.median(ratios)) if ratios else None
 
 
 def markdown(rows: list[dict]) -> str:
@@ -684,12 +704,14 @@ def markdown(rows: list[dict]) -> str:
         present = [m for m in adaptive_modes(rows) if any(f"{m}/best" in e for e in ratios)]
         cols = [f"{m}/best" for m in present] + [f"{m}/fixed7" for m in present]
         same = [f"{m}/same_tokens" for m in present]
+        median = [f"{m}/best_median_set" for m in present if any(e.get(f"{m}/best_median_set") for e in ratios)]
         lines += [f"### adaptive / best of none, fixed1..7 (target >= 0.98) and / fixed7 (target >= 1.05), {title}",
                   "", "| loop | requests | best baseline | its tokens/s | " + " | ".join(cols) + " | "
-                  + " | ".join(f"{m}: tokens as best's" for m in present) + " |",
-                  "|---" * (len(cols) + len(same) + 4) + "|"]
+                  + " | ".join(f"{m}: tokens as best's" for m in present)
+                  + "".join(f" | {c.split('/')[0]}/best, median set" for c in median) + " |",
+                  "|---" * (len(cols) + len(same) + len(median) + 4) + "|"]
         for e in ratios:
-            cells = [f"{e[c]:.3f}" if e.get(c) is not None else "-" for c in cols + same]
+            cells = [f"{e[c]:.3f}" if e.get(c) is not None else "-" for c in cols + same + median]
             lines.append(f"| {e['loop']} | {e['n']} | {e['best_baseline']} | {e['best_tokens_per_s']:,.0f} | "
                          + " | ".join(cells) + " |")
         lines += ["", "(tokens as best's: the share of requests whose tokens equal the best baseline's; below 1.000, "

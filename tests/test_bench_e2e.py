@@ -5,6 +5,7 @@ The report helpers (mode parsing, ratio and markdown tables) on synthetic rows."
 import json
 import os
 
+import numpy as np
 import pytest
 
 from scripts import bench_e2e
@@ -186,6 +187,20 @@ def test_modes_and_tables():
     (e,) = bench_e2e.ratio_rows(tok_rows, "decode_loop_tokens_per_s")
     assert e["adaptive/same_tokens"] == pytest.approx(0.5)
     assert "| device | 8 | fixed3 | 800 | 1.025 | - | 0.500 |" in bench_e2e.markdown(tok_rows)
+    # the median set-by-set ratio, on the sets of equal iteration counts only: set 1 (10 against 11 iterations)
+    # and the zero-time set 3 are left out, and set 2's 40% outlier does not move it as it moves the pooled ratio
+    sets = {"fixed3": ([0.60, 0.61, 0.90, 0.0, 0.62], [68, 10, 65, 60, 70]),
+            "adaptive": ([0.62, 0.50, 0.63, 0.64, 0.64], [68, 11, 65, 60, 70])}
+    set_rows = [{**r, **({"per_set_ms_per_loop_iteration": sets[r["mode"]][0],
+                          "per_set_verify_steps": sets[r["mode"]][1]} if r["mode"] in sets else {})}
+                for r in loop_rows]
+    (e,) = bench_e2e.ratio_rows(set_rows, "decode_loop_tokens_per_s")
+    assert e["adaptive/best_median_set"] == pytest.approx(np.median([0.60 / 0.62, 0.90 / 0.63, 0.62 / 0.64]))
+    assert "adaptive/best_median_set" not in bench_e2e.ratio_rows(set_rows)[0]  # the whole call's table: none
+    md = bench_e2e.markdown(set_rows)
+    assert "adaptive/best, median set |" in md and f"| 1.025 | - | - | {e['adaptive/best_median_set']:.3f} |" in md
+    assert bench_e2e.median_set_ratio({"per_set_ms_per_loop_iteration": [0.6]}, {}) is None
+    assert "median set" not in bench_e2e.markdown(loop_rows)  # rows without sets: no column
 
     # the prefill chunk is part of a configuration: a resumed sweep at another chunk size runs again, and rows
     # from before rows recorded it were measured at 512
