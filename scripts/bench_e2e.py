@@ -135,12 +135,22 @@ def clean(v):
 
 
 def config_key(row: dict) -> tuple:
+    """A configuration's identity (a resumed sweep skips the keys it has); the plan interval stays the last field
+    (:func:`timed_prompts_key` drops it)."""
     rates = row.get("synthetic_rates")
     return (row["n"], row["mode"], row["loop"], row["prompt_len"], row["max_new_tokens"], row["dtype"],
             row.get("model", "default"), tuple(rates) if rates else None, row.get("shared_prefix", 0),
             row.get("tensor_parallel_size"), row.get("max_num_batched_tokens", 512), row.get("temperature", 0.0),
             row.get("sampling_loop_buckets", 1) if row.get("temperature") else None,
             row.get("draft_length_buckets", 2), row.get("prompt_sets", 1), row.get("plan_interval", 1))
+
+
+def timed_prompts_key(row: dict) -> tuple:
+    """What fixes a row's timed prompts and their reference tokens: its :func:`config_key` without the mode, the
+    loop and the plan interval (the key's last field), so rows that decoded the same prompts compare
+    (``match_none``, ``match_host``) whatever engine settings their modes carry."""
+    key = config_key(row)
+    return key[:1] + key[3:-1]
 
 
 def loop_and_steps(loop: str, args) -> tuple[str, int]:
@@ -285,11 +295,11 @@ def config_steps(args, target, drafter, tokenizer, n: int, mode: str, loops: lis
     # sampled rows (--temperature): one seed per request, so every mode and loop draws from the same streams
     kw = {"max_new_tokens": args.max_new_tokens, "ignore_eos": True, "temperature": args.temperature,
           "progress": False, **({"seed": 0} if args.temperature > 0 else {})}
-    here = config_key(this_row(args, n, mode, ""))
+    here = timed_prompts_key(this_row(args, n, mode, ""))
 
-    def on_these_prompts():  # rows recorded so far on this n's timed prompts (any mode, loop and plan interval,
-        # the key's last field; interleaved modes finish together, so it is read again when a row is made)
-        return [r for r in done_rows if config_key(r)[:1] + config_key(r)[3:-1] == here[:1] + here[3:-1]]
+    def on_these_prompts():  # rows recorded so far on this n's timed prompts (interleaved modes finish together,
+        # so it is read again when a row is made)
+        return [r for r in done_rows if timed_prompts_key(r) == here]
 
     by_loop = {r["loop"]: r for r in on_these_prompts() if r["mode"] == mode}
     for loop in loops:
