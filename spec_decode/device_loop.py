@@ -20,18 +20,20 @@ most ``max_num_seqs`` requests whose pages fit the pool:
    * the program: for the chosen draft length, the smallest of a few packed-token buckets of the closed set
      holding ``rows + budget``; every (draft length, bucket) is one branch of a ``lax.switch`` over the step
      compiled at that shape;
-   * how long the plan holds: up to ``LoopConfig.plan_interval`` iterations (an *epoch*). The branch runs them in
+   * how long the plan holds: up to ``LoopInputs.plan_interval`` iterations (an *epoch*), a value of the call, so
+     one compiled loop serves every interval (``LoopConfig.hold_plans`` compiles the epochs in). The branch runs them in
      a loop of its own, each step's budget re-clipped to what its live rows may still verify (rows only finish
      within an epoch, so the branch's tokens still hold every step). A call's first epoch is one step (its plan
      read the confidences the call started with), and an epoch ends once a smaller size of its draft length
      would hold the step, so a wave's tail moves down the sizes as promptly as planning every step. On a GPU
      every plan and every switch is a round trip to the host (XLA reads the branch index back before it launches
      the branch) plus the planner's kernels, which an iteration of a few hundred microseconds feels; an epoch pays
-     them once. The plan still reads confidences of an earlier step only, so it stays lossless. ``1``: plan every
-     step, the host loop's rule, step for step;
+     them once. The plan still reads confidences of an earlier step only, so it stays lossless. An interval of
+     ``1`` plans every step, the host loop's rule, step for step; a loop compiled without ``hold_plans`` always
+     does, with no epoch loop in its branches;
 
    the loop ends when every row has finished. One transfer in and one read-back per wave: the wave's
-   :class:`LoopInputs` (32 arrays with the cost table) travel packed in one ``int32`` vector, and so do its
+   :class:`LoopInputs` (33 arrays with the cost table) travel packed in one ``int32`` vector, and so do its
    :class:`LoopOutputs` (16-19 arrays) on the way back (:func:`packed_program`, :mod:`spec_decode.transfer`).
    Sent array by array, each was a transfer of its own with its host callbacks: the inputs alone took 3.5-4.6 ms
    of host threads' time a call on an H100 (``scripts/bench_loop_overhead.py --trace-calls``), and packing them
@@ -103,7 +105,9 @@ class LoopConfig:
     max_blocks: int
     min_predicted_gain: float = DEFAULT_MIN_PREDICTED_GAIN
     logprobs: int | None = None  # top alternatives carried per token (None: no log-probabilities; sampling only)
-    plan_interval: int = 1  # iterations each plan holds for (its draft length and bucket; the budget re-clipped)
+    # the branches hold their plan for up to LoopInputs.plan_interval iterations (an epoch loop in each branch);
+    # False: plan every iteration, with no epoch loop (the host loop's rule, step for step)
+    hold_plans: bool = False
 
     @property
     def branches(self) -> tuple[tuple[int, int], ...]:
@@ -139,6 +143,9 @@ class LoopInputs:
     # commits nothing, so each repeats the same step on the same state until ``max_steps``
     timing_branch: jax.Array
     timing_budget: jax.Array  # int32[]
+    # int32[]: iterations each plan holds for (>= 1; its draft length and bucket, the budget re-clipped each
+    # step), with LoopConfig.hold_plans (else every iteration plans); a call's value, not the program's
+    plan_interval: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -254,9 +261,6 @@ def make_loop_fn(target, drafter, config: LoopConfig):
     # reference kernels or runs on a mesh (every rank plans the same, replicated)
     plan_impl = "reference" if step_cfg.implementation == "reference" or step_cfg.mesh is not None else "auto"
     width = config.logprobs
-    interval = int(config.plan_interval)
-    if interval < 1:
-        raise ValueError(f"LoopConfig.plan_interval must be >= 1, got {config.plan_interval}")
     if width is not None and not (step_cfg.sampling and 0 <= width <= MAX_LOGPROBS):
         raise ValueError(f"LoopConfig.logprobs={width}: log-probabilities need the sampling programs "
                          f"(step.sampling=True) and a width in [0, {MAX_LOGPROBS}]")
@@ -378,10 +382,10 @@ def make_loop_fn(target, drafter, config: LoopConfig):
             def run(c: _Carry, planned):
                 # the first epoch of a call is one step: its plan read the confidences the call started with
                 # (those the slots got when their prefill finished, not yet their own drafts')
-                steps = jnp.where(c.step == 0, 1, interval)
                 c = iteration(c, fn, t, d, planned)  # the epoch's first step (cond held when it was planned)
-                if interval == 1:
+                if not config.hold_plans:
                     return c
+                steps = jnp.where(c.step == 1, 1, jnp.maximum(inputs.plan_interval, 1))
 
                 def going(ic):  # the epoch goes on while the loop does, and while no smaller size of the length
                     # would hold the step (as rows finish, a new plan can take it; a timing run keeps its branch)
@@ -422,9 +426,12 @@ def make_loop_fn(target, drafter, config: LoopConfig):
 
 
 def loop_inputs(requests, *, config: LoopConfig, block_tables: np.ndarray, cost_table: CostTableArrays,
-                max_steps: int, end_on_finish: bool = False) -> LoopInputs:
+                max_steps: int, end_on_finish: bool = False, plan_interval: int = 1) -> LoopInputs:
     """The wave's per-row settings (numpy): row ``s`` is the request in slot ``s``; other rows are -1. Not a
-    timing run (the engine's profile sets ``timing_branch`` itself)."""
+    timing run (the engine's profile sets ``timing_branch`` itself). ``plan_interval``: iterations each plan
+    holds for (a loop compiled with ``LoopConfig.hold_plans``; else every iteration plans)."""
+    if isinstance(plan_interval, bool) or int(plan_interval) != plan_interval or plan_interval < 1:
+        raise ValueError(f"plan_interval must be an integer >= 1, got {plan_interval!r}")
     r = config.rows
     rows = np.full(r, -1, np.int32)
     limit = np.zeros(r, np.int32)
@@ -451,7 +458,7 @@ def loop_inputs(requests, *, config: LoopConfig, block_tables: np.ndarray, cost_
                       cost_table=cost_table, min_tokens=min_tokens, min_p=min_p, repetition_penalty=repetition,
                       presence_penalty=presence, frequency_penalty=frequency,
                       end_on_finish=np.asarray(bool(end_on_finish)), timing_branch=np.asarray(-1, np.int32),
-                      timing_budget=np.asarray(0, np.int32))
+                      timing_budget=np.asarray(0, np.int32), plan_interval=np.asarray(plan_interval, np.int32))
 
 
 def fill_requests(requests, out: LoopOutputs, k: int) -> None:

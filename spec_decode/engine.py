@@ -196,7 +196,9 @@ class Engine:
         smaller bucket holds the step: docs/ENGINE.md, "The device loop"). On a GPU each plan costs the
         planner's kernels and a read-back of the branch index; holding it for 4 made the adaptive decode loop 4%
         faster at 64 requests on an H100 (docs/BENCHMARKS.md, session 27). ``1`` plans every step, as the host
-        loop does.
+        loop does, in a loop compiled without epochs. The interval is a value of each call, not of the compiled
+        loop: an engine built with ``N >= 2`` takes another ``N >= 1`` between calls
+        (``engine.device_loop_plan_interval = 8``) without compiling anything.
       precompile: compile the whole closed set now (else the first ``generate`` / ``stream`` does).
       device_loop: compile the device loop's programs at warm-up too (default); ``False`` leaves them out of the
         warm-up (fewer programs when only the host loop is used: the first ``loop="device"`` call compiles those
@@ -285,7 +287,10 @@ class Engine:
         self.interpret = interpret
         self.num_pages = self._pool_size(num_pages, memory_fraction)
         self.num_stop_ids = max_stop_token_ids
-        self.device_loop_plan_interval = device_loop_plan_interval
+        # a loop built with N >= 2 holds its plans in epochs whose length is each call's value, so one compiled
+        # loop serves every N >= 1; built with 1, its branches have no epoch loop (the property's setter says so)
+        self._hold_plans = device_loop_plan_interval > 1
+        self._plan_interval = device_loop_plan_interval
         self.async_scheduling = bool(async_scheduling)
         self.pool = PagePool(self.num_pages, self.page_size, self.max_blocks,
                              enable_prefix_caching=bool(enable_prefix_caching))
@@ -460,7 +465,25 @@ class Engine:
         return LoopConfig(step=self._step_config, rows=self.max_num_seqs, output_len=self.max_model_len,
                           draft_lengths=self.draft_lengths, token_buckets=tuple(per_length), logit_rows=tuple(rows),
                           max_total_logit_rows=self.max_total_logit_rows, num_stop_ids=self.num_stop_ids,
-                          max_blocks=self.max_blocks, plan_interval=self.device_loop_plan_interval)
+                          max_blocks=self.max_blocks, hold_plans=self._hold_plans)
+
+    @property
+    def device_loop_plan_interval(self) -> int:
+        """The device loop's iterations per plan (``Engine(device_loop_plan_interval=N)``). An engine built with
+        ``N >= 2`` takes any ``N >= 1`` between calls, on the same compiled programs: the interval is a value of
+        each call, not of the program. One built with ``1`` compiled its loop without epochs and keeps ``1``. The
+        cost table stays the one profiled at warm-up."""
+        return self._plan_interval
+
+    @device_loop_plan_interval.setter
+    def device_loop_plan_interval(self, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"device_loop_plan_interval must be an integer >= 1, got {value!r}")
+        if value > 1 and not self._hold_plans:
+            raise ValueError(f"device_loop_plan_interval={value}: this engine was built with 1, so its device loop "
+                             f"plans every iteration and has no epochs to hold a plan in; build it with an "
+                             f"interval >= 2 to choose one between calls")
+        self._plan_interval = value
 
     @property
     def acceptance(self) -> str:
@@ -674,16 +697,17 @@ class Engine:
 
     def _example_loop_inputs(self):
         return loop_inputs([], config=self.loop_config, block_tables=np.zeros((0, self.max_blocks), np.int32),
-                           cost_table=CostTableArrays.from_table(None), max_steps=0)
+                           cost_table=CostTableArrays.from_table(None), max_steps=0,
+                           plan_interval=self.device_loop_plan_interval)
 
     def _cost_table_key(self) -> str:
         """What the profiled timings depend on: device, model and drafter shapes, dtypes, the engine's programs
-        (the device loop's too: the profile times its branches, epochs included)."""
+        (the device loop's too: the profile times its branches, epochs of the plan interval included)."""
         dev = jax.devices()[0]
         parts = [COST_PROFILE_VERSION, dev.platform, getattr(dev, "device_kind", ""), jax.__version__, repr(self.target.cfg),
                  repr(self.drafter.cfg) if self.drafter is not None else "", str(self.target.dtype),
                  str(jnp.dtype(self.cache_dtype)), repr(self._step_config), repr(self.step_keys), self.max_model_len,
-                 self.num_pages, repr(self.loop_config)]
+                 self.num_pages, repr(self.loop_config), self.device_loop_plan_interval]
         return hashlib.sha256("\n".join(map(str, parts)).encode()).hexdigest()[:32]
 
     def _load_or_profile_costs(self, show: bool) -> None:
@@ -1117,7 +1141,8 @@ class Engine:
                 tables = self.pool.block_table([r.index for r in burst.requests])
                 return burst, loop_inputs(burst.requests, config=self.loop_config, block_tables=tables,
                                           cost_table=self._burst_costs[1], max_steps=burst.max_steps,
-                                          end_on_finish=burst.end_on_finish)
+                                          end_on_finish=burst.end_on_finish,
+                                          plan_interval=self.device_loop_plan_interval)
         step = sched.schedule()
         self._burst_run = 0
         return step, (None if step is None else pack_plan(step.plan))
@@ -1264,7 +1289,8 @@ class Engine:
                     tables = self.pool.block_table([r.index for r in live])
                     cost = self.planner.device_table()
                     inputs = loop_inputs(live, config=self.loop_config, block_tables=tables, cost_table=cost,
-                                         max_steps=self.loop_config.output_len)
+                                         max_steps=self.loop_config.output_len,
+                                         plan_interval=self.device_loop_plan_interval)
                     d0 = time.perf_counter()
                     key = self._loop_key(wave, width)
                     program, buckets = self._loop_programs[key], self._loop_config_of(key[0]).token_buckets

@@ -1,7 +1,7 @@
 """A tree of small arrays as one ``int32`` vector: one transfer between host and device instead of one per array.
 
 Every array that crosses between the host and the device is a transfer of its own: on a GPU a copy, an event and
-host callbacks, tens of microseconds of host time whatever its size. The device loop's inputs are 32 small
+host callbacks, tens of microseconds of host time whatever its size. The device loop's inputs are 33 small
 arrays and its outputs 16-19; a call paid for each (docs/ENGINE.md, "The device loop"). Packed, each side sends
 one vector:
 

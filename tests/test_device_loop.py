@@ -11,6 +11,7 @@ import pytest
 from spec_decode import Engine, SamplingParams, generate_offline
 from spec_decode.buckets import ZERO_LENGTH_BUCKETS
 from spec_decode.cost_table import CostTable
+from spec_decode.device_loop import loop_inputs
 from spec_decode.engine import _with_lengths
 from spec_decode.planner import DEVICE_LOOP_STEP_KEY
 from spec_decode.programs import compile_counter
@@ -223,7 +224,7 @@ def test_a_plan_held_for_several_iterations(target, drafter, prompts, references
                                                                               loop="device")
     # one size per length: epochs are steps [0], [1..7], [8] (15 new tokens at most: 9 steps here)
     eng = Engine(target, drafter, device_loop_plan_interval=7, **kw)
-    assert eng.loop_config.plan_interval == 7
+    assert eng.loop_config.hold_plans and eng.device_loop_plan_interval == 7
     held = eng.generate(prompts, sampling_params=params, loop="device")
     assert [r.token_ids for r in held] == [r.token_ids for r in every] == want
     lengths, budgets = held.stats["draft_length_per_step"], held.stats["budget_per_step"]
@@ -244,6 +245,43 @@ def test_a_plan_held_for_several_iterations(target, drafter, prompts, references
     assert np.asarray(eng._state.num_cached).tolist() == [20] * r and not np.asarray(eng._state.done).any()
     with pytest.raises(ValueError, match="device_loop_plan_interval"):
         Engine(target, drafter, device_loop_plan_interval=0, **kw)
+
+
+def test_the_plan_interval_is_a_value_of_each_call(target, drafter, prompts):
+    """An engine built with an interval >= 2 takes another between calls on the same compiled loop (the interval
+    travels with the call's inputs): at 1 its plans are those of an engine built with 1, step for step; at 7 those
+    of an engine built with 7; nothing compiles. An engine built with 1 has no epochs and refuses a longer
+    interval; a refused value leaves the engine's as it was."""
+    # STEEP trims, and a plan held over an epoch only re-clips its budget where a fresh one may grow it back
+    kw = dict(num_speculative_tokens=3, verification="adaptive", cost_table=STEEP, sampling=False, **COMMON)
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in MAX_NEW]
+    keys = ("draft_length_per_step", "budget_per_step", "verified_drafts_per_step", "verify_tokens_per_step")
+    one = Engine(target, drafter, device_loop_plan_interval=1, **kw)
+    assert not one.loop_config.hold_plans
+    every = one.generate(prompts, sampling_params=params, loop="device")
+    seven = Engine(target, drafter, device_loop_plan_interval=7, **kw).generate(prompts, sampling_params=params,
+                                                                                loop="device")
+    eng = Engine(target, drafter, device_loop_plan_interval=2, **kw)
+    eng.warmup()
+    for interval, want in ((1, every), (7, seven)):
+        eng.device_loop_plan_interval = interval
+        with compile_counter(cache_loads=True) as compiled:
+            got = eng.generate(prompts, sampling_params=params, loop="device")
+        assert compiled == [] and got.stats["compiles"] == 0, interval
+        assert [r.token_ids for r in got] == [r.token_ids for r in want], interval
+        for key in keys:
+            assert got.stats[key] == want.stats[key], (interval, key)
+    assert any(every.stats[key] != seven.stats[key] for key in keys)  # the interval changed the plans
+    for bad in (0, -1, True, 2.0, "4", None):
+        with pytest.raises(ValueError, match="device_loop_plan_interval must be an integer >= 1"):
+            eng.device_loop_plan_interval = bad
+        assert eng.device_loop_plan_interval == 7
+    with pytest.raises(ValueError, match="built with 1"):
+        one.device_loop_plan_interval = 4
+    assert one.device_loop_plan_interval == 1
+    with pytest.raises(ValueError, match="plan_interval must be an integer >= 1"):
+        loop_inputs([], config=eng.loop_config, block_tables=np.zeros((0, eng.max_blocks), np.int32),
+                    cost_table=eng.planner.device_table(), max_steps=4, plan_interval=0)
 
 
 def test_a_held_plan_moves_to_a_smaller_size_as_rows_finish(target, drafter, prompts, references):

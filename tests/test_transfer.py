@@ -40,7 +40,7 @@ def _random_loop_inputs(rng, rows: int, stop_ids: int, blocks: int) -> LoopInput
                           top_p=f, seed=i, stop_ids=np.zeros((rows, stop_ids), np.int32), max_steps=np.int32(0),
                           cost_table=CostTableArrays.from_table(STEEP), min_tokens=i, min_p=f,
                           repetition_penalty=f, presence_penalty=f, frequency_penalty=f, end_on_finish=np.bool_(0),
-                          timing_branch=np.int32(0), timing_budget=np.int32(0))
+                          timing_branch=np.int32(0), timing_budget=np.int32(0), plan_interval=np.int32(0))
     return jax.tree.map(_draw(rng), template)
 
 
