@@ -250,7 +250,7 @@ def test_a_plan_held_for_several_iterations(target, drafter, prompts, references
 def test_the_plan_interval_is_a_value_of_each_call(target, drafter, prompts):
     """An engine built with an interval >= 2 takes another between calls on the same compiled loop (the interval
     travels with the call's inputs): at 1 its plans are those of an engine built with 1, step for step; at 7 those
-    of an engine built with 7; nothing compiles. An engine built with 1 has no epochs and refuses a longer
+    of an engine built with 7; nothing compiles, and engines that differ only in the interval share executables. An engine built with 1 has no epochs and refuses a longer
     interval; a refused value leaves the engine's as it was."""
     # STEEP trims, and a plan held over an epoch only re-clips its budget where a fresh one may grow it back
     kw = dict(num_speculative_tokens=3, verification="adaptive", cost_table=STEEP, sampling=False, **COMMON)
@@ -259,10 +259,12 @@ def test_the_plan_interval_is_a_value_of_each_call(target, drafter, prompts):
     one = Engine(target, drafter, device_loop_plan_interval=1, **kw)
     assert not one.loop_config.hold_plans
     every = one.generate(prompts, sampling_params=params, loop="device")
-    seven = Engine(target, drafter, device_loop_plan_interval=7, **kw).generate(prompts, sampling_params=params,
-                                                                                loop="device")
+    seven_eng = Engine(target, drafter, device_loop_plan_interval=7, **kw)
+    seven = seven_eng.generate(prompts, sampling_params=params, loop="device")
+    # built with another interval of 2 or more: the same programs, taken from the live engine's executables
     eng = Engine(target, drafter, device_loop_plan_interval=2, **kw)
-    eng.warmup()
+    report = eng.warmup()
+    assert report.loaded == report.programs and report.compiled == 0, report
     for interval, want in ((1, every), (7, seven)):
         eng.device_loop_plan_interval = interval
         with compile_counter(cache_loads=True) as compiled:
