@@ -53,8 +53,10 @@ and verified drafts per step, where ``draft_length_per_step`` holds the first se
 ``match_host`` (device rows: fraction of
 requests whose tokens equal the host loop's) and ``match_none`` (fraction equal to mode ``none``'s at the same
 ``n`` and loop; greedy, so every mode should give 1.0 in f32; bf16 near-ties can flip); ``interleaved`` (timed
-with ``--interleave``: in rounds with the other modes, after a settling call). Rows carry a digest per request's
-tokens so the matches survive split runs.
+with ``--interleave``: in rounds with the other modes, after a settling call) and ``engine_built_by`` (the mode
+whose engine the row ran on: with ``--interleave``, modes that differ only in a plan interval of 2 or more share
+one engine, its programs and its cost table). Rows carry a digest per request's tokens so the matches survive
+split runs.
 
 **Outputs** in ``--out``: ``bench_e2e.jsonl`` (a row per (n, mode, loop), appended and flushed as each finishes;
 an existing file resumes: its configurations are skipped), ``bench_e2e.json`` (``meta`` + all rows),
@@ -228,13 +230,19 @@ def run_config(args, target, drafter, tokenizer, n: int, mode: str, loops: list[
 
 
 def config_steps(args, target, drafter, tokenizer, n: int, mode: str, loops: list[str], done_rows: list[dict],
-                 write_row, settle: bool = False):
+                 write_row, settle: bool = False, engines: dict | None = None):
     """:func:`run_config` as a generator: it yields once its engine is warm (the warm-up call run) and after each
     timed set, so that ``--interleave`` can run the modes' timed sets in turns; the row is written at the end.
 
     ``settle``: after that first yield, one more untimed call on the warm-up prompts (and a yield), which
     ``--interleave`` runs once every engine is built: an engine's first call after other engines were built and
-    warmed up ran 14-65 ms slower than its later ones (docs/BENCHMARKS.md, session 28)."""
+    warmed up ran 14-65 ms slower than its later ones (docs/BENCHMARKS.md, session 28).
+
+    ``engines`` (``--interleave``'s, one for its modes): modes whose settings differ only in a plan interval of 2
+    or more (``adaptive`` and ``adaptive+pi8``) run on one engine, the first one's, each setting its interval
+    before each of its calls (the interval is a value of each call: docs/ENGINE.md, "The device loop"). They
+    share its programs, state and cost table (profiled at the first mode's interval), so the interval is the one
+    thing that differs between their rows; a row names the mode that built its engine (``engine_built_by``)."""
     from minimax_jax.cache import page_size_for
     from scripts.workloads import heldout_windows, warmup_windows
     from spec_decode import Engine
@@ -251,24 +259,36 @@ def config_steps(args, target, drafter, tokenizer, n: int, mode: str, loops: lis
         extra.update(synthetic_acceptance_rates=tuple(args.synthetic_rates[:k_mode]),
                      synthetic_confidence_noise=args.synthetic_confidence_noise)
     max_model_len = round_up(args.prompt_len + args.max_new_tokens + 64, page_size_for(target.cfg))
-    t0 = time.perf_counter()
-    eng = Engine(target, drafter if settings["verification"] != "none" else None,
-                 num_speculative_tokens=settings["num_speculative_tokens"], verification=settings["verification"],
-                 max_num_seqs=n, max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                 min_token_bucket=args.min_token_bucket,
-                 tokenizer=tokenizer if args.model == "default" else None,  # the slice's vocabulary is M3's
-                 enable_prefix_caching=args.prefix_caching or args.shared_prefix > 0,
-                 implementation=args.implementation,
-                 device_loop=any(loop_and_steps(lp, args) != ("host", 1) for lp in loops),
-                 decode_steps_per_launch=args.decode_steps_per_launch, precompile=False,
-                 sampling=args.sampling or args.temperature > 0,
-                 device_loop_sampling_token_buckets=args.sampling_loop_buckets,
-                 draft_length_buckets=args.draft_length_buckets,
-                 device_loop_plan_interval=extra.pop("device_loop_plan_interval", args.plan_interval), **extra)
-    construct_s = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    report = eng.warmup()
-    startup_s = time.perf_counter() - t1
+    interval = extra.pop("device_loop_plan_interval", args.plan_interval)
+    # --interleave: modes that differ only in a plan interval of 2 or more run on one engine (see above)
+    share_key = (n, tuple(sorted((key, repr(v)) for key, v in settings.items() if key != "device_loop_plan_interval")),
+                 tuple(loops))
+    shared = engines.get(share_key) if engines is not None and interval > 1 else None
+    if shared is not None:
+        eng, built_by, report = shared
+        construct_s = startup_s = None  # the building mode's row has them
+    else:
+        built_by = mode
+        t0 = time.perf_counter()
+        eng = Engine(target, drafter if settings["verification"] != "none" else None,
+                     num_speculative_tokens=settings["num_speculative_tokens"],
+                     verification=settings["verification"], max_num_seqs=n, max_model_len=max_model_len,
+                     max_num_batched_tokens=args.max_num_batched_tokens, min_token_bucket=args.min_token_bucket,
+                     tokenizer=tokenizer if args.model == "default" else None,  # the slice's vocabulary is M3's
+                     enable_prefix_caching=args.prefix_caching or args.shared_prefix > 0,
+                     implementation=args.implementation,
+                     device_loop=any(loop_and_steps(lp, args) != ("host", 1) for lp in loops),
+                     decode_steps_per_launch=args.decode_steps_per_launch, precompile=False,
+                     sampling=args.sampling or args.temperature > 0,
+                     device_loop_sampling_token_buckets=args.sampling_loop_buckets,
+                     draft_length_buckets=args.draft_length_buckets, device_loop_plan_interval=interval, **extra)
+        construct_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        report = eng.warmup()
+        startup_s = time.perf_counter() - t1
+        if engines is not None and interval > 1:
+            engines[share_key] = (eng, mode, report)
+    eng.device_loop_plan_interval = interval  # this mode's (set again before each of its calls: see generate)
     loop_hlo = dump_loop_hlo(eng, args.out, n, mode) if args.dump_loop_hlo else None
     bos = tokenizer.bos_token_id
     # the warm-up call runs at the timed calls' concurrency (the first device-loop call at a new occupancy is slower
@@ -295,6 +315,11 @@ def config_steps(args, target, drafter, tokenizer, n: int, mode: str, loops: lis
     # sampled rows (--temperature): one seed per request, so every mode and loop draws from the same streams
     kw = {"max_new_tokens": args.max_new_tokens, "ignore_eos": True, "temperature": args.temperature,
           "progress": False, **({"seed": 0} if args.temperature > 0 else {})}
+
+    def generate(prompts, loop, eng=eng):
+        eng.device_loop_plan_interval = interval  # this mode's, on an engine another mode may share
+        return eng.generate(prompts, loop=loop, **kw)
+
     here = timed_prompts_key(this_row(args, n, mode, ""))
 
     def on_these_prompts():  # rows recorded so far on this n's timed prompts (interleaved modes finish together,
@@ -310,20 +335,21 @@ def config_steps(args, target, drafter, tokenizer, n: int, mode: str, loops: lis
         # pages cached, and a second loop reading them would skip their prefill (with a shared prefix, the
         # timed call still shares it between its own requests)
         eng.reset_prefix_cache()
-        eng.generate(warm_prompts, loop=base, **kw)
+        generate(warm_prompts, base)
         yield
         if settle:  # the warm-up call again: the timed sets see the prefix cache the warm-up call left either way
             eng.reset_prefix_cache()
-            eng.generate(warm_prompts, loop=base, **kw)
+            generate(warm_prompts, base)
             yield
         runs = []
         # interleaved, another mode's timed sets run between these; a compile there would count here too
         with compile_counter(cache_loads=True) as compiled:
             for prompts in timed_sets:
                 eng.record_launches = bool(args.launch_timeline)  # the timed calls' launch timeline (host loop)
-                runs.append(eng.generate(prompts, loop=base, **kw))
+                runs.append(generate(prompts, base))
                 eng.record_launches = False
                 yield
+        eng.device_loop_plan_interval = interval
         profile = loop_profile(eng, timed_sets[0], kw) if args.trace_loop and base == "device" else None
         res = runs[0]
         st = res.stats
@@ -367,6 +393,7 @@ def config_steps(args, target, drafter, tokenizer, n: int, mode: str, loops: lis
             "predicted_per_position_acceptance": st["predicted_per_position_acceptance"],
             "calibration_error": st["calibration_error"],
             "timed_compiles": len(compiled), "construct_s": construct_s, "startup_s": startup_s,
+            "engine_built_by": built_by,  # --interleave: the mode whose engine this one shares (itself if none)
             "interleaved": settle,  # --interleave: timed in rounds with the other modes, after a settling call
             "warmup_programs": report.programs, "warmup_compiled": report.compiled,
             "host_time_per_step_s": st["host_time_per_step_s"],
@@ -469,8 +496,9 @@ def run_interleaved(args, pair, n: int, group: list[tuple[str, list[str]]], rows
     so that a drift of the machine (clocks, another tenant) falls on every mode alike. The rows are written at the
     end, ``none`` first (the others' ``match_none`` reads it)."""
     target, drafter, tokenizer = pair
-    steps = [(mode, config_steps(args, target, drafter, tokenizer, n, mode, loops, rows, write_row, settle=True))
-             for mode, loops in group]
+    engines: dict = {}  # modes that differ only in a plan interval share one (config_steps)
+    steps = [(mode, config_steps(args, target, drafter, tokenizer, n, mode, loops, rows, write_row, settle=True,
+                                 engines=engines)) for mode, loops in group]
     for _, gen in steps:
         next(gen)  # build, warm up, the warm-up call
     for _, gen in steps:
@@ -482,6 +510,7 @@ def run_interleaved(args, pair, n: int, group: list[tuple[str, list[str]]], rows
     for _, gen in sorted(steps, key=lambda s: s[0] != "none"):
         for _ in gen:
             pass
+    engines.clear()
 
 
 # Named emulated-acceptance profiles: the unconditional rates P(the first k drafts are accepted), k = 1..7.
@@ -868,7 +897,8 @@ def parse_args(argv=None):
     ap.add_argument("--interleave", action="store_true",
                     help="build every mode's engine of a concurrency first (all alive at once), make one untimed "
                          "settling call on each, then run their timed sets in rounds, the modes' order rotated each "
-                         "round (one loop only)")
+                         "round (one loop only); modes that differ only in a plan interval >= 2 (+piN) share one "
+                         "engine, each calling it at its own interval")
     ap.add_argument("--plan-interval", type=int, default=None,
                     help="Engine(device_loop_plan_interval=...): device-loop iterations per plan, every mode (default: "
                          "the Engine's; rows before session 27 planned every iteration)")

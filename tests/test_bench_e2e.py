@@ -96,37 +96,43 @@ def test_sweep_and_calibration_on_cpu(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_interleaved_timed_sets(tmp_path, monkeypatch):
-    """``--interleave``: both engines warm up first, then each makes one settling call, then the timed sets run in
-    rounds with the modes' order rotated (fixed2 then none, then none then fixed2); ``none``'s row is written
-    first and the other's ``match_none`` reads it."""
+    """``--interleave``: the engines warm up first, then each mode makes one settling call, then the timed sets run
+    in rounds with the modes' order rotated (fixed2+pi2, fixed2+pi3, none; then fixed2+pi3, none, fixed2+pi2);
+    ``none``'s row is written first and the others' ``match_none`` reads it. The two fixed2 modes differ only in
+    their plan interval: they run on one engine (fixed2+pi2's), each call at its own interval."""
     from spec_decode import Engine
 
-    calls, generate, intervals = [], Engine.generate, {}
+    calls, generate, engines = [], Engine.generate, {}
 
     def logged(self, prompts, **kw):
-        calls.append((self.mode, tuple(prompts[0][:8])))
-        intervals[self.mode] = self.device_loop_plan_interval
+        engines.setdefault(id(self), len(engines))
+        calls.append((engines[id(self)], self.device_loop_plan_interval, tuple(prompts[0][:8])))
         return generate(self, prompts, **kw)
 
     monkeypatch.setattr(Engine, "generate", logged)
     out = tmp_path / "il"
-    # fixed2 with its own plan interval (+pi2): the engine gets it, the row records it
-    bench_e2e.main(["--out", str(out), "--dtype", "float32", "--requests", "2", "--modes", "fixed2+pi2", "none",
-                    "--loops", "device", "--prompt-len", "32", "--max-new-tokens", "6", "--min-token-bucket", "32",
-                    "--max-num-batched-tokens", "32", "--timed-sets", "2", "--interleave"])
+    # fixed2 at two plan intervals of its own (+piN): one engine, each call at its mode's, each row records it
+    bench_e2e.main(["--out", str(out), "--dtype", "float32", "--requests", "2", "--modes", "fixed2+pi2",
+                    "fixed2+pi3", "none", "--loops", "device", "--prompt-len", "32", "--max-new-tokens", "6",
+                    "--min-token-bucket", "32", "--max-num-batched-tokens", "32", "--timed-sets", "2",
+                    "--interleave"])
     rows = [json.loads(line) for line in (out / "bench_e2e.jsonl").read_text().splitlines()]
-    assert [r["mode"] for r in rows] == ["none", "fixed2+pi2"]
-    assert intervals == {"fixed": 2, "none": DEVICE_LOOP_PLAN_INTERVAL}
-    assert [r["plan_interval"] for r in rows] == [DEVICE_LOOP_PLAN_INTERVAL, 2]
+    assert [r["mode"] for r in rows] == ["none", "fixed2+pi2", "fixed2+pi3"]
+    assert [r["plan_interval"] for r in rows] == [DEVICE_LOOP_PLAN_INTERVAL, 2, 3]
+    assert [r["engine_built_by"] for r in rows] == ["none", "fixed2+pi2", "fixed2+pi2"]
+    assert rows[2]["startup_s"] is None and rows[1]["startup_s"] > 0
     assert all(r["timed_compiles"] == 0 and len(r["per_set_wall_s"]) == 2 and r["interleaved"] for r in rows)
-    assert rows[1]["match_none"] == 1.0  # f32: the same tokens
-    # two warm-up calls, then the two settling calls (their prompts: training-split windows, the same as the
-    # warm-up's), then the rounds on the held-out sets
-    modes = [m for m, _ in calls]
-    assert modes == ["fixed", "none", "fixed", "none", "fixed", "none", "none", "fixed"], modes
-    assert calls[2][1] == calls[0][1] and calls[3][1] == calls[1][1]
-    first, second = calls[4][1], calls[6][1]
-    assert calls[5][1] == first and calls[7][1] == second and first != second and calls[0][1] not in (first, second)
+    assert rows[1]["match_none"] == rows[2]["match_none"] == 1.0  # f32: the same tokens
+    # the warm-up calls, then the settling calls (their prompts: training-split windows, the same as the
+    # warm-up's), then the rounds on the held-out sets; engine 0 serves both fixed2 modes, at 2 and at 3
+    who = [(e, i) for e, i, _ in calls]
+    fixed2, fixed3, none = (0, 2), (0, 3), (1, DEVICE_LOOP_PLAN_INTERVAL)
+    assert who == [fixed2, fixed3, none] * 2 + [fixed2, fixed3, none, fixed3, none, fixed2], who
+    prompts = [p for _, _, p in calls]
+    assert prompts[3:6] == prompts[0:3]
+    first, second = prompts[6], prompts[9]
+    assert set(prompts[6:9]) == {first} and set(prompts[9:12]) == {second} and first != second
+    assert prompts[0] not in (first, second)
     with pytest.raises(SystemExit):
         bench_e2e.main(["--out", str(out), "--interleave", "--loops", "host", "device"])
 
