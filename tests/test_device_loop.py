@@ -250,8 +250,9 @@ def test_a_plan_held_for_several_iterations(target, drafter, prompts, references
 def test_the_plan_interval_is_a_value_of_each_call(target, drafter, prompts):
     """An engine built with an interval >= 2 takes another between calls on the same compiled loop (the interval
     travels with the call's inputs): at 1 its plans are those of an engine built with 1, step for step; at 7 those
-    of an engine built with 7; nothing compiles, and engines that differ only in the interval share executables. An engine built with 1 has no epochs and refuses a longer
-    interval; a refused value leaves the engine's as it was."""
+    of an engine built with 7; nothing compiles, and engines that differ only in the interval share executables.
+    An engine built with 1 has no epochs and refuses a longer interval; a refused value leaves the engine's as it
+    was."""
     # STEEP trims, and a plan held over an epoch only re-clips its budget where a fresh one may grow it back
     kw = dict(num_speculative_tokens=3, verification="adaptive", cost_table=STEEP, sampling=False, **COMMON)
     params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in MAX_NEW]
