@@ -42,9 +42,8 @@ def mode_settings(mode: str, k: int) -> dict:
     Suffixes change one engine setting each, in any order: ``MODE+lbN`` is ``MODE`` with
     ``Engine(device_loop_token_buckets=N)`` (N verify sizes per draft length in the greedy device loop) and
     ``MODE+piN`` with ``Engine(device_loop_plan_interval=N)`` (a plan held for up to N device-loop iterations), e.g.
-    ``adaptive+lb2`` or ``adaptive+pi8`` beside ``adaptive`` and ``fixed3``, in one interleaved run (engines that
-    differ only in a plan interval of 2 or more share their compiled programs: one build serves ``adaptive`` and
-    ``adaptive+pi8``; each still profiles its own cost table)."""
+    ``adaptive+lb2`` or ``adaptive+pi8`` beside ``adaptive`` and ``fixed3``, in one interleaved run (where modes that
+    differ only in a plan interval of 2 or more share one engine: ``scripts/bench_e2e.config_steps``)."""
     if "+" in mode:
         base, _, suffix = mode.rpartition("+")
         keys = {"lb": "device_loop_token_buckets", "pi": "device_loop_plan_interval"}

@@ -101,7 +101,8 @@ NUM_BINS = 20
 
 # ----------------------------------------------------------------------------------------------- modes
 def adaptive_modes(rows: list[dict]) -> list[str]:
-    """The adaptive modes of ``rows``: the named ones first, then ``adaptive@...`` and suffixed (``+lbN``, ``+piN``) ones."""
+    """The adaptive modes of ``rows``: the named ones first, then ``adaptive@...`` and suffixed (``+lbN``,
+    ``+piN``) ones."""
     present = {r["mode"] for r in rows}
     return [m for m in ADAPTIVE if m in present] + sorted(m for m in present if m.startswith("adaptive")
                                                           and m not in ADAPTIVE)
@@ -288,7 +289,6 @@ def config_steps(args, target, drafter, tokenizer, n: int, mode: str, loops: lis
         startup_s = time.perf_counter() - t1
         if engines is not None and interval > 1:
             engines[share_key] = (eng, mode, report)
-    eng.device_loop_plan_interval = interval  # this mode's (set again before each of its calls: see generate)
     loop_hlo = dump_loop_hlo(eng, args.out, n, mode) if args.dump_loop_hlo else None
     bos = tokenizer.bos_token_id
     # the warm-up call runs at the timed calls' concurrency (the first device-loop call at a new occupancy is slower
@@ -349,7 +349,7 @@ def config_steps(args, target, drafter, tokenizer, n: int, mode: str, loops: lis
                 runs.append(generate(prompts, base))
                 eng.record_launches = False
                 yield
-        eng.device_loop_plan_interval = interval
+        eng.device_loop_plan_interval = interval  # loop_profile calls the engine itself
         profile = loop_profile(eng, timed_sets[0], kw) if args.trace_loop and base == "device" else None
         res = runs[0]
         st = res.stats

@@ -287,10 +287,7 @@ class Engine:
         self.interpret = interpret
         self.num_pages = self._pool_size(num_pages, memory_fraction)
         self.num_stop_ids = max_stop_token_ids
-        # a loop built with N >= 2 holds its plans in epochs whose length is each call's value, so one compiled
-        # loop serves every N >= 1; built with 1, its branches have no epoch loop (the property's setter says so)
-        self._hold_plans = device_loop_plan_interval > 1
-        self._plan_interval = device_loop_plan_interval
+        self._plan_interval = device_loop_plan_interval  # each call's; the loops compile epochs if it is >= 2
         self.async_scheduling = bool(async_scheduling)
         self.pool = PagePool(self.num_pages, self.page_size, self.max_blocks,
                              enable_prefix_caching=bool(enable_prefix_caching))
@@ -465,7 +462,7 @@ class Engine:
         return LoopConfig(step=self._step_config, rows=self.max_num_seqs, output_len=self.max_model_len,
                           draft_lengths=self.draft_lengths, token_buckets=tuple(per_length), logit_rows=tuple(rows),
                           max_total_logit_rows=self.max_total_logit_rows, num_stop_ids=self.num_stop_ids,
-                          max_blocks=self.max_blocks, hold_plans=self._hold_plans)
+                          max_blocks=self.max_blocks, hold_plans=self._plan_interval > 1)
 
     @property
     def device_loop_plan_interval(self) -> int:
@@ -479,7 +476,7 @@ class Engine:
     def device_loop_plan_interval(self, value: int) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"device_loop_plan_interval must be an integer >= 1, got {value!r}")
-        if value > 1 and not self._hold_plans:
+        if value > 1 and not self.loop_config.hold_plans:
             raise ValueError(f"device_loop_plan_interval={value}: this engine was built with 1, so its device loop "
                              f"plans every iteration and has no epochs to hold a plan in; build it with an "
                              f"interval >= 2 to choose one between calls")
