@@ -31,6 +31,14 @@ value(d, b) = (num_sampling_rows + sum(scores_d[:b])) / (draft_cost[R] + step_co
 emitted tokens, a cost the verify side of the table carries). :func:`choose_plan` returns both;
 :func:`choose_budget` is the one-length rule.
 
+**Refreshing what a shorter length leaves stale.** A position the step does not draft keeps the confidence it
+had, so a plan that drafts less than ``K`` reads the same numbers on the next step, and would choose the same
+again for ever: ``K_d = 0`` is absorbing, even once the text has become easy. After
+:data:`FULL_DRAFT_INTERVAL` decode steps in a row that drafted fewer than ``K`` positions, the next plan takes
+the longest length (with that length's best budget; ``draft_full``), so every position's confidence is fresh
+again. The engines count those steps in their state (``DecodeState.undrafted_steps``); the rule reads only that
+count and the stale confidences, so it stays lossless.
+
 The last line is TensorRT-LLM's guard (``compute_verify_token_budget`` in
 ``tensorrt_llm/_torch/speculative/dspark_planner.py``, ``minimum_predicted_gain``, one percent for profiled
 tables): trimming must beat verifying everything by a margin, so that timing noise in the cost table and
@@ -55,11 +63,14 @@ from pallas_kernels.plan_ranking import ranked_plan_curves
 from spec_decode.allocator import survival
 from spec_decode.cost_table import CostTable, CostTableArrays, lookup_device, step_costs_device
 
-__all__ = ["DEFAULT_MIN_PREDICTED_GAIN", "TIE_RTOL", "budget_values", "choose_budget", "choose_budget_device",
+__all__ = ["DEFAULT_MIN_PREDICTED_GAIN", "FULL_DRAFT_INTERVAL", "TIE_RTOL", "budget_values", "choose_budget", "choose_budget_device",
            "choose_plan", "choose_plan_device", "prepare_plan_device", "select_plan"]
 
 TIE_RTOL = 1e-9  # values this close (relative) to the best count as ties
 DEFAULT_MIN_PREDICTED_GAIN = 0.01  # a trim must beat value(maxB) by 1%
+# decode steps in a row that may draft fewer than K positions before a plan drafts K again (module docstring):
+# at most one step in 33 pays the longest length's plan where a shorter one was best
+FULL_DRAFT_INTERVAL = 32
 
 
 def _validated(stale_confidences, scheduled_drafts) -> tuple[np.ndarray, np.ndarray]:
@@ -204,6 +215,7 @@ def choose_plan(
     draft_lengths: tuple[int, ...] | None = None,
     token_buckets=None,
     min_predicted_gain: float = DEFAULT_MIN_PREDICTED_GAIN,
+    draft_full: bool = False,
 ) -> tuple[int, int]:
     """``(B, K_d)``: the drafts the next step verifies in total, and the positions it drafts per row.
 
@@ -211,7 +223,8 @@ def choose_plan(
     table's :attr:`~CostTable.draft_lengths` by default), searched together with ``B`` (module docstring), and
     ``token_buckets``: ``{K_d: packed-token sizes compiled for it}`` (None: any size); a length whose sizes
     cannot hold the step is not a candidate. The full plan, ``K = max(draft_lengths)`` with ``maxB``, is kept
-    unless another beats it by ``min_predicted_gain``. Without draft lengths (or a flat table) this is
+    unless another beats it by ``min_predicted_gain``. ``draft_full``: the longest length only, with its best
+    budget (a refresh of the stale positions, module docstring). Without draft lengths (or a flat table) this is
     ``(choose_budget(...), K)``, ``K`` the confidences' width.
     """
     conf, sched = _validated(stale_confidences, scheduled_drafts)
@@ -230,13 +243,16 @@ def choose_plan(
     _check_scalars(num_sampling_rows, num_non_draft_tokens, max_total_logit_rows, min_predicted_gain)
     curves = [(d, budget_values(conf, sched, draft_len=d, token_buckets=(token_buckets or {}).get(d), **kw))
               for d in lengths]
-    return select_plan(curves, min_predicted_gain=min_predicted_gain)
+    return select_plan(curves, min_predicted_gain=min_predicted_gain, draft_full=draft_full)
 
 
-def select_plan(curves, *, min_predicted_gain: float) -> tuple[int, int]:
+def select_plan(curves, *, min_predicted_gain: float, draft_full: bool = False) -> tuple[int, int]:
     """``(B, K_d)`` from the value curves ``[(K_d, value(K_d, b) for b = 0..maxB)]`` of every candidate length,
     ascending, the last the full plan: the global best (the shorter length, then the smaller ``b``, on ties
-    within a relative ``1e-9``), unless it does not beat the full plan by ``min_predicted_gain``."""
+    within a relative ``1e-9``), unless it does not beat the full plan by ``min_predicted_gain``.
+    ``draft_full``: the last length's curve alone."""
+    if draft_full:
+        curves = curves[-1:]
     best = None  # (value, d, b)
     for d, values in curves:
         top = values.max()
@@ -452,6 +468,7 @@ def choose_plan_device(
     min_predicted_gain: float = DEFAULT_MIN_PREDICTED_GAIN,
     prepared=None,
     implementation: str = "auto",
+    draft_full: jax.Array | bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """:func:`choose_plan` in jnp: ``(B int32[], i int32[])`` with ``draft_lengths[i]`` the chosen ``K_d``.
 
@@ -496,6 +513,10 @@ def choose_plan_device(
         best_value = jnp.where(better, value[i], best_value)
         best_b = jnp.where(better, b[i], best_b)
         best_i = jnp.where(better, i, best_i)
+    full_only = jnp.asarray(draft_full, bool)  # the longest length's curve alone (select_plan)
+    best_value = jnp.where(full_only, value[last], best_value)
+    best_b = jnp.where(full_only, b[last], best_b)
+    best_i = jnp.where(full_only, last, best_i)
     full_value, full_b = value_full[last], max_b[last]
     if min_predicted_gain > 0:
         keep_full = ((best_i != last) | (best_b != full_b)) & (best_value < (1.0 + min_predicted_gain) * full_value)

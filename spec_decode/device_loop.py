@@ -61,7 +61,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_decode.budget import DEFAULT_MIN_PREDICTED_GAIN, choose_plan_device, prepare_plan_device
+from spec_decode.budget import (
+    DEFAULT_MIN_PREDICTED_GAIN,
+    FULL_DRAFT_INTERVAL,
+    choose_plan_device,
+    prepare_plan_device,
+)
 from spec_decode.cost_table import CostTableArrays
 from spec_decode.logprobs import MAX_LOGPROBS, token_logprobs
 from spec_decode.step import DecodeState, StepConfig, StepPlan, make_step_fn
@@ -169,6 +174,7 @@ class LoopOutputs:
     confidences: jax.Array  # f32[R, K]       the last step's confidences per row (the host loop plans from them)
     fresh_confidences: jax.Array  # f32[K]   the state's start for a slot whose prefill is done, and its weight
     fresh_weight: jax.Array  # f32[]           (spec_decode.step.DecodeState; the host's mirror of them)
+    undrafted_steps: jax.Array  # int32[]      (spec_decode.step.DecodeState)
     # LoopConfig.logprobs = L only (else None), by the column of ``tokens``
     token_logprobs: jax.Array | None = None  # f32[R, W]     log p(token) (spec_decode.logprobs)
     top_ids: jax.Array | None = None  # int32[R, W, L]  most likely tokens at its position, best first
@@ -193,7 +199,7 @@ def loop_outputs_layout(config: LoopConfig) -> PackedLayout:
         verified_per_position=a((r, k)), predicted_per_position=a((r, k), f32), verified_per_step=a((r, w)),
         budget_per_step=a((w,)), draft_len_per_step=a((w,)), live_per_step=a((w,)), tokens_per_step=a((w,)),
         finished=a((r,), np.bool_), steps=a(()), confidences=a((r, k), f32), fresh_confidences=a((max(k, 1),), f32),
-        fresh_weight=a((), f32), **logprobs))
+        fresh_weight=a((), f32), undrafted_steps=a(()), **logprobs))
 
 
 def packed_program(loop_fn, config: LoopConfig, inputs_layout: PackedLayout):
@@ -293,6 +299,10 @@ def make_loop_fn(target, drafter, config: LoopConfig):
             ended = inputs.end_on_finish & jnp.any(given & c.state.done[slot])
             return (c.step < max_steps) & jnp.any(live_rows(c.state)) & ~ended
 
+        def refreshes(c: _Carry):
+            """Whether this epoch's plan drafts every position again (spec_decode.budget.FULL_DRAFT_INTERVAL)."""
+            return c.state.undrafted_steps >= FULL_DRAFT_INTERVAL
+
         def choose(c: _Carry):
             """This epoch's plan: ``(budget, branch)`` from the carried (previous step's) confidences."""
             live = live_rows(c.state)
@@ -307,7 +317,8 @@ def make_loop_fn(target, drafter, config: LoopConfig):
                                                     cost_table=inputs.cost_table, max_total_logit_rows=cap,
                                                     draft_lengths=lengths, token_buckets=tuple(config.token_buckets),
                                                     min_predicted_gain=config.min_predicted_gain,
-                                                    prepared=prepared, implementation=plan_impl)
+                                                    prepared=prepared, implementation=plan_impl,
+                                                    draft_full=refreshes(c))
             elif mode == "fixed":
                 budget, li = jnp.maximum(0, jnp.minimum(jnp.sum(sched), cap - n_live)), last_length
             else:
@@ -381,11 +392,13 @@ def make_loop_fn(target, drafter, config: LoopConfig):
         def branch(fn, t: int, d: int, below: int):
             def run(c: _Carry, planned):
                 # the first epoch of a call is one step: its plan read the confidences the call started with
-                # (those the slots got when their prefill finished, not yet their own drafts')
+                # (those the slots got when their prefill finished, not yet their own drafts'); so is an epoch
+                # that drafts every position to refresh them: the next plan reads the fresh ones
+                one_step = refreshes(c) if mode == "adaptive" else False
                 c = iteration(c, fn, t, d, planned)  # the epoch's first step (cond held when it was planned)
                 if not config.hold_plans:
                     return c
-                steps = jnp.where(c.step == 1, 1, jnp.maximum(inputs.plan_interval, 1))
+                steps = jnp.where((c.step == 1) | one_step, 1, jnp.maximum(inputs.plan_interval, 1))
 
                 def going(ic):  # the epoch goes on while the loop does, and while no smaller size of the length
                     # would hold the step (as rows finish, a new plan can take it; a timing run keeps its branch)
@@ -419,6 +432,7 @@ def make_loop_fn(target, drafter, config: LoopConfig):
                                         confidences=carry.state.prev_confidences[slot, :k],
                                         fresh_confidences=carry.state.fresh_confidences,
                                         fresh_weight=carry.state.fresh_weight,
+                                        undrafted_steps=carry.state.undrafted_steps,
                                         **({} if width is None else dict(zip(("token_logprobs", "top_ids",
                                                                               "top_logprobs"), carry.logprobs))))
 

@@ -1073,7 +1073,8 @@ class Engine:
         if st is None or st.fresh_confidences.is_deleted():
             return {}
         return {"fresh_confidences": np.asarray(st.fresh_confidences.addressable_data(0)),
-                "fresh_weight": float(np.asarray(st.fresh_weight.addressable_data(0)))}
+                "fresh_weight": float(np.asarray(st.fresh_weight.addressable_data(0))),
+                "undrafted_steps": int(np.asarray(st.undrafted_steps.addressable_data(0)))}
 
     def _launch(self, step: ScheduledStep | ScheduledBurst, packed=None):
         """Dispatch one step (its plan in one transfer), or a multi-step launch (``packed``: its
@@ -1390,7 +1391,8 @@ def _with_lengths(state: DecodeState, lengths) -> DecodeState:
         dc = dataclasses.replace(dc, lengths=lengths)
     return dataclasses.replace(state, num_cached=lengths, draft_cache=dc, done=jnp.zeros_like(state.done),
                                num_emitted=jnp.zeros_like(state.num_emitted),
-                               prev_confidences=jnp.ones_like(state.prev_confidences))
+                               prev_confidences=jnp.ones_like(state.prev_confidences),
+                               undrafted_steps=jnp.zeros_like(state.undrafted_steps))
 
 
 def _check_drafter_fits(drafter, target) -> None:

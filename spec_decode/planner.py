@@ -73,12 +73,14 @@ class Planner:
 
     # ------------------------------------------------------------------ the rule
     def plan(self, stale_confidences, scheduled, *, num_sampling_rows: int,
-             num_non_draft_tokens: int) -> tuple[int, int]:
+             num_non_draft_tokens: int, draft_full: bool = False) -> tuple[int, int]:
         """``(budget, K_d)`` of the next step: drafts it verifies in total, positions each row drafts.
 
         ``stale_confidences f32[n, K]`` (an earlier step's, of the step's ``n`` decode rows), ``scheduled int[n]``
         (drafts each may verify), ``num_sampling_rows`` (rows that emit a token whatever the drafts),
-        ``num_non_draft_tokens`` (anchors and prefill tokens)."""
+        ``num_non_draft_tokens`` (anchors and prefill tokens); ``draft_full``: an adaptive plan drafts the longest
+        length (with its best budget), to refresh the confidences a shorter one left stale
+        (:data:`spec_decode.budget.FULL_DRAFT_INTERVAL`)."""
         n = len(scheduled)
         full = self.draft_lengths[-1]
         # rows that sample without drafting (a prefill's last chunk) take logit rows too
@@ -92,7 +94,7 @@ class Planner:
         if table is None or table.is_flat:
             return max(0, min(total, cap - n)), full
         return self._plan_fast(np.asarray(stale_confidences), np.asarray(scheduled), num_sampling_rows,
-                               num_non_draft_tokens, cap)
+                               num_non_draft_tokens, cap, draft_full)
 
     def _costs(self):
         """Per draft length: (length, the step cost paid at every packed-token count, feasible), from the table
@@ -115,7 +117,8 @@ class Planner:
         self._cost_cache = (table, out)
         return out
 
-    def _plan_fast(self, conf, sched, num_sampling_rows: int, num_non_draft_tokens: int, cap: int):
+    def _plan_fast(self, conf, sched, num_sampling_rows: int, num_non_draft_tokens: int, cap: int,
+                   draft_full: bool = False):
         """:func:`spec_decode.budget.choose_plan` over precomputed cost arrays (the same values, bit for bit, and
         the same plan; ``tests/test_budget.py`` checks it), with the host floor (:attr:`host_floor_s`).
 
@@ -139,7 +142,7 @@ class Planner:
             t = np.minimum(num_non_draft_tokens + np.arange(max_b + 1), len(step) - 1)
             cost = np.maximum(draft + step[t], self.host_floor_s)
             curves.append((d, np.where(ok[t], gain / np.maximum(cost, 1e-12), -np.inf)))
-        return select_plan(curves, min_predicted_gain=self.min_predicted_gain)
+        return select_plan(curves, min_predicted_gain=self.min_predicted_gain, draft_full=draft_full)
 
     def budget(self, stale_confidences, scheduled, *, num_sampling_rows: int, num_non_draft_tokens: int) -> int:
         """The budget of :meth:`plan` alone."""

@@ -55,6 +55,7 @@ import dataclasses
 import numpy as np
 
 from spec_decode.buckets import StepKey, logit_rows, token_bucket
+from spec_decode.budget import FULL_DRAFT_INTERVAL
 from spec_decode.device_loop import add_row_stats
 from spec_decode.logprobs import token_logprobs
 from spec_decode.page_pool import OutOfPagesError, PagePool
@@ -114,7 +115,8 @@ class Scheduler:
 
     def __init__(self, *, num_slots: int, pool: PagePool, planner, max_model_len: int, num_speculative_tokens: int,
                  max_num_batched_tokens: int, token_buckets: dict[int, tuple[int, ...]],
-                 max_total_logit_rows: int, num_stop_ids: int, fresh_confidences=None, fresh_weight: float = 0.0):
+                 max_total_logit_rows: int, num_stop_ids: int, fresh_confidences=None, fresh_weight: float = 0.0,
+                 undrafted_steps: int = 0):
         self.num_slots = num_slots
         self.pool = pool
         self.planner = planner
@@ -139,6 +141,9 @@ class Scheduler:
         if fresh_confidences is not None:
             self.fresh_conf[:] = np.asarray(fresh_confidences, np.float32)
         self.fresh_weight = np.float32(fresh_weight)
+        # steps with decode rows since one drafted all K positions: the host's mirror of the device's
+        # DecodeState.undrafted_steps, counted from the plans (spec_decode.budget.FULL_DRAFT_INTERVAL)
+        self.undrafted_steps = int(undrafted_steps)
         self._inflight: dict[int, collections.deque[_InFlight]] = {}  # request index -> its steps in flight
         self._bounds: dict[int, list[int]] = {}
 
@@ -343,12 +348,15 @@ class Scheduler:
         elif k and decode:
             stale = self.stale_conf[[r.slot for r, _ in decode]][:, :k]
             budget, draft_len = self.planner.plan(stale, scheduled, num_sampling_rows=len(decode) + prefill_rows,
-                                                  num_non_draft_tokens=n_pre + len(decode))
+                                                  num_non_draft_tokens=n_pre + len(decode),
+                                                  draft_full=self.undrafted_steps >= FULL_DRAFT_INTERVAL)
             decode = [(r, min(s, draft_len)) for r, s in decode]
             budget = max(0, min(int(budget), sum(s for _, s in decode)))
         if any(scores):  # the longest draft length's programs have the rows (logit_cap) and every token bucket
             draft_len = max(self.token_buckets)
             budget = max(0, min(budget, logit_cap - len(decode) - prefill_rows))
+        if k and decode:  # as the step counts it on the device
+            self.undrafted_steps = 0 if draft_len == k else self.undrafted_steps + 1
         num_tokens = n_pre + len(decode) + budget
         t = token_bucket(self.token_buckets[draft_len], num_tokens)
         # log-probabilities are computed by the sampling programs (they serve greedy rows too)
@@ -371,6 +379,9 @@ class Scheduler:
             self.pool.register(req.index, req.prefill_target, req.num_cached)
             if end:
                 req.status = RequestStatus.RUNNING
+                # the device starts the slot at fresh_confidences; a decode step planned before this one is read
+                # back plans from the host's latest mirror of them, not from the slot's previous request's
+                self.stale_conf[req.slot] = self.fresh_conf
             self._push(req, _InFlight(0, 1 if first else 0))
         for req, s in decode:
             self._push(req, _InFlight(1 + s, 1, decode_steps=1, emit_max=1 + s))
@@ -635,6 +646,7 @@ class Scheduler:
         if k:  # the launch folded each of its steps on the device: the mirror takes the result
             self.fresh_conf = np.asarray(out.fresh_confidences, np.float32)
             self.fresh_weight = np.float32(out.fresh_weight)
+            self.undrafted_steps = int(out.undrafted_steps)
         return events
 
     def _emit(self, req: Request, new: list[int], finished: bool, events: list) -> None:

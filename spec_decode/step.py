@@ -114,6 +114,10 @@ class DecodeState:
     step has decoded; ``fresh_weight`` is the decayed row count), so a new request competes for the budget at the
     rate the running requests survive instead of outranking them all (docs/ADAPTIVE_VERIFICATION.md, "The first
     plan of a request").
+    ``undrafted_steps`` counts the committed steps with decode rows since one last drafted all ``K`` positions:
+    the positions a shorter draft length skips keep their confidences, and once the count reaches
+    ``spec_decode.budget.FULL_DRAFT_INTERVAL`` the plans draft ``K`` again (a step with any decode row in its plan
+    counts, a finished slot's padding row included, so the host counts it from its plans alone).
     ``num_emitted[s]`` counts the tokens the slot's request has emitted (those before a preemption included) and
     ``done[s]`` says it has finished: the device holds the truth, so the host can plan a step before it has read
     the previous one back (async scheduling); a decode row whose slot is done is a padding row.
@@ -129,6 +133,7 @@ class DecodeState:
     prev_confidences: jax.Array  # f32[N, K]
     fresh_confidences: jax.Array  # f32[K]  what a slot starts at after its prefill (see above)
     fresh_weight: jax.Array  # f32[]      the decayed count of decode rows behind it
+    undrafted_steps: jax.Array  # int32[]  decode steps in a row that drafted fewer than K positions (see above)
     estimator: EstimatorState | None
     num_emitted: jax.Array  # int32[N]
     done: jax.Array  # bool[N]
@@ -223,6 +228,7 @@ def init_state(target, drafter, *, num_slots: int, num_pages: int, max_model_len
         prev_confidences=jnp.ones((num_slots, max(k, 1)), jnp.float32),
         fresh_confidences=jnp.ones((max(k, 1),), jnp.float32),
         fresh_weight=jnp.zeros((), jnp.float32),
+        undrafted_steps=jnp.zeros((), jnp.int32),
         # distinct buffers for every leaf: the state is donated, and one buffer may not be donated twice
         estimator=(jax.tree.map(jnp.copy, init_estimator(k, **_ESTIMATOR_INIT[confidence]))
                    if (use_estimator or confidence == "calibrated") and k > 0 else None),
@@ -508,6 +514,10 @@ def make_step_fn(target, drafter, config: StepConfig):
                                                        jnp.sum(jnp.where(decoded[:, None], conf, 0.0), axis=0),
                                                        jnp.sum(decoded).astype(jnp.float32))
                 new_state.update(fresh_confidences=fresh, fresh_weight=weight)
+                # a step that drafted every position refreshed them all; a shorter one left some stale
+                planned = plan.commit & jnp.any((plan.rows >= 0) & ~is_prefill)
+                new_state["undrafted_steps"] = (jnp.where(planned, 0, state.undrafted_steps) if kd == k else
+                                                state.undrafted_steps + planned.astype(jnp.int32))
                 prev_conf = jnp.where(is_decode[:, None], conf, fresh[None, :])
                 new_state["prev_confidences"] = _scatter(state.prev_confidences, slot, prev_conf,
                                                          commit & (is_decode | (is_prefill & plan.prefill_last)))
