@@ -15,14 +15,9 @@ def _execute(name: str, tmp_path):
     packages the interpreter has installed); returns the notebook and the text of its outputs."""
     nb = nbformat.read(os.path.join(ROOT, "examples", name), as_version=4)
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path}
-    if os.environ.get("MINIMAX_JAX_SUITE_CACHE_DIR"):
-        # the kernel compiles into the suite's shared cache (conftest.py) and loads what other tests compiled; the
-        # engine's own caches stay off (MINIMAX_JAX_COMPILATION_CACHE=0 is inherited)
-        env.update(JAX_COMPILATION_CACHE_DIR=os.environ["MINIMAX_JAX_SUITE_CACHE_DIR"],
-                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                            resources={"metadata": {"path": str(tmp_path)}}).execute(env=env)
+                            resources={"metadata": {"path": str(tmp_path)}}).execute(
+        env={**os.environ, "PYTHONPATH": path})
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     return nb, outputs
 
