@@ -95,7 +95,7 @@ __all__ = ["Engine", "GenerationResult", "GenerationResults", "generate_offline"
 # the cost table's profile: rounds over every program
 PROFILE_REPEATS = 5
 # the device loop's iterations per plan (Engine(device_loop_plan_interval=...); docs/ENGINE.md, "The device loop"):
-# 8 since session 39, at least as fast as 4 at 1, 8, 64, 256 and 512 requests on an H100 (docs/BENCHMARKS.md)
+# 8 since session 39: a shorter iteration than 4's at 1, 8, 64, 256 and 512 requests on an H100 (docs/BENCHMARKS.md)
 DEVICE_LOOP_PLAN_INTERVAL = 8
 # inside the device loop: a timed branch runs 1 and 1 + n iterations, n the smallest that fills this many
 # seconds (from a first estimate of the largest branch), within PROFILE_LOOP_STEPS
