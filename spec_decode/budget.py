@@ -63,8 +63,8 @@ from pallas_kernels.plan_ranking import ranked_plan_curves
 from spec_decode.allocator import survival
 from spec_decode.cost_table import CostTable, CostTableArrays, lookup_device, step_costs_device
 
-__all__ = ["DEFAULT_MIN_PREDICTED_GAIN", "FULL_DRAFT_INTERVAL", "TIE_RTOL", "budget_values", "choose_budget", "choose_budget_device",
-           "choose_plan", "choose_plan_device", "prepare_plan_device", "select_plan"]
+__all__ = ["DEFAULT_MIN_PREDICTED_GAIN", "FULL_DRAFT_INTERVAL", "TIE_RTOL", "budget_values", "choose_budget",
+           "choose_budget_device", "choose_plan", "choose_plan_device", "prepare_plan_device", "select_plan"]
 
 TIE_RTOL = 1e-9  # values this close (relative) to the best count as ties
 DEFAULT_MIN_PREDICTED_GAIN = 0.01  # a trim must beat value(maxB) by 1%

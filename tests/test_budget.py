@@ -232,8 +232,8 @@ def test_device_planner_gives_the_host_budgets():
 def test_planner_fast_path_is_choose_plan():
     """The engine's planner (precomputed cost arrays) gives choose_plan's plan on random confidences, schedules,
     tables with draft lengths (additive, or whole steps per length), per-length buckets and logit caps; and choose_plan_device agrees with the host up
-    to float32 near-ties. A host floor above every step cost leaves only the gain: the longest length, all
-    drafts."""
+    to float32 near-ties, with and without ``draft_full`` (the longest length at its best budget). A host floor
+    above every step cost leaves only the gain: the longest length, all drafts."""
     from spec_decode.budget import choose_plan, choose_plan_device
     from spec_decode.cost_table import CostTableArrays
     from spec_decode.planner import Planner
@@ -244,10 +244,10 @@ def test_planner_fast_path_is_choose_plan():
     rows = 24  # the device planner sees every slot, as in the device loop: rows past r schedule nothing
 
     @functools.partial(jax.jit, static_argnames=("token_buckets",))
-    def device_plan(conf, sched, r, n_samp, cap, table, *, token_buckets):
+    def device_plan(conf, sched, r, n_samp, cap, table, full, *, token_buckets):
         return choose_plan_device(conf, sched, num_rows=r, num_sampling_rows=n_samp, num_non_draft_tokens=r,
                                   cost_table=table, max_total_logit_rows=cap, draft_lengths=lengths,
-                                  token_buckets=token_buckets)
+                                  token_buckets=token_buckets, draft_full=full)
 
     mismatches = 0
     for trial in range(150):
@@ -267,16 +267,19 @@ def test_planner_fast_path_is_choose_plan():
         n_samp = r + int(rng.integers(0, 3))
         planner = Planner(mode="adaptive", max_total_logit_rows=cap + (n_samp - r), cost_table=table,
                           num_speculative_tokens=k, draft_lengths=lengths, token_buckets=buckets)
-        got = planner.plan(conf, sched, num_sampling_rows=n_samp, num_non_draft_tokens=r)
+        full = trial % 3 == 0  # a refresh: the longest length's curve alone
+        got = planner.plan(conf, sched, num_sampling_rows=n_samp, num_non_draft_tokens=r, draft_full=full)
         want = choose_plan(conf, sched, num_sampling_rows=n_samp, num_non_draft_tokens=r, cost_table=table,
-                           max_total_logit_rows=cap, draft_lengths=lengths, token_buckets=buckets)
+                           max_total_logit_rows=cap, draft_lengths=lengths, token_buckets=buckets, draft_full=full)
         assert got == want, (trial, got, want)
+        assert want[1] == 7 or not full, (trial, want)
         padded_conf = np.zeros((rows, k), np.float32)
         padded_conf[:r] = np.nan_to_num(conf, nan=0.0)
         padded_sched = np.zeros(rows, np.int32)
         padded_sched[:r] = sched
         b, i = device_plan(padded_conf, padded_sched, np.int32(r), np.int32(n_samp), np.int32(cap),
-                           CostTableArrays.from_table(table), token_buckets=tuple(buckets[d] for d in lengths))
+                           CostTableArrays.from_table(table), np.bool_(full),
+                           token_buckets=tuple(buckets[d] for d in lengths))
         mismatches += (int(b), lengths[int(i)]) != want
         planner.host_floor_s = 1e3
         assert planner.plan(conf, sched, num_sampling_rows=n_samp, num_non_draft_tokens=r) == (
