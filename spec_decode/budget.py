@@ -33,11 +33,14 @@ emitted tokens, a cost the verify side of the table carries). :func:`choose_plan
 
 **Refreshing what a shorter length leaves stale.** A position the step does not draft keeps the confidence it
 had, so a plan that drafts less than ``K`` reads the same numbers on the next step, and would choose the same
-again for ever: ``K_d = 0`` is absorbing, even once the text has become easy. After
-:data:`FULL_DRAFT_INTERVAL` decode steps in a row that drafted fewer than ``K`` positions, the next plan takes
-the longest length (with that length's best budget; ``draft_full``), so every position's confidence is fresh
-again. The engines count those steps in their state (``DecodeState.undrafted_steps``); the rule reads only that
-count and the stale confidences, so it stays lossless.
+again for ever: ``K_d = 0`` is absorbing, even once the text has become easy. Once ``full_draft_after`` decode
+steps in a row have drafted fewer than ``K`` positions, the next plan takes the longest length (with that
+length's best budget; ``draft_full``), so every position's confidence is fresh again. ``full_draft_after``
+starts at :data:`FULL_DRAFT_AFTER`, doubles after each forced refresh (up to :data:`FULL_DRAFT_AFTER_MAX`: where
+a shorter plan stays right, refreshing costs less and less) and returns to the start whenever a plan drafts ``K``
+by itself. The engines keep both counts in their state (``DecodeState.undrafted_steps`` and
+``full_draft_after``, :func:`count_full_drafts`); the rule reads only those counts and the stale confidences, so
+it stays lossless.
 
 The last line is TensorRT-LLM's guard (``compute_verify_token_budget`` in
 ``tensorrt_llm/_torch/speculative/dspark_planner.py``, ``minimum_predicted_gain``, one percent for profiled
@@ -63,14 +66,31 @@ from pallas_kernels.plan_ranking import ranked_plan_curves
 from spec_decode.allocator import survival
 from spec_decode.cost_table import CostTable, CostTableArrays, lookup_device, step_costs_device
 
-__all__ = ["DEFAULT_MIN_PREDICTED_GAIN", "FULL_DRAFT_INTERVAL", "TIE_RTOL", "budget_values", "choose_budget",
-           "choose_budget_device", "choose_plan", "choose_plan_device", "prepare_plan_device", "select_plan"]
+__all__ = ["DEFAULT_MIN_PREDICTED_GAIN", "FULL_DRAFT_AFTER", "FULL_DRAFT_AFTER_MAX", "TIE_RTOL", "budget_values",
+           "choose_budget", "choose_budget_device", "choose_plan", "choose_plan_device", "count_full_drafts",
+           "prepare_plan_device", "select_plan"]
 
 TIE_RTOL = 1e-9  # values this close (relative) to the best count as ties
 DEFAULT_MIN_PREDICTED_GAIN = 0.01  # a trim must beat value(maxB) by 1%
-# decode steps in a row that may draft fewer than K positions before a plan drafts K again (module docstring):
-# at most one step in 33 pays the longest length's plan where a shorter one was best
-FULL_DRAFT_INTERVAL = 32
+# decode steps in a row that may draft fewer than K positions before a plan drafts K again (module docstring),
+# doubled after each forced refresh up to the maximum: a stale plan ends within 8 steps, and where a shorter plan
+# stays right the refreshes cost 1 step in 9, 17, 33, ... and then in 257
+FULL_DRAFT_AFTER = 8
+FULL_DRAFT_AFTER_MAX = 256
+
+
+def count_full_drafts(undrafted_steps, full_draft_after, *, decoded, full: bool, xp=jnp):
+    """``(undrafted_steps, full_draft_after)`` after a step (module docstring): ``decoded``, whether its plan had
+    decode rows (a step without any changes nothing); ``full``, whether it drafted all ``K`` positions. A step
+    that drafted ``K`` while ``undrafted_steps >= full_draft_after`` was a forced refresh and doubles
+    ``full_draft_after``; one that drafted ``K`` otherwise returns it to :data:`FULL_DRAFT_AFTER`. ``xp``: ``jnp``
+    (the step program) or ``numpy`` (the host's mirror, :class:`spec_decode.scheduler.Scheduler`)."""
+    if not full:
+        return undrafted_steps + xp.where(decoded, 1, 0).astype(xp.int32), full_draft_after
+    forced = undrafted_steps >= full_draft_after
+    after = xp.where(forced, xp.minimum(2 * full_draft_after, FULL_DRAFT_AFTER_MAX), FULL_DRAFT_AFTER)
+    return (xp.where(decoded, 0, undrafted_steps).astype(xp.int32),
+            xp.where(decoded, after, full_draft_after).astype(xp.int32))
 
 
 def _validated(stale_confidences, scheduled_drafts) -> tuple[np.ndarray, np.ndarray]:

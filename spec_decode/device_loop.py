@@ -63,7 +63,6 @@ import numpy as np
 
 from spec_decode.budget import (
     DEFAULT_MIN_PREDICTED_GAIN,
-    FULL_DRAFT_INTERVAL,
     choose_plan_device,
     prepare_plan_device,
 )
@@ -174,7 +173,8 @@ class LoopOutputs:
     confidences: jax.Array  # f32[R, K]       the last step's confidences per row (the host loop plans from them)
     fresh_confidences: jax.Array  # f32[K]   the state's start for a slot whose prefill is done, and its weight
     fresh_weight: jax.Array  # f32[]           (spec_decode.step.DecodeState; the host's mirror of them)
-    undrafted_steps: jax.Array  # int32[]      (spec_decode.step.DecodeState)
+    undrafted_steps: jax.Array  # int32[]      (spec_decode.step.DecodeState; the host's mirror of them)
+    full_draft_after: jax.Array  # int32[]
     # LoopConfig.logprobs = L only (else None), by the column of ``tokens``
     token_logprobs: jax.Array | None = None  # f32[R, W]     log p(token) (spec_decode.logprobs)
     top_ids: jax.Array | None = None  # int32[R, W, L]  most likely tokens at its position, best first
@@ -199,7 +199,7 @@ def loop_outputs_layout(config: LoopConfig) -> PackedLayout:
         verified_per_position=a((r, k)), predicted_per_position=a((r, k), f32), verified_per_step=a((r, w)),
         budget_per_step=a((w,)), draft_len_per_step=a((w,)), live_per_step=a((w,)), tokens_per_step=a((w,)),
         finished=a((r,), np.bool_), steps=a(()), confidences=a((r, k), f32), fresh_confidences=a((max(k, 1),), f32),
-        fresh_weight=a((), f32), undrafted_steps=a(()), **logprobs))
+        fresh_weight=a((), f32), undrafted_steps=a(()), full_draft_after=a(()), **logprobs))
 
 
 def packed_program(loop_fn, config: LoopConfig, inputs_layout: PackedLayout):
@@ -300,8 +300,8 @@ def make_loop_fn(target, drafter, config: LoopConfig):
             return (c.step < max_steps) & jnp.any(live_rows(c.state)) & ~ended
 
         def refreshes(c: _Carry):
-            """Whether this epoch's plan drafts every position again (spec_decode.budget.FULL_DRAFT_INTERVAL)."""
-            return c.state.undrafted_steps >= FULL_DRAFT_INTERVAL
+            """Whether this epoch's plan drafts every position again (spec_decode.budget.count_full_drafts)."""
+            return c.state.undrafted_steps >= c.state.full_draft_after
 
         def choose(c: _Carry):
             """This epoch's plan: ``(budget, branch)`` from the carried (previous step's) confidences."""
@@ -433,6 +433,7 @@ def make_loop_fn(target, drafter, config: LoopConfig):
                                         fresh_confidences=carry.state.fresh_confidences,
                                         fresh_weight=carry.state.fresh_weight,
                                         undrafted_steps=carry.state.undrafted_steps,
+                                        full_draft_after=carry.state.full_draft_after,
                                         **({} if width is None else dict(zip(("token_logprobs", "top_ids",
                                                                               "top_logprobs"), carry.logprobs))))
 

@@ -51,6 +51,7 @@ from minimax_jax.decode import choose_implementation
 from minimax_jax.draft_cache import draft_cache_bytes_per_page
 from spec_decode import compilation_cache as persistent_cache
 from spec_decode.buckets import StepKey, default_draft_lengths, logit_rows, step_keys, token_bucket
+from spec_decode.budget import FULL_DRAFT_AFTER
 from spec_decode.cost_table import CostTable, CostTableArrays, load_cost_table, save_cost_table
 from spec_decode.device_loop import (
     LoopConfig,
@@ -1075,7 +1076,8 @@ class Engine:
             return {}
         return {"fresh_confidences": np.asarray(st.fresh_confidences.addressable_data(0)),
                 "fresh_weight": float(np.asarray(st.fresh_weight.addressable_data(0))),
-                "undrafted_steps": int(np.asarray(st.undrafted_steps.addressable_data(0)))}
+                "undrafted_steps": int(np.asarray(st.undrafted_steps.addressable_data(0))),
+                "full_draft_after": int(np.asarray(st.full_draft_after.addressable_data(0)))}
 
     def _launch(self, step: ScheduledStep | ScheduledBurst, packed=None):
         """Dispatch one step (its plan in one transfer), or a multi-step launch (``packed``: its
@@ -1393,7 +1395,8 @@ def _with_lengths(state: DecodeState, lengths) -> DecodeState:
     return dataclasses.replace(state, num_cached=lengths, draft_cache=dc, done=jnp.zeros_like(state.done),
                                num_emitted=jnp.zeros_like(state.num_emitted),
                                prev_confidences=jnp.ones_like(state.prev_confidences),
-                               undrafted_steps=jnp.zeros_like(state.undrafted_steps))
+                               undrafted_steps=jnp.zeros_like(state.undrafted_steps),
+                               full_draft_after=jnp.full_like(state.full_draft_after, FULL_DRAFT_AFTER))
 
 
 def _check_drafter_fits(drafter, target) -> None:

@@ -80,7 +80,7 @@ class Planner:
         (drafts each may verify), ``num_sampling_rows`` (rows that emit a token whatever the drafts),
         ``num_non_draft_tokens`` (anchors and prefill tokens); ``draft_full``: an adaptive plan drafts the longest
         length (with its best budget), to refresh the confidences a shorter one left stale
-        (:data:`spec_decode.budget.FULL_DRAFT_INTERVAL`)."""
+        (:func:`spec_decode.budget.count_full_drafts`)."""
         n = len(scheduled)
         full = self.draft_lengths[-1]
         # rows that sample without drafting (a prefill's last chunk) take logit rows too

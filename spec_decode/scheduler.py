@@ -55,7 +55,7 @@ import dataclasses
 import numpy as np
 
 from spec_decode.buckets import StepKey, logit_rows, token_bucket
-from spec_decode.budget import FULL_DRAFT_INTERVAL
+from spec_decode.budget import FULL_DRAFT_AFTER, count_full_drafts
 from spec_decode.device_loop import add_row_stats
 from spec_decode.logprobs import token_logprobs
 from spec_decode.page_pool import OutOfPagesError, PagePool
@@ -116,7 +116,7 @@ class Scheduler:
     def __init__(self, *, num_slots: int, pool: PagePool, planner, max_model_len: int, num_speculative_tokens: int,
                  max_num_batched_tokens: int, token_buckets: dict[int, tuple[int, ...]],
                  max_total_logit_rows: int, num_stop_ids: int, fresh_confidences=None, fresh_weight: float = 0.0,
-                 undrafted_steps: int = 0):
+                 undrafted_steps: int = 0, full_draft_after: int = FULL_DRAFT_AFTER):
         self.num_slots = num_slots
         self.pool = pool
         self.planner = planner
@@ -141,9 +141,10 @@ class Scheduler:
         if fresh_confidences is not None:
             self.fresh_conf[:] = np.asarray(fresh_confidences, np.float32)
         self.fresh_weight = np.float32(fresh_weight)
-        # steps with decode rows since one drafted all K positions: the host's mirror of the device's
-        # DecodeState.undrafted_steps, counted from the plans (spec_decode.budget.FULL_DRAFT_INTERVAL)
-        self.undrafted_steps = int(undrafted_steps)
+        # steps with decode rows since one drafted all K positions, and how many the plans allow: the host's
+        # mirror of the device's DecodeState.undrafted_steps / full_draft_after, counted from the plans
+        # (spec_decode.budget.count_full_drafts)
+        self.undrafted_steps, self.full_draft_after = int(undrafted_steps), int(full_draft_after)
         self._inflight: dict[int, collections.deque[_InFlight]] = {}  # request index -> its steps in flight
         self._bounds: dict[int, list[int]] = {}
 
@@ -349,14 +350,16 @@ class Scheduler:
             stale = self.stale_conf[[r.slot for r, _ in decode]][:, :k]
             budget, draft_len = self.planner.plan(stale, scheduled, num_sampling_rows=len(decode) + prefill_rows,
                                                   num_non_draft_tokens=n_pre + len(decode),
-                                                  draft_full=self.undrafted_steps >= FULL_DRAFT_INTERVAL)
+                                                  draft_full=self.undrafted_steps >= self.full_draft_after)
             decode = [(r, min(s, draft_len)) for r, s in decode]
             budget = max(0, min(int(budget), sum(s for _, s in decode)))
         if any(scores):  # the longest draft length's programs have the rows (logit_cap) and every token bucket
             draft_len = max(self.token_buckets)
             budget = max(0, min(budget, logit_cap - len(decode) - prefill_rows))
         if k and decode:  # as the step counts it on the device
-            self.undrafted_steps = 0 if draft_len == k else self.undrafted_steps + 1
+            counts = count_full_drafts(self.undrafted_steps, self.full_draft_after, decoded=True, full=draft_len == k,
+                                       xp=np)
+            self.undrafted_steps, self.full_draft_after = (int(c) for c in counts)
         num_tokens = n_pre + len(decode) + budget
         t = token_bucket(self.token_buckets[draft_len], num_tokens)
         # log-probabilities are computed by the sampling programs (they serve greedy rows too)
@@ -646,7 +649,7 @@ class Scheduler:
         if k:  # the launch folded each of its steps on the device: the mirror takes the result
             self.fresh_conf = np.asarray(out.fresh_confidences, np.float32)
             self.fresh_weight = np.float32(out.fresh_weight)
-            self.undrafted_steps = int(out.undrafted_steps)
+            self.undrafted_steps, self.full_draft_after = int(out.undrafted_steps), int(out.full_draft_after)
         return events
 
     def _emit(self, req: Request, new: list[int], finished: bool, events: list) -> None:

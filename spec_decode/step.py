@@ -48,6 +48,7 @@ from minimax_jax.cache import PagedCache, init_cache, page_size_for
 from minimax_jax.decode import RaggedBatch, forward_ragged
 from pallas_kernels.metadata import token_to_request
 from spec_decode.allocator import allocate_drafts
+from spec_decode.budget import FULL_DRAFT_AFTER, count_full_drafts
 from spec_decode.estimator import (
     EstimatorState,
     confidence_feature_from_logits,
@@ -116,8 +117,9 @@ class DecodeState:
     plan of a request").
     ``undrafted_steps`` counts the committed steps with decode rows since one last drafted all ``K`` positions:
     the positions a shorter draft length skips keep their confidences, and once the count reaches
-    ``spec_decode.budget.FULL_DRAFT_INTERVAL`` the plans draft ``K`` again (a step with any decode row in its plan
-    counts, a finished slot's padding row included, so the host counts it from its plans alone).
+    ``full_draft_after`` the plans draft ``K`` again (:func:`spec_decode.budget.count_full_drafts`; a step with any
+    decode row in its plan counts, a finished slot's padding row included, so the host counts it from its plans
+    alone).
     ``num_emitted[s]`` counts the tokens the slot's request has emitted (those before a preemption included) and
     ``done[s]`` says it has finished: the device holds the truth, so the host can plan a step before it has read
     the previous one back (async scheduling); a decode row whose slot is done is a padding row.
@@ -134,6 +136,7 @@ class DecodeState:
     fresh_confidences: jax.Array  # f32[K]  what a slot starts at after its prefill (see above)
     fresh_weight: jax.Array  # f32[]      the decayed count of decode rows behind it
     undrafted_steps: jax.Array  # int32[]  decode steps in a row that drafted fewer than K positions (see above)
+    full_draft_after: jax.Array  # int32[] how many of them the plans allow before drafting K again
     estimator: EstimatorState | None
     num_emitted: jax.Array  # int32[N]
     done: jax.Array  # bool[N]
@@ -229,6 +232,7 @@ def init_state(target, drafter, *, num_slots: int, num_pages: int, max_model_len
         fresh_confidences=jnp.ones((max(k, 1),), jnp.float32),
         fresh_weight=jnp.zeros((), jnp.float32),
         undrafted_steps=jnp.zeros((), jnp.int32),
+        full_draft_after=jnp.asarray(FULL_DRAFT_AFTER, jnp.int32),
         # distinct buffers for every leaf: the state is donated, and one buffer may not be donated twice
         estimator=(jax.tree.map(jnp.copy, init_estimator(k, **_ESTIMATOR_INIT[confidence]))
                    if (use_estimator or confidence == "calibrated") and k > 0 else None),
@@ -516,8 +520,8 @@ def make_step_fn(target, drafter, config: StepConfig):
                 new_state.update(fresh_confidences=fresh, fresh_weight=weight)
                 # a step that drafted every position refreshed them all; a shorter one left some stale
                 planned = plan.commit & jnp.any((plan.rows >= 0) & ~is_prefill)
-                new_state["undrafted_steps"] = (jnp.where(planned, 0, state.undrafted_steps) if kd == k else
-                                                state.undrafted_steps + planned.astype(jnp.int32))
+                new_state["undrafted_steps"], new_state["full_draft_after"] = count_full_drafts(
+                    state.undrafted_steps, state.full_draft_after, decoded=planned, full=kd == k)
                 prev_conf = jnp.where(is_decode[:, None], conf, fresh[None, :])
                 new_state["prev_confidences"] = _scatter(state.prev_confidences, slot, prev_conf,
                                                          commit & (is_decode | (is_prefill & plan.prefill_last)))

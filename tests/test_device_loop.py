@@ -261,18 +261,20 @@ def test_a_plan_that_drafts_less_is_refreshed(target, drafter, monkeypatch):
     """Positions a step does not draft keep their confidences, so a plan of K_d = 0 read the same numbers on every
     later step and drafted nothing for ever, for every later request too (a slot starts at the running rows'
     confidences): on an H100 an adaptive engine at 1 request stopped speculating after its first call. Every
-    path starts from confidences of 0.02 (as after a hard passage) under a table where drafting doubles a step,
-    so only drafts that survive pay for it: the host loop planning each step, its multi-step launches and the
-    device loop. After FULL_DRAFT_INTERVAL steps of K_d = 0 (the loops: at the next epoch's plan) a plan drafts K
-    again, and the drafter's real confidences decide from there. The tokens stay the target's greedy ones, and
-    the host's count of those steps is the device's. Without the refresh the host loop never drafts."""
+    path starts from confidences of 0.02 (as after a hard passage): the host loop planning each step, its
+    multi-step launches and the device loop. Under a table where drafting doubles a step (only drafts that
+    survive pay for it) a plan drafts K after FULL_DRAFT_AFTER steps of K_d = 0 (the loops: at the next epoch's
+    plan), and the drafter's real confidences decide from there. Under one where drafting never pays, the forced
+    refreshes come after 8, 16, 32, ... steps. The tokens stay the target's greedy ones, and the host's counts
+    are the device's. Without the refresh the host loop never drafts."""
     import spec_decode.scheduler as scheduler_module
-    from spec_decode.budget import FULL_DRAFT_INTERVAL
+    from spec_decode.budget import FULL_DRAFT_AFTER, FULL_DRAFT_AFTER_MAX
 
     k, new = 7, 70
     sizes = (8, 16, 32, 64, 128, 256)
-    table = CostTable.from_step_times({**{(0, t): 1.0 for t in sizes}, **{(k, t): 2.0 for t in sizes}})
-    eng = Engine(target, drafter, num_speculative_tokens=k, verification="adaptive", cost_table=table,
+    pays = CostTable.from_step_times({**{(0, t): 1.0 for t in sizes}, **{(k, t): 2.0 for t in sizes}})
+    never = CostTable.from_step_times({**{(0, t): 1.0 for t in sizes}, **{(k, t): 100.0 for t in sizes}})
+    eng = Engine(target, drafter, num_speculative_tokens=k, verification="adaptive", cost_table=pays,
                  draft_lengths=(0, k), sampling=False, max_num_seqs=2, max_model_len=96, max_num_batched_tokens=32,
                  implementation="reference", device_loop_token_buckets=1)
     eng.warmup()  # the state the calls below start from
@@ -283,33 +285,39 @@ def test_a_plan_that_drafts_less_is_refreshed(target, drafter, monkeypatch):
     make = eng._scheduler
     monkeypatch.setattr(eng, "_scheduler", lambda: schedulers.append(make()) or schedulers[-1])
 
-    def run(loop, steps_per_launch):
-        """A call from low confidences: its decode steps' draft lengths; the host's count is the device's."""
+    def run(loop, steps_per_launch, table=pays):
+        """A call from low confidences: its decode steps' draft lengths; the host's counts are the device's."""
         eng._state = eng._placed(dataclasses.replace(
             eng._state, fresh_confidences=jnp.full_like(eng._state.fresh_confidences, 0.02),
-            fresh_weight=jnp.asarray(1e3, jnp.float32), undrafted_steps=jnp.zeros((), jnp.int32)))
+            fresh_weight=jnp.asarray(1e3, jnp.float32), undrafted_steps=jnp.zeros((), jnp.int32),
+            full_draft_after=jnp.asarray(FULL_DRAFT_AFTER, jnp.int32)))
         eng.decode_steps_per_launch = steps_per_launch
+        eng.planner.table = table
         res = eng.generate(prompt, sampling_params=params, loop=loop)
         assert res[0].token_ids == want, (loop, steps_per_launch)
-        count = int(np.asarray(eng._state.undrafted_steps))
+        counts = (int(np.asarray(eng._state.undrafted_steps)), int(np.asarray(eng._state.full_draft_after)))
         if loop == "host":  # the mirror the host planned from, folded from its steps (and launches' read-backs)
-            assert schedulers[-1].undrafted_steps == count, (loop, steps_per_launch)
-        assert make().undrafted_steps == count  # where the next call's host plans start
+            assert (schedulers[-1].undrafted_steps, schedulers[-1].full_draft_after) == counts, loop
+        assert (make().undrafted_steps, make().full_draft_after) == counts  # where the next call's plans start
         lengths = res.stats["draft_length_per_step"]
         assert k in lengths, (loop, steps_per_launch, lengths)
         return lengths
 
     one_step = run("host", 1)  # the scheduler plans every step
-    assert one_step[:FULL_DRAFT_INTERVAL + 1] == [0] * FULL_DRAFT_INTERVAL + [k], one_step
-    assert _longest_short_run(one_step, k) <= FULL_DRAFT_INTERVAL, one_step
+    assert one_step[:FULL_DRAFT_AFTER + 1] == [0] * FULL_DRAFT_AFTER + [k], one_step
+    assert _longest_short_run(one_step, k) <= FULL_DRAFT_AFTER_MAX, one_step
     for lengths in (run("host", 16), run("device", 16)):  # the loop's plans, one per epoch
-        assert lengths[:FULL_DRAFT_INTERVAL] == [0] * FULL_DRAFT_INTERVAL, lengths
-        assert _longest_short_run(lengths, k) <= FULL_DRAFT_INTERVAL + eng.device_loop_plan_interval - 1, lengths
+        assert lengths[:FULL_DRAFT_AFTER] == [0] * FULL_DRAFT_AFTER, lengths
+        assert _longest_short_run(lengths, k) <= FULL_DRAFT_AFTER_MAX + eng.device_loop_plan_interval - 1, lengths
+    # drafting never pays: only the forced refreshes draft, each after twice as many steps as the one before
+    backoff = [0] * 8 + [k] + [0] * 16 + [k] + [0] * 32 + [k]
+    assert run("host", 1, never)[:len(backoff)] == backoff
     # the negative control: without the refresh the host loop drafts nothing at all
-    monkeypatch.setattr(scheduler_module, "FULL_DRAFT_INTERVAL", 10 ** 9)
+    monkeypatch.setattr(scheduler_module, "count_full_drafts", lambda u, a, **kw: (0, 10 ** 9))
     eng._state = eng._placed(dataclasses.replace(
-        eng._state, fresh_confidences=jnp.full_like(eng._state.fresh_confidences, 0.02)))
-    eng.decode_steps_per_launch = 1
+        eng._state, fresh_confidences=jnp.full_like(eng._state.fresh_confidences, 0.02),
+        full_draft_after=jnp.asarray(10 ** 9, jnp.int32)))
+    eng.decode_steps_per_launch, eng.planner.table = 1, pays
     stuck = eng.generate(prompt, sampling_params=params, loop="host")
     assert stuck[0].token_ids == want and set(stuck.stats["draft_length_per_step"]) == {0}
 
