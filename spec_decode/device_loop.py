@@ -34,7 +34,7 @@ most ``max_num_seqs`` requests whose pages fit the pool:
 
    the loop ends when every row has finished. One transfer in and one read-back per wave: the wave's
    :class:`LoopInputs` (33 arrays with the cost table) travel packed in one ``int32`` vector, and so do its
-   :class:`LoopOutputs` (16-19 arrays) on the way back (:func:`packed_program`, :mod:`spec_decode.transfer`).
+   :class:`LoopOutputs` (18-21 arrays) on the way back (:func:`packed_program`, :mod:`spec_decode.transfer`).
    Sent array by array, each was a transfer of its own with its host callbacks: the inputs alone took 3.5-4.6 ms
    of host threads' time a call on an H100 (``scripts/bench_loop_overhead.py --trace-calls``), and packing them
    made a 64-request wave's decode 1-1.5 ms shorter (docs/ENGINE.md, "The device loop").

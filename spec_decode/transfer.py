@@ -2,7 +2,7 @@
 
 Every array that crosses between the host and the device is a transfer of its own: on a GPU a copy, an event and
 host callbacks, tens of microseconds of host time whatever its size. The device loop's inputs are 33 small
-arrays and its outputs 16-19; a call paid for each (docs/ENGINE.md, "The device loop"). Packed, each side sends
+arrays and its outputs 18-21; a call paid for each (docs/ENGINE.md, "The device loop"). Packed, each side sends
 one vector:
 
 * :class:`PackedLayout`: where each array lies in the vector (the tree's structure, each leaf's shape and
