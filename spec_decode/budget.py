@@ -66,9 +66,9 @@ from pallas_kernels.plan_ranking import ranked_plan_curves
 from spec_decode.allocator import survival
 from spec_decode.cost_table import CostTable, CostTableArrays, lookup_device, step_costs_device
 
-__all__ = ["DEFAULT_MIN_PREDICTED_GAIN", "FULL_DRAFT_AFTER", "FULL_DRAFT_AFTER_MAX", "TIE_RTOL", "budget_values",
-           "choose_budget", "choose_budget_device", "choose_plan", "choose_plan_device", "count_full_drafts",
-           "prepare_plan_device", "select_plan"]
+__all__ = ["DEFAULT_MIN_PREDICTED_GAIN", "FULL_DRAFT_AFTER", "FULL_DRAFT_AFTER_MAX", "PYTHON_SCALARS", "TIE_RTOL",
+           "budget_values", "choose_budget", "choose_budget_device", "choose_plan", "choose_plan_device",
+           "count_full_drafts", "full_draft_due", "prepare_plan_device", "select_plan"]
 
 TIE_RTOL = 1e-9  # values this close (relative) to the best count as ties
 DEFAULT_MIN_PREDICTED_GAIN = 0.01  # a trim must beat value(maxB) by 1%
@@ -79,18 +79,30 @@ FULL_DRAFT_AFTER = 8
 FULL_DRAFT_AFTER_MAX = 256
 
 
+def full_draft_due(undrafted_steps, full_draft_after):
+    """Whether the next plan drafts every position (``draft_full``): enough steps in a row drafted fewer."""
+    return undrafted_steps >= full_draft_after
+
+
+class PYTHON_SCALARS:  # noqa: N801  (an ``xp`` namespace, like ``jnp``)
+    """``xp`` for :func:`count_full_drafts` on Python ints and bools: the host's mirror runs it on every step it
+    plans, where numpy's ``where`` on scalars would cost it microseconds."""
+
+    where = staticmethod(lambda cond, a, b: a if cond else b)
+    minimum = staticmethod(min)
+
+
 def count_full_drafts(undrafted_steps, full_draft_after, *, decoded, full: bool, xp=jnp):
     """``(undrafted_steps, full_draft_after)`` after a step (module docstring): ``decoded``, whether its plan had
     decode rows (a step without any changes nothing); ``full``, whether it drafted all ``K`` positions. A step
-    that drafted ``K`` while ``undrafted_steps >= full_draft_after`` was a forced refresh and doubles
-    ``full_draft_after``; one that drafted ``K`` otherwise returns it to :data:`FULL_DRAFT_AFTER`. ``xp``: ``jnp``
-    (the step program) or ``numpy`` (the host's mirror, :class:`spec_decode.scheduler.Scheduler`)."""
+    that drafted ``K`` while :func:`full_draft_due` was a forced refresh and doubles ``full_draft_after``; one that
+    drafted ``K`` otherwise returns it to :data:`FULL_DRAFT_AFTER`. ``xp``: ``jnp`` (the step program, int32
+    scalars) or :class:`PYTHON_SCALARS` (the host's mirror, :class:`spec_decode.scheduler.Scheduler`)."""
     if not full:
-        return undrafted_steps + xp.where(decoded, 1, 0).astype(xp.int32), full_draft_after
-    forced = undrafted_steps >= full_draft_after
-    after = xp.where(forced, xp.minimum(2 * full_draft_after, FULL_DRAFT_AFTER_MAX), FULL_DRAFT_AFTER)
-    return (xp.where(decoded, 0, undrafted_steps).astype(xp.int32),
-            xp.where(decoded, after, full_draft_after).astype(xp.int32))
+        return undrafted_steps + xp.where(decoded, 1, 0), full_draft_after
+    after = xp.where(full_draft_due(undrafted_steps, full_draft_after),
+                     xp.minimum(2 * full_draft_after, FULL_DRAFT_AFTER_MAX), FULL_DRAFT_AFTER)
+    return xp.where(decoded, 0, undrafted_steps), xp.where(decoded, after, full_draft_after)
 
 
 def _validated(stale_confidences, scheduled_drafts) -> tuple[np.ndarray, np.ndarray]:

@@ -64,6 +64,7 @@ import numpy as np
 from spec_decode.budget import (
     DEFAULT_MIN_PREDICTED_GAIN,
     choose_plan_device,
+    full_draft_due,
     prepare_plan_device,
 )
 from spec_decode.cost_table import CostTableArrays
@@ -301,7 +302,7 @@ def make_loop_fn(target, drafter, config: LoopConfig):
 
         def refreshes(c: _Carry):
             """Whether this epoch's plan drafts every position again (spec_decode.budget.count_full_drafts)."""
-            return c.state.undrafted_steps >= c.state.full_draft_after
+            return full_draft_due(c.state.undrafted_steps, c.state.full_draft_after)
 
         def choose(c: _Carry):
             """This epoch's plan: ``(budget, branch)`` from the carried (previous step's) confidences."""

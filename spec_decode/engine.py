@@ -1066,11 +1066,12 @@ class Engine:
                          max_model_len=self.max_model_len, num_speculative_tokens=self.k,
                          max_num_batched_tokens=self.max_num_batched_tokens, token_buckets=self.buckets_by_length,
                          max_total_logit_rows=self.max_total_logit_rows, num_stop_ids=self.num_stop_ids,
-                         **self._fresh_confidences())
+                         **self._planning_state())
 
-    def _fresh_confidences(self) -> dict:
-        """The device state's start for a slot whose prefill is done and its weight (replicated: any shard holds
-        them whole), for the host's plans; nothing without a live state."""
+    def _planning_state(self) -> dict:
+        """What the host's plans start a call from, read from the device state (replicated: any shard holds it
+        whole): a slot's start once prefilled and its weight, and the counts of the stale-confidence refresh;
+        nothing without a live state."""
         st = self._state
         if st is None or st.fresh_confidences.is_deleted():
             return {}

@@ -55,7 +55,7 @@ import dataclasses
 import numpy as np
 
 from spec_decode.buckets import StepKey, logit_rows, token_bucket
-from spec_decode.budget import FULL_DRAFT_AFTER, count_full_drafts
+from spec_decode.budget import FULL_DRAFT_AFTER, PYTHON_SCALARS, count_full_drafts, full_draft_due
 from spec_decode.device_loop import add_row_stats
 from spec_decode.logprobs import token_logprobs
 from spec_decode.page_pool import OutOfPagesError, PagePool
@@ -350,16 +350,16 @@ class Scheduler:
             stale = self.stale_conf[[r.slot for r, _ in decode]][:, :k]
             budget, draft_len = self.planner.plan(stale, scheduled, num_sampling_rows=len(decode) + prefill_rows,
                                                   num_non_draft_tokens=n_pre + len(decode),
-                                                  draft_full=self.undrafted_steps >= self.full_draft_after)
+                                                  draft_full=full_draft_due(self.undrafted_steps,
+                                                                            self.full_draft_after))
             decode = [(r, min(s, draft_len)) for r, s in decode]
             budget = max(0, min(int(budget), sum(s for _, s in decode)))
         if any(scores):  # the longest draft length's programs have the rows (logit_cap) and every token bucket
             draft_len = max(self.token_buckets)
             budget = max(0, min(budget, logit_cap - len(decode) - prefill_rows))
         if k and decode:  # as the step counts it on the device
-            counts = count_full_drafts(self.undrafted_steps, self.full_draft_after, decoded=True, full=draft_len == k,
-                                       xp=np)
-            self.undrafted_steps, self.full_draft_after = (int(c) for c in counts)
+            self.undrafted_steps, self.full_draft_after = count_full_drafts(
+                self.undrafted_steps, self.full_draft_after, decoded=True, full=draft_len == k, xp=PYTHON_SCALARS)
         num_tokens = n_pre + len(decode) + budget
         t = token_bucket(self.token_buckets[draft_len], num_tokens)
         # log-probabilities are computed by the sampling programs (they serve greedy rows too)
